@@ -1,0 +1,103 @@
+"""The shared shell of every linearized attention: the teacher's projections, padding, cache, stage 1.
+
+A subclass adds its small new modules and implements `attend(x, q, k, v, rope, valid, state, start)`
+on float32 [B, H, L, d] queries and [B, H_kv, L, d] keys/values, returning (y, new_state).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..cache import claim_cache_layer
+from ..ops.common import repeat_kv
+
+
+def token_validity(attention_mask, batch: int, length: int, device) -> torch.Tensor:
+    """[B, L] bool, False for padding, read off whatever mask HF built for this layer.
+
+    A 4D mask's last row belongs to the last query, which may attend to every non-padding key up to
+    itself, so its last L columns are the validity of the current tokens (left or right padding).
+    """
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -length:].to(device=device, dtype=torch.bool)
+    if attention_mask.dim() == 4:
+        last = attention_mask[:, 0, -1, -length:]
+        keep = last if last.dtype == torch.bool else last == 0
+        return keep.to(device).expand(batch, length)
+    raise TypeError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = position_embeddings
+    return apply_rotary_pos_emb(q, k, cos.to(q.dtype), sin.to(q.dtype))
+
+
+class LinearizedAttention(nn.Module):
+    """Drop-in replacement for a Llama/Mistral/Qwen2 attention module (same call signature)."""
+
+    def __init__(self, teacher: nn.Module, cfg, model_config):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = teacher.layer_idx
+        self.head_dim = teacher.head_dim
+        self.num_heads = model_config.num_attention_heads
+        self.num_kv_heads = model_config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
+        # Stage 1: return the teacher's softmax output (so the next layer sees teacher hidden states)
+        # and keep the MSE of our own output against it.
+        self.attention_transfer = False
+        self.transfer_loss: torch.Tensor | None = None
+
+    def new_parameters(self) -> list[nn.Parameter]:
+        """Parameters this method adds on top of the teacher's projections."""
+        inherited = {id(p) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj) for p in m.parameters()}
+        return [p for p in self.parameters() if id(p) not in inherited]
+
+    def _param_like(self, module: nn.Module) -> nn.Module:
+        weight = self.q_proj.weight
+        return module.to(device=weight.device, dtype=weight.dtype)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        B, L, _ = hidden_states.shape
+        shape = (B, L, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        valid = token_validity(attention_mask, B, L, hidden_states.device)
+
+        cache = claim_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
+        state = cache.state if cache is not None else None
+        start = cache.seen if cache is not None else 0
+        y, new_state = self.attend(hidden_states, q.float(), k.float(), v.float(), position_embeddings, valid, state,
+                                   start)
+        if cache is not None:
+            cache.store(new_state, L)
+        out = self.o_proj(y.transpose(1, 2).reshape(B, L, -1).to(hidden_states.dtype))
+
+        if self.attention_transfer:
+            with torch.no_grad():
+                target = self.softmax_attention(q, k, v, position_embeddings, attention_mask)
+            self.transfer_loss = nn.functional.mse_loss(out.float(), target.float())
+            return target, None
+        return out, None
+
+    def softmax_attention(self, q, k, v, position_embeddings, attention_mask) -> torch.Tensor:
+        """The teacher's own attention output, from the same projections."""
+        B, _, L, _ = q.shape
+        q, k = rotate(q, k, position_embeddings)
+        n_rep = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if attention_mask is None:
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        else:
+            mask = attention_mask[..., -L:]
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=self.scaling)
+        return self.o_proj(y.nan_to_num(0.0).transpose(1, 2).reshape(B, L, -1))
+
+    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+        raise NotImplementedError

@@ -1,0 +1,52 @@
+"""Lizard: gated linear attention (Hedgehog phi, data-dependent gate, no RoPE) + anchor window with sinks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import LizardConfig
+from ..feature_maps import HedgehogFeatureMap
+from ..ops import gla_window
+from ..ops.common import repeat_kv
+from .base import LinearizedAttention, rotate
+
+
+class LizardAttention(LinearizedAttention):
+    def __init__(self, teacher: nn.Module, cfg: LizardConfig, model_config):
+        super().__init__(teacher, cfg, model_config)
+        H, d = self.num_heads, self.head_dim
+        f = cfg.feature_dim or d // 2
+        self.feature_map_q = HedgehogFeatureMap(H, d, f)
+        self.feature_map_k = HedgehogFeatureMap(H, d, f)
+        self.features = 2 * f
+        if cfg.gate != "none":
+            self.gate = nn.Linear(model_config.hidden_size, H if cfg.gate == "scalar" else H * self.features)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.constant_(self.gate.bias, cfg.gate_bias_init)
+        self.sinks = nn.Parameter(torch.zeros(H, cfg.num_sinks))
+        self.alpha = nn.Parameter(torch.full((H,), cfg.alpha_init))
+        self._param_like(self)
+
+    def log_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """log gamma as [B, H, L, 1] (scalar gate) or [B, H, L, F] (vector gate)."""
+        B, L, _ = x.shape
+        if self.cfg.gate == "none":
+            return x.new_zeros(B, self.num_heads, L, 1, dtype=torch.float32)
+        logits = self.gate(x).float().view(B, L, self.num_heads, -1).transpose(1, 2)
+        return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
+
+    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+        cfg = self.cfg
+        n_rep = self.num_heads // self.num_kv_heads
+        fq = self.feature_map_q(q)
+        fk = self.feature_map_k(repeat_kv(k, n_rep))
+        qw, kw = rotate(q, k, position_embeddings) if cfg.rope_in_window else (q, k)
+        options = dict(window=cfg.window, scale=self.scaling, sinks=self.sinks.float() if cfg.num_sinks else None,
+                       alpha=self.alpha.float(), beta=1.0, normalize=True, shared=cfg.combine == "shared", eps=cfg.eps)
+        if state is None:
+            state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
+                                          cfg.window, device=q.device)
+        elif q.shape[2] == 1:
+            return gla_window.gla_window_step(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options)
+        return gla_window.gla_window_parallel(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options)

@@ -1,0 +1,35 @@
+"""LoLCATs: RoPE, Hedgehog phi, softmax on the last w tokens and linear attention before them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import LolcatsConfig
+from ..feature_maps import HedgehogFeatureMap
+from ..ops import lolcats
+from .base import LinearizedAttention, rotate
+
+
+class LolcatsAttention(LinearizedAttention):
+    def __init__(self, teacher: nn.Module, cfg: LolcatsConfig, model_config):
+        super().__init__(teacher, cfg, model_config)
+        H, d = self.num_heads, self.head_dim
+        f = cfg.feature_dim or d // 2
+        self.feature_map_q = HedgehogFeatureMap(H, d, f)
+        self.feature_map_k = HedgehogFeatureMap(H, d, f)
+        self.features = 2 * f
+        self.window_factors = nn.Parameter(torch.full((H,), cfg.window_factor_init))
+        self._param_like(self)
+
+    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+        cfg = self.cfg
+        q, k = rotate(q, k, position_embeddings)
+        options = dict(window=cfg.window, scale=self.scaling, factor=torch.sigmoid(self.window_factors.float()),
+                       eps=cfg.eps)
+        if state is None:
+            state = lolcats.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
+                                       cfg.window, device=q.device)
+        elif q.shape[2] == 1:
+            return lolcats.lolcats_step(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)
+        return lolcats.lolcats_parallel(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)

@@ -1,0 +1,40 @@
+"""STILL: Self-Saliency routed softmax budget + NP-Map gated linear state (see ops/still.py)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import StillConfig
+from ..feature_maps import HedgehogFeatureMap, NormPreservingFeatureMap
+from ..ops import still
+from .base import LinearizedAttention, rotate
+
+
+class StillAttention(LinearizedAttention):
+    def __init__(self, teacher: nn.Module, cfg: StillConfig, model_config):
+        super().__init__(teacher, cfg, model_config)
+        H, d = self.num_heads, self.head_dim
+        f = cfg.feature_dim or d // 2
+        feature_map = NormPreservingFeatureMap if cfg.feature_map == "npmap" else HedgehogFeatureMap
+        self.feature_map_q = feature_map(H, d, f)
+        self.feature_map_k = feature_map(H, d, f)
+        self.features = 2 * f
+        if cfg.gate:
+            self.gate = nn.Linear(model_config.hidden_size, H * d)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.zeros_(self.gate.bias)
+        self._param_like(self)
+
+    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+        cfg = self.cfg
+        B, H, L, d = q.shape
+        q, k = rotate(q, k, position_embeddings)
+        gate = self.gate(x).float().sigmoid().view(B, L, H, d).transpose(1, 2) if cfg.gate else None
+        options = dict(start=start, window=cfg.window, chunk=cfg.chunk_size, per_chunk=cfg.per_chunk,
+                       routing=cfg.routing, scale=self.scaling, eps=cfg.eps)
+        if state is None:
+            state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.budget - cfg.window,
+                                     device=q.device)
+        elif L == 1:
+            return still.still_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
+        return still.still_parallel(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)

@@ -1,0 +1,108 @@
+"""A cache layer holding a linearized attention's fixed-size state, inside any HF `Cache`.
+
+transformers 5.17 ships `LinearAttentionLayer` (recurrent states only) and
+`LinearAttentionAndSlidingWindowAttentionLayer` (states plus a sliding KV window). We don't use them
+because (1) a causal LM made only of `LinearAttentionLayer`s cannot build its attention mask
+(`Cache.get_mask_sizes` needs an attention layer), and (2) the sliding layer keeps keys and values
+only, while left padding needs per-slot validity and STILL needs per-slot scores, routing flags and
+salient slots. So each method keeps a dict of fixed-shape tensors here, and this layer answers the
+cache API (sequence length, mask sizes, beam reordering) for it.
+
+HF builds the cache (`DynamicCache(config=...)`) from the teacher's config before any layer runs;
+each linearized layer claims its own slot on first use (`claim_cache_layer`), while softmax layers of
+a hybrid keep HF's `DynamicLayer`. So `generate`, user-made `DynamicCache`s and beam search all work.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class LinearizeCacheLayer(CacheLayerMixin):
+    # Sized masks cover only the current tokens: the layer reads their validity off the mask's
+    # last row and keeps the validity of older tokens in its own state.
+    is_sliding = True
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: dict[str, torch.Tensor] | None = None
+        self.seen = 0
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        return None
+
+    def update(self, *args, **kwargs):
+        raise TypeError("a linearized attention layer stores its state with `store`, not key/value `update`")
+
+    def store(self, state: dict[str, torch.Tensor], new_tokens: int) -> None:
+        self.state = state
+        self.seen += new_tokens
+        self.is_initialized = True
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.state or {}).values())
+
+    def _map(self, fn) -> None:
+        if self.state is not None:
+            self.state = {name: fn(t) for name, t in self.state.items()}
+
+    def reset(self) -> None:
+        self.state = None
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def offload(self) -> None:
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a linear-attention state cannot be rolled back (no assisted/speculative decoding)")
+
+
+def claim_cache_layer(cache: Cache, layer_idx: int) -> LinearizeCacheLayer:
+    """This layer's `LinearizeCacheLayer` in `cache`, replacing the empty placeholder HF put there."""
+    layers = cache.layers
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], LinearizeCacheLayer):
+        return layers[layer_idx]
+    if layer_idx < len(layers):
+        if layers[layer_idx].get_seq_length() > 0:
+            raise ValueError(f"cache layer {layer_idx} already holds softmax keys/values; use a fresh cache")
+    else:
+        while len(layers) < layer_idx:
+            layers.append(cache.layer_class_to_replicate())
+        layers.append(None)
+    layers[layer_idx] = LinearizeCacheLayer()
+    return layers[layer_idx]
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by a cache: linearized states plus any softmax keys/values of hybrid layers."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, LinearizeCacheLayer):
+            total += layer.nbytes()
+        elif getattr(layer, "keys", None) is not None:
+            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    return total

@@ -1,0 +1,180 @@
+"""Typed hyper-parameters of each attention method, with the papers' defaults.
+
+One dataclass per method. `make_method_config(name, **options)` validates and is what the CLI's
+`--set key=value` and `convert(model, method, **options)` go through, so a bad value fails before
+any weight is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, get_args, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A bad method name or hyper-parameter value."""
+
+
+@dataclass
+class LizardConfig:
+    """Lizard (arXiv 2507.09025): gated linear attention over all tokens + anchor window with sinks.
+
+    The gate is gamma_i = sigmoid(w . x_i + b) ** (1 / gate_temperature). Its weight starts at zero
+    and its bias at `gate_bias_init` (6.0: gamma = 0.9975, a ~280-token half-life), so the state
+    starts close to plain linear attention and stage 1 learns how fast to forget.
+    """
+
+    window: int = 128
+    num_sinks: int = 4
+    feature_dim: int | None = None  # Hedgehog f; None = head_dim // 2, so phi has head_dim features
+    gate: Literal["scalar", "vector", "none"] = "scalar"
+    gate_bias_init: float = 6.0
+    gate_temperature: float = 1.0
+    rope_in_window: bool = False
+    combine: Literal["alpha", "shared"] = "alpha"  # y_gla + alpha * y_win, or one shared normalizer
+    alpha_init: float = 1.0
+    eps: float = 1e-6
+
+
+@dataclass
+class StillConfig:
+    """STILL (arXiv 2602.02180): fixed softmax budget filled by Self-Saliency, rest in a linear state.
+
+    Per head, `window` slots hold the most recent tokens and `budget - window` slots hold salient
+    far tokens. When chunk c (of `chunk_size` tokens) completes, its top-lambda tokens by score are
+    marked salient, lambda = (budget - window) // max_chunks. A token is routed when it leaves the
+    window: salient ones enter the salient slots; if that overflows, the salient token with the
+    lowest score (the oldest on ties) is folded into the linear state S, z instead. Unselected
+    tokens are folded as they leave the window. Prefill, training and decode share this rule.
+    """
+
+    window: int = 128
+    budget: int = 896
+    chunk_size: int = 64
+    max_chunks: int = 16  # T_max: training length 1024 / chunk 64
+    feature_dim: int | None = None
+    feature_map: Literal["npmap", "hedgehog"] = "npmap"
+    routing: Literal["saliency", "random", "recency"] = "saliency"
+    gate: bool = True
+    eps: float = 1e-6
+
+    @property
+    def per_chunk(self) -> int:
+        return (self.budget - self.window) // self.max_chunks
+
+
+@dataclass
+class LolcatsConfig:
+    """LoLCATs: Hedgehog linear attention on tokens before a softmax sliding window, shared normalizer.
+
+    The window factor is sigmoid(w_h) per head, w_h initialised to `window_factor_init`.
+    """
+
+    window: int = 64
+    feature_dim: int | None = None
+    window_factor_init: float = 0.1
+    eps: float = 1e-6
+
+
+@dataclass
+class LigerConfig:
+    """Liger-GLA: softmax feature map, pooled-key gate, unnormalised GLA mixed 50/50 with a SWA."""
+
+    window: int = 64
+    gate_normalizer: float = 16.0
+    mix: float = 0.5  # y = mix * y_swa + (1 - mix) * y_gla
+
+
+MethodConfig = LizardConfig | StillConfig | LolcatsConfig | LigerConfig
+
+METHOD_CONFIGS: dict[str, type] = {
+    "lizard": LizardConfig,
+    "still": StillConfig,
+    "lolcats": LolcatsConfig,
+    "liger": LigerConfig,
+}
+
+
+def _coerce(name: str, raw, hint):
+    """Turn a CLI string (or a JSON value) into the field's type, or raise ConfigError."""
+    if raw is None:
+        if type(None) in get_args(hint):
+            return None
+        raise ConfigError(f"{name} may not be None")
+    choices = get_args(hint)
+    if getattr(hint, "__origin__", None) is Literal:
+        if raw not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}, got {raw!r}")
+        return raw
+    types = [t for t in (choices or (hint,)) if t is not type(None)]
+    target = types[0]
+    if isinstance(raw, str) and raw.lower() in ("none", "null") and type(None) in choices:
+        return None
+    if target is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(raw).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false, got {raw!r}")
+    try:
+        value = target(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be {target.__name__}, got {raw!r}") from None
+    if target is int and isinstance(raw, float) and raw != value:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}")
+    return value
+
+
+def _validate(cfg: MethodConfig) -> None:
+    def positive(field):
+        value = getattr(cfg, field)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{field} must be > 0, got {value}")
+
+    for field in ("window", "feature_dim", "eps", "gate_temperature", "chunk_size", "budget", "max_chunks"):
+        if hasattr(cfg, field):
+            positive(field)
+    if isinstance(cfg, LizardConfig) and cfg.num_sinks < 0:
+        raise ConfigError(f"num_sinks must be >= 0, got {cfg.num_sinks}")
+    if isinstance(cfg, StillConfig):
+        if cfg.window < cfg.chunk_size:
+            raise ConfigError(f"window ({cfg.window}) must be >= chunk_size ({cfg.chunk_size})")
+        if cfg.budget < cfg.window:
+            raise ConfigError(f"budget ({cfg.budget}) must be >= window ({cfg.window})")
+    if isinstance(cfg, LigerConfig) and not 0.0 <= cfg.mix <= 1.0:
+        raise ConfigError(f"mix must be in [0, 1], got {cfg.mix}")
+
+
+def make_method_config(method: str, **options) -> MethodConfig:
+    """Build and validate a method's config from keyword overrides (strings allowed, as from the CLI)."""
+    if method not in METHOD_CONFIGS:
+        raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHOD_CONFIGS)}")
+    cls = METHOD_CONFIGS[method]
+    hints = get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, raw in options.items():
+        if key not in fields:
+            raise ConfigError(f"{method} has no option {key!r}; options: {', '.join(sorted(fields))}")
+        values[key] = _coerce(key, raw, hints[key])
+    cfg = cls(**values)
+    _validate(cfg)
+    return cfg
+
+
+def method_name(cfg: MethodConfig) -> str:
+    return next(name for name, cls in METHOD_CONFIGS.items() if isinstance(cfg, cls))
+
+
+def parse_set_options(pairs: list[str]) -> dict[str, str]:
+    """`["window=64", "gate=vector"]` -> {"window": "64", "gate": "vector"}."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        options[key.strip()] = value.strip()
+    return options

@@ -1,0 +1,46 @@
+"""`convert(model, method, **options)`: swap a teacher's attention in place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import PreTrainedModel
+
+from .config import make_method_config
+from .modeling import LINEARIZED_CLASSES, swap_attention
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture has no linearized counterpart."""
+
+
+def convert(model: PreTrainedModel, method: str, softmax_layers=None, **options) -> PreTrainedModel:
+    """Linearize `model` in place and return it.
+
+    Every decoder layer not listed in `softmax_layers` gets `method`'s attention, built around the
+    teacher's q/k/v/o projections; `options` override the method's defaults (see `linearize.config`).
+    The model becomes the matching `Linearized*ForCausalLM`, so it saves and loads as one.
+    """
+    model_type = model.config.model_type
+    if model_type not in LINEARIZED_CLASSES:
+        supported = ", ".join(sorted(LINEARIZED_CLASSES))
+        raise UnsupportedModelError(f"cannot linearize model type {model_type!r}; supported: {supported}")
+    cfg = make_method_config(method, **options)
+    num_layers = model.config.num_hidden_layers
+    softmax_layers = sorted({int(i) for i in (softmax_layers or [])})
+    bad = [i for i in softmax_layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"softmax layer indices {bad} out of range: the model has {num_layers} layers")
+
+    spec = {"method": method, "options": dataclasses.asdict(cfg), "softmax_layers": softmax_layers}
+    config_class, model_class = LINEARIZED_CLASSES[model_type]
+    teacher_config = model.config
+    fields = {k: v for k, v in teacher_config.to_dict().items() if k != "model_type"}
+    config = config_class(**fields, linearize=spec)
+    config._attn_implementation = teacher_config._attn_implementation
+    for module in model.modules():
+        if getattr(module, "config", None) is teacher_config:
+            module.config = config
+    model.__class__ = model_class
+    swap_attention(model, spec)
+    return model

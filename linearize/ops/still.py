@@ -1,0 +1,267 @@
+"""STILL: a fixed softmax budget filled by Self-Saliency routing, the rest in a gated linear state.
+
+Per KV head, a token t lives in three places over time:
+  * the window: the last W tokens (t' - W < t <= t'), always attended with softmax;
+  * when it leaves the window (at time t + W) it is routed: if its chunk chose it (top-lambda by
+    score when the chunk of C tokens completed), it enters the salient slots (budget - W of them);
+    if the slots overflow, the salient token with the lowest score (oldest on ties; the newcomer
+    included) is folded into the linear state instead;
+  * folded tokens feed S += phi_k(k) v^T, z += phi_k(k) and are never attended with softmax again.
+So each token is softmax-visible from its arrival until its fold time E, and linear after it. The
+naive parallel form computes every fold time by replaying the routing, then builds that mask; the
+step form applies the same `route_departure` once per token. Output, with a shared normaliser:
+
+  y_i = (sum_{softmax set} e^{s_ij - m_i} v_j + g_i * (phi_q(q_i)^T S_i)) / (sum e^{s_ij - m_i} + phi_q(q_i)^T z_i + eps)
+
+Scores are computed per query head and averaged over each KV group, so GQA heads share one set.
+Positions are absolute (`start` = tokens already in the state), chunk c = positions [cC, cC + C).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import exp_weights, keep_last, repeat_kv
+
+NEVER = torch.iinfo(torch.long).max
+
+
+def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, slots, *, device, dtype=torch.float32):
+    def zeros(*shape, kind=dtype):
+        return torch.zeros(*shape, device=device, dtype=kind)
+
+    return {
+        "S": zeros(batch, num_heads, feature_dim, head_dim),
+        "z": zeros(batch, num_heads, feature_dim),
+        "win_k": zeros(batch, num_kv_heads, window - 1, head_dim),
+        "win_v": zeros(batch, num_kv_heads, window - 1, head_dim),
+        "win_valid": zeros(batch, window - 1, kind=torch.bool),
+        "win_score": zeros(batch, num_kv_heads, window - 1),
+        "win_sel": zeros(batch, num_kv_heads, window - 1, kind=torch.bool),
+        "sal_k": zeros(batch, num_kv_heads, slots, head_dim),
+        "sal_v": zeros(batch, num_kv_heads, slots, head_dim),
+        "sal_score": zeros(batch, num_kv_heads, slots),
+        "sal_pos": zeros(batch, num_kv_heads, slots, kind=torch.long),
+        "sal_used": zeros(batch, num_kv_heads, slots, kind=torch.bool),
+    }
+
+
+def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
+    """Self-Saliency of the L newest tokens; `keys` [B,H_kv,P,d] ends with them (P >= L).
+
+    Over the local window of the last C keys up to t: KL-like divergence between the attention of
+    q_t with and without its own key. Padding tokens get -inf so they are never chosen.
+    """
+    L, P = q.shape[2], keys.shape[2]
+    n_rep = q.shape[1] // keys.shape[1]
+    scores = (q @ repeat_kv(keys, n_rep).transpose(-1, -2)) * scale
+    q_pos = torch.arange(L, device=q.device)[:, None] + (P - L)
+    k_pos = torch.arange(P, device=q.device)[None, :]
+    local = (k_pos <= q_pos) & (k_pos > q_pos - chunk) & key_valid[:, None, None, :]
+    diag = torch.softmax(scores.masked_fill(~local, float("-inf")), dim=-1).nan_to_num(0.0)
+    weights, _ = exp_weights(scores.masked_fill(~(local & (k_pos != q_pos)), float("-inf")))
+    nodiag = weights / weights.sum(-1, keepdim=True).clamp_min(1e-30)
+    score = (diag * ((diag + eps) / (nodiag + eps)).log()).sum(-1)
+    score = score.unflatten(1, (-1, n_rep)).mean(2)  # [B, H_kv, L]
+    return score.masked_fill(~new_valid[:, None, :], float("-inf"))
+
+
+def positional_scores(routing, positions, num_kv_heads, valid):
+    """Scores for the ablations: `recency` keeps the newest, `random` a position hash (same in all forms)."""
+    pos = positions[None, None, :].expand(valid.shape[0], num_kv_heads, -1)
+    if routing == "recency":
+        score = pos.to(torch.float32)
+    else:
+        heads = torch.arange(num_kv_heads, device=pos.device)[None, :, None]
+        score = ((pos * 2654435761 + heads * 40503) % 2**32).to(torch.float32) / 2**32
+    return score.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+def select_chunk(scores, valid, per_chunk):
+    """Top-`per_chunk` of one chunk's tokens by score ([B,H_kv,C]); stable, so earlier wins ties."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :per_chunk]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True)
+    return chosen & valid
+
+
+def route_departure(slots, cand_score, cand_pos, cand_sel):
+    """Route one departing token per (batch, KV head) into the salient slots.
+
+    slots: dict with score/pos/used [B,H_kv,K]. Returns (slot, victim, fold_cand, new slots) where
+    `slot` [B,H_kv] is the slot the candidate is written to (-1: none), `victim` marks that this
+    slot held a token which must now be folded, and `fold_cand` that the candidate is folded.
+    """
+    used = slots["used"]
+    if used.shape[-1] == 0:
+        none = torch.full_like(cand_pos, -1)
+        return none, torch.zeros_like(cand_sel), torch.ones_like(cand_sel), slots
+    free = ~used
+    has_free = free.any(-1)
+    first_free = free.to(torch.int8).argmax(-1)
+    ranked = torch.where(used, slots["score"], torch.full_like(slots["score"], float("inf")))
+    lowest = ranked.amin(-1, keepdim=True)
+    oldest_lowest = torch.where(ranked == lowest, slots["pos"], torch.full_like(slots["pos"], NEVER)).argmin(-1)
+    candidate_loses = cand_score < lowest[..., 0]
+
+    place = cand_sel & (has_free | ~candidate_loses)
+    victim = cand_sel & ~has_free & ~candidate_loses
+    slot = torch.where(has_free, first_free, oldest_lowest)
+    slot = torch.where(place, slot, torch.full_like(slot, -1))
+    fold_cand = ~cand_sel | (~has_free & candidate_loses)
+
+    index = slot.clamp_min(0)[..., None]
+    write = place[..., None]
+
+    def put(tensor, value):
+        current = tensor.gather(-1, index)
+        return tensor.scatter(-1, index, torch.where(write, value[..., None].to(tensor.dtype), current))
+
+    new_slots = {
+        "score": put(slots["score"], cand_score),
+        "pos": put(slots["pos"], cand_pos),
+        "used": put(used, torch.ones_like(cand_sel)),
+    }
+    return slot, victim, fold_cand, new_slots
+
+
+def _token_scores(q, keys, key_valid, valid, start, *, routing, chunk, scale, eps):
+    # Routing is discrete: scores only take part in comparisons, so they carry no gradient.
+    with torch.no_grad():
+        if routing == "saliency":
+            return saliency_scores(q, keys, key_valid, valid, chunk=chunk, scale=scale, eps=eps)
+        positions = torch.arange(start, start + q.shape[2], device=q.device)
+        return positional_scores(routing, positions, keys.shape[1], valid)
+
+
+def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, scale, eps):
+    n_rep = q.shape[1] // soft_keys.shape[1]
+    scores = (q @ repeat_kv(soft_keys, n_rep).transpose(-1, -2)) * scale
+    weights, _ = exp_weights(scores.masked_fill(~soft_mask, float("-inf")))
+    num = weights @ repeat_kv(soft_values, n_rep)
+    if gate is not None:
+        lin_num = gate * lin_num
+    return (num + lin_num) / (weights.sum(-1) + lin_den + eps)[..., None]
+
+
+def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing,
+                   scale, eps=1e-6):
+    """Naive parallel form over L new tokens at absolute positions start.. continuing from `state`.
+
+    q [B,H,L,d] and k [B,H_kv,L,d] already carry RoPE; gate [B,H,L,d] or None. Returns (y, new state).
+    """
+    B, H, L, _ = q.shape
+    n_rep = H // k.shape[1]
+    W1 = window - 1
+    keys = torch.cat([state["win_k"], k], dim=2)  # the combined sequence: old window then new tokens
+    values = torch.cat([state["win_v"], v], dim=2)
+    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    new_scores = _token_scores(q, keys, key_valid, valid, start, routing=routing, chunk=chunk, scale=scale, eps=eps)
+    scores = torch.cat([state["win_score"], new_scores], dim=2)
+    chosen = torch.cat([state["win_sel"], torch.zeros_like(new_scores, dtype=torch.bool)], dim=2)
+    positions = torch.arange(start - W1, start + L, device=q.device)
+
+    # Replay routing: chunk selections, then one departure (combined index i) per new token.
+    K = state["sal_used"].shape[-1]
+    slot_ids = torch.arange(K, device=q.device).expand(B, k.shape[1], K)  # ids: slots first, then combined
+    slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
+    fold_time = torch.full((B, k.shape[1], K + W1 + L), NEVER, device=q.device, dtype=torch.long)
+    for i in range(L):
+        t = start + i
+        if (t + 1) % chunk == 0:
+            c = slice(W1 + i - chunk + 1, W1 + i + 1)
+            chosen[..., c] = select_chunk(scores[..., c], key_valid[:, None, c], per_chunk)
+        cand_pos = positions[i].expand_as(slot_ids[..., 0])
+        slot, victim, fold_cand, slots = route_departure(slots, scores[..., i], cand_pos, chosen[..., i])
+        index = slot.clamp_min(0)[..., None]
+        victim_id = slot_ids.gather(-1, index)
+        fold_time[..., K + i] = torch.where(fold_cand, t + 1, NEVER)
+        previous = fold_time.gather(-1, victim_id)
+        fold_time.scatter_(-1, victim_id, torch.where(victim[..., None], t + 1, previous))
+        slot_ids = slot_ids.scatter(-1, index, torch.where(slot[..., None] >= 0, K + i, victim_id))
+
+    all_keys = torch.cat([state["sal_k"], keys], dim=2)
+    all_values = torch.cat([state["sal_v"], values], dim=2)
+    all_valid = torch.cat([state["sal_used"], key_valid[:, None, :].expand(-1, k.shape[1], -1)], dim=2)
+    arrival = torch.cat([torch.full((K,), -1, device=q.device, dtype=torch.long), positions])
+    q_time = torch.arange(start, start + L, device=q.device)[:, None]
+    ft = repeat_kv(fold_time, n_rep)[:, :, None, :]  # [B, H, 1, N]
+    ok = repeat_kv(all_valid, n_rep)[:, :, None, :]
+    soft_mask = (arrival[None, :] <= q_time)[None, None] & (q_time[None, None] < ft) & ok
+    lin_mask = (ft <= q_time[None, None]) & ok
+
+    fq = phi_q(q)
+    fk = phi_k(repeat_kv(all_keys, n_rep))
+    values_rep = repeat_kv(all_values, n_rep)
+    lin = (fq @ fk.transpose(-1, -2)) * lin_mask.to(q.dtype)
+    lin_num = lin @ values_rep + fq @ state["S"]
+    lin_den = lin.sum(-1) + (fq * state["z"][:, :, None, :]).sum(-1)
+    y = _output(q, fq, gate, all_keys, all_values, soft_mask, lin_num, lin_den, scale, eps)
+
+    folded = ((fold_time != NEVER) & all_valid)
+    fk_folded = fk * repeat_kv(folded, n_rep)[..., None].to(q.dtype)
+    idx = slot_ids[..., None]
+    new_state = {
+        "S": state["S"] + fk_folded.transpose(-1, -2) @ values_rep,
+        "z": state["z"] + fk_folded.sum(2),
+        "win_k": keep_last(keys, W1, dim=2),
+        "win_v": keep_last(values, W1, dim=2),
+        "win_valid": keep_last(key_valid, W1, dim=1),
+        "win_score": keep_last(scores, W1, dim=2),
+        "win_sel": keep_last(chosen, W1, dim=2),
+        "sal_k": all_keys.gather(2, idx.expand(-1, -1, -1, all_keys.shape[-1])),
+        "sal_v": all_values.gather(2, idx.expand(-1, -1, -1, all_values.shape[-1])),
+        "sal_score": slots["score"],
+        "sal_pos": slots["pos"],
+        "sal_used": slots["used"],
+    }
+    return y, new_state
+
+
+def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing, scale,
+               eps=1e-6):
+    """Recurrent form for the token at absolute position `start`: score, select, attend, route."""
+    n_rep = q.shape[1] // k.shape[1]
+    keys = torch.cat([state["win_k"], k], dim=2)
+    values = torch.cat([state["win_v"], v], dim=2)
+    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    score = _token_scores(q, keys, key_valid, valid, start, routing=routing, chunk=chunk, scale=scale, eps=eps)
+    scores = torch.cat([state["win_score"], score], dim=2)
+    chosen = torch.cat([state["win_sel"], torch.zeros_like(score, dtype=torch.bool)], dim=2)
+    if (start + 1) % chunk == 0:
+        chosen[..., -chunk:] = select_chunk(scores[..., -chunk:], key_valid[:, None, -chunk:], per_chunk)
+
+    soft_keys = torch.cat([state["sal_k"], keys], dim=2)
+    soft_values = torch.cat([state["sal_v"], values], dim=2)
+    soft_mask = torch.cat([state["sal_used"], key_valid[:, None, :].expand(-1, k.shape[1], -1)], dim=2)
+    fq = phi_q(q)
+    lin_num = fq @ state["S"]
+    lin_den = (fq * state["z"][:, :, None, :]).sum(-1)
+    y = _output(q, fq, gate, soft_keys, soft_values, repeat_kv(soft_mask, n_rep)[:, :, None, :], lin_num, lin_den,
+                scale, eps)
+
+    # The oldest window token leaves: into a salient slot, or folded (it, or the slot's victim).
+    slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
+    cand_pos = torch.full_like(slots["pos"][..., 0], start - window + 1)
+    slot, victim, fold_cand, slots = route_departure(slots, scores[..., 0], cand_pos, chosen[..., 0])
+    index = slot.clamp_min(0)[..., None, None].expand(-1, -1, 1, k.shape[-1])
+    victim_k, victim_v = state["sal_k"].gather(2, index), state["sal_v"].gather(2, index)
+    fold_k = torch.where(victim[..., None, None], victim_k, keys[:, :, :1])
+    fold_v = torch.where(victim[..., None, None], victim_v, values[:, :, :1])
+    fold = (victim | (fold_cand & key_valid[:, None, 0]))[..., None, None].to(q.dtype)
+    fk = phi_k(repeat_kv(fold_k, n_rep)) * repeat_kv(fold, n_rep)
+    written = (slot >= 0)[..., None, None]
+    new_state = {
+        "S": state["S"] + fk.transpose(-1, -2) @ repeat_kv(fold_v, n_rep),
+        "z": state["z"] + fk[:, :, 0],
+        "win_k": keys[:, :, 1:],
+        "win_v": values[:, :, 1:],
+        "win_valid": key_valid[:, 1:],
+        "win_score": scores[..., 1:],
+        "win_sel": chosen[..., 1:],
+        "sal_k": state["sal_k"].scatter(2, index, torch.where(written, keys[:, :, :1], victim_k)),
+        "sal_v": state["sal_v"].scatter(2, index, torch.where(written, values[:, :, :1], victim_v)),
+        "sal_score": slots["score"],
+        "sal_pos": slots["pos"],
+        "sal_used": slots["used"],
+    }
+    return y, new_state
