@@ -14,7 +14,8 @@ step form applies the same `route_departure` once per token. Output, with a shar
   y_i = (sum_{softmax set} e^{s_ij - m_i} v_j + g_i * (phi_q(q_i)^T S_i)) / (sum e^{s_ij - m_i} + phi_q(q_i)^T z_i + eps)
 
 Scores are computed per query head and averaged over each KV group, so GQA heads share one set.
-Positions are absolute (`start` = tokens already in the state), chunk c = positions [cC, cC + C).
+Chunks are counted in each row's own tokens (padding excluded, `count` in the state), so a left-
+padded row routes exactly as it would unpadded; chunk c holds that row's tokens [cC, cC + C).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, sl
         "sal_score": zeros(batch, num_kv_heads, slots),
         "sal_pos": zeros(batch, num_kv_heads, slots, kind=torch.long),
         "sal_used": zeros(batch, num_kv_heads, slots, kind=torch.bool),
+        "count": zeros(batch, kind=torch.long),
     }
 
 
@@ -68,7 +70,7 @@ def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
 
 def positional_scores(routing, positions, num_kv_heads, valid):
     """Scores for the ablations: `recency` keeps the newest, `random` a position hash (same in all forms)."""
-    pos = positions[None, None, :].expand(valid.shape[0], num_kv_heads, -1)
+    pos = positions[:, None, :].expand(-1, num_kv_heads, -1)
     if routing == "recency":
         score = pos.to(torch.float32)
     else:
@@ -124,13 +126,25 @@ def route_departure(slots, cand_score, cand_pos, cand_sel):
     return slot, victim, fold_cand, new_slots
 
 
-def _token_scores(q, keys, key_valid, valid, start, *, routing, chunk, scale, eps):
+def _token_scores(q, keys, key_valid, valid, positions, *, routing, chunk, scale, eps):
     # Routing is discrete: scores only take part in comparisons, so they carry no gradient.
     with torch.no_grad():
         if routing == "saliency":
             return saliency_scores(q, keys, key_valid, valid, chunk=chunk, scale=scale, eps=eps)
-        positions = torch.arange(start, start + q.shape[2], device=q.device)
         return positional_scores(routing, positions, keys.shape[1], valid)
+
+
+def _row_positions(state, valid, chunk):
+    """Each new token's index among its row's real tokens, and whether it completes a chunk."""
+    positions = state["count"][:, None] + valid.long().cumsum(1) - 1
+    return positions, valid & ((positions + 1) % chunk == 0)
+
+
+def _select_if_complete(chosen, scores, key_valid, end, completes, chunk, per_chunk):
+    """Mark the top tokens of the chunk ending at combined index `end` for the rows it completes."""
+    c = slice(end - chunk + 1, end + 1)
+    picked = select_chunk(scores[..., c], key_valid[:, None, c], per_chunk)
+    chosen[..., c] = torch.where(completes[:, None, None], picked, chosen[..., c])
 
 
 def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, scale, eps):
@@ -155,7 +169,8 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     keys = torch.cat([state["win_k"], k], dim=2)  # the combined sequence: old window then new tokens
     values = torch.cat([state["win_v"], v], dim=2)
     key_valid = torch.cat([state["win_valid"], valid], dim=1)
-    new_scores = _token_scores(q, keys, key_valid, valid, start, routing=routing, chunk=chunk, scale=scale, eps=eps)
+    row_pos, completes = _row_positions(state, valid, chunk)
+    new_scores = _token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
     scores = torch.cat([state["win_score"], new_scores], dim=2)
     chosen = torch.cat([state["win_sel"], torch.zeros_like(new_scores, dtype=torch.bool)], dim=2)
     positions = torch.arange(start - W1, start + L, device=q.device)
@@ -167,10 +182,12 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     fold_time = torch.full((B, k.shape[1], K + W1 + L), NEVER, device=q.device, dtype=torch.long)
     for i in range(L):
         t = start + i
-        if (t + 1) % chunk == 0:
-            c = slice(W1 + i - chunk + 1, W1 + i + 1)
-            chosen[..., c] = select_chunk(scores[..., c], key_valid[:, None, c], per_chunk)
-        cand_pos = positions[i].expand_as(slot_ids[..., 0])
+        if completes[:, i].any():
+            _select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
+        if K == 0:  # budget == window: every departing token is folded
+            fold_time[..., i] = t + 1
+            continue
+        cand_pos = positions[i].expand(scores.shape[:2])
         slot, victim, fold_cand, slots = route_departure(slots, scores[..., i], cand_pos, chosen[..., i])
         index = slot.clamp_min(0)[..., None]
         victim_id = slot_ids.gather(-1, index)
@@ -213,6 +230,7 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
         "sal_score": slots["score"],
         "sal_pos": slots["pos"],
         "sal_used": slots["used"],
+        "count": state["count"] + valid.sum(1),
     }
     return y, new_state
 
@@ -224,11 +242,12 @@ def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chun
     keys = torch.cat([state["win_k"], k], dim=2)
     values = torch.cat([state["win_v"], v], dim=2)
     key_valid = torch.cat([state["win_valid"], valid], dim=1)
-    score = _token_scores(q, keys, key_valid, valid, start, routing=routing, chunk=chunk, scale=scale, eps=eps)
+    row_pos, completes = _row_positions(state, valid, chunk)
+    score = _token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
     scores = torch.cat([state["win_score"], score], dim=2)
     chosen = torch.cat([state["win_sel"], torch.zeros_like(score, dtype=torch.bool)], dim=2)
-    if (start + 1) % chunk == 0:
-        chosen[..., -chunk:] = select_chunk(scores[..., -chunk:], key_valid[:, None, -chunk:], per_chunk)
+    if completes.any():
+        _select_if_complete(chosen, scores, key_valid, window - 1, completes[:, 0], chunk, per_chunk)
 
     soft_keys = torch.cat([state["sal_k"], keys], dim=2)
     soft_values = torch.cat([state["sal_v"], values], dim=2)
@@ -241,10 +260,12 @@ def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chun
 
     # The oldest window token leaves: into a salient slot, or folded (it, or the slot's victim).
     slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
-    cand_pos = torch.full_like(slots["pos"][..., 0], start - window + 1)
+    cand_pos = torch.full(scores.shape[:2], start - window + 1, device=q.device, dtype=torch.long)
     slot, victim, fold_cand, slots = route_departure(slots, scores[..., 0], cand_pos, chosen[..., 0])
     index = slot.clamp_min(0)[..., None, None].expand(-1, -1, 1, k.shape[-1])
-    victim_k, victim_v = state["sal_k"].gather(2, index), state["sal_v"].gather(2, index)
+    has_slots = state["sal_k"].shape[2] > 0
+    victim_k = state["sal_k"].gather(2, index) if has_slots else keys[:, :, :1]
+    victim_v = state["sal_v"].gather(2, index) if has_slots else values[:, :, :1]
     fold_k = torch.where(victim[..., None, None], victim_k, keys[:, :, :1])
     fold_v = torch.where(victim[..., None, None], victim_v, values[:, :, :1])
     fold = (victim | (fold_cand & key_valid[:, None, 0]))[..., None, None].to(q.dtype)
@@ -258,10 +279,13 @@ def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chun
         "win_valid": key_valid[:, 1:],
         "win_score": scores[..., 1:],
         "win_sel": chosen[..., 1:],
-        "sal_k": state["sal_k"].scatter(2, index, torch.where(written, keys[:, :, :1], victim_k)),
-        "sal_v": state["sal_v"].scatter(2, index, torch.where(written, values[:, :, :1], victim_v)),
+        "sal_k": state["sal_k"].scatter(2, index, torch.where(written, keys[:, :, :1], victim_k)) if has_slots
+        else state["sal_k"],
+        "sal_v": state["sal_v"].scatter(2, index, torch.where(written, values[:, :, :1], victim_v)) if has_slots
+        else state["sal_v"],
         "sal_score": slots["score"],
         "sal_pos": slots["pos"],
         "sal_used": slots["used"],
+        "count": state["count"] + valid.sum(1),
     }
     return y, new_state

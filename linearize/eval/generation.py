@@ -1,0 +1,74 @@
+"""Batched greedy generation with left padding, and the batch sizing shared by the eval loops."""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+DEFAULT_MAX_BATCH_TOKENS = 65536
+
+
+def rows_per_batch(length: int, batch: int, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
+    """`batch` rows, fewer for long sequences so one batch holds at most `max_batch_tokens` tokens."""
+    return max(1, min(batch, max_batch_tokens // max(length, 1)))
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists right-aligned (left padding, as decoder-only generation expects)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def pad_token_id(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return candidate
+    return 0
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    batch: int = 8,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    desc: str = "generate",
+) -> list[str]:
+    """Greedy continuations of `prompts` (decoded new tokens only), in input order.
+
+    Prompts are sorted by length before batching so each batch carries little padding.
+    """
+    encoded = [tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    pad = pad_token_id(tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad,
+        eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id,
+    )
+    outputs: list[str] = [""] * len(prompts)
+    progress = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
+    start = 0
+    while start < len(order):
+        longest = len(encoded[order[min(start + batch, len(order)) - 1]]) + max_new_tokens
+        chunk = order[start : start + rows_per_batch(longest, batch, max_batch_tokens)]
+        ids, mask = left_pad([encoded[i] for i in chunk], pad, model.device)
+        generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        texts = tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
+        for i, text in zip(chunk, texts):
+            outputs[i] = text
+        progress.update(len(chunk))
+        start += len(chunk)
+    progress.close()
+    return outputs

@@ -1,0 +1,102 @@
+"""Task `ppl`: perplexity on held-out long text at several context lengths, and loss vs position.
+
+The text's tokens are cut into non-overlapping windows of each length (the same leading
+`max_tokens` tokens for every length, so lengths are compared on the same text). Each window is
+scored on its own: loss over its tokens 2..L, predicted from the tokens before them in the window.
+The windows of the longest length also give the mean loss at each position, bucketed on a log scale:
+a model that extrapolates keeps that curve flat or falling past its training length.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, rows_per_batch
+
+DEFAULT_MAX_TOKENS = 65536
+DEFAULT_BUCKETS = 48
+LOSS_CHUNK = 2048  # positions per float32 logits slice, to bound memory at long lengths
+
+
+def text_tokens(tokenizer, path: str | Path) -> torch.Tensor:
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False).input_ids, dtype=torch.long)
+
+
+@torch.inference_mode()
+def token_nll(model, windows: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood [rows, L - 1] of each window's tokens 2..L."""
+    ids = windows.to(model.device)
+    logits = model(input_ids=ids, use_cache=False).logits
+    losses = []
+    for start in range(0, ids.shape[1] - 1, LOSS_CHUNK):
+        end = min(start + LOSS_CHUNK, ids.shape[1] - 1)
+        chunk = logits[:, start:end].float()
+        losses.append(F.cross_entropy(chunk.transpose(1, 2), ids[:, start + 1 : end + 1], reduction="none"))
+    return torch.cat(losses, dim=1).cpu()
+
+
+def log_buckets(length: int, count: int) -> list[tuple[int, int]]:
+    """Up to `count` [start, end) ranges of target positions 1..length-1, log-spaced, none empty."""
+    edges = sorted({round(math.exp(math.log(length) * i / count)) for i in range(count + 1)} | {1, length})
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def perplexity(
+    model,
+    tokenizer,
+    lengths: list[int],
+    *,
+    text: str | Path | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    limit: int | None = None,
+    batch: int = 8,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    buckets: int = DEFAULT_BUCKETS,
+) -> dict:
+    """Perplexity per context length and the loss-by-position curve at the longest length.
+
+    `text` defaults to Moby-Dick from the public-domain texts; `limit` caps windows per length.
+    """
+    if text is None:
+        from linearize.eval.texts import default_ppl_text
+
+        text = default_ppl_text()
+    tokens = text_tokens(tokenizer, text)
+    longest = max(lengths)
+    budget = min(len(tokens), max(max_tokens, longest))
+    if budget < longest:
+        raise ValueError(f"{text} has {len(tokens)} tokens, fewer than the context length {longest}.")
+
+    by_length = []
+    position_sum = torch.zeros(longest - 1, dtype=torch.float64)
+    for length in sorted(lengths):
+        count = budget // length if limit is None else min(budget // length, limit)
+        windows = tokens[: count * length].view(count, length)
+        step = rows_per_batch(length, batch, max_batch_tokens)
+        total = 0.0
+        for start in tqdm(range(0, count, step), desc=f"ppl@{length}", leave=False):
+            nll = token_nll(model, windows[start : start + step]).double()
+            total += nll.sum().item()
+            if length == longest:
+                position_sum += nll.sum(dim=0)
+        mean = total / (count * (length - 1))
+        by_length.append({"length": length, "ppl": math.exp(mean), "nll": mean, "windows": count})
+
+    windows_at_longest = by_length[-1]["windows"]
+    curve = [
+        {"start": lo, "end": hi, "loss": position_sum[lo - 1 : hi - 1].mean().item() / windows_at_longest}
+        for lo, hi in log_buckets(longest, buckets)
+    ]
+    return {
+        "text": str(text),
+        "text_tokens": len(tokens),
+        "max_tokens": budget,
+        "by_length": by_length,
+        "loss_by_position": {"length": longest, "windows": windows_at_longest, "buckets": curve},
+    }

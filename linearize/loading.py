@@ -1,0 +1,115 @@
+"""Load a causal LM and its tokenizer from one spec.
+
+A spec is the alias `smollm2` (the default teacher, fetched by `linearize.assets`), a `.gguf`
+file (dequantised on load), a local HF model folder (holding config.json, teacher or linearized
+checkpoint alike), or a Hugging Face hub id, passed on as is.
+"""
+
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import huggingface_hub
+import torch
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from . import assets
+from . import modeling  # noqa: F401  (registers the linearized model types with the Auto classes)
+
+ALIASES = {"smollm2": assets.smollm2_gguf}
+# "name" or "org/name"; anything else that does not exist on disk is a missing path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class ModelSpecError(ValueError):
+    """A spec that names nothing loadable; the message is one line, fit for a CLI."""
+
+
+class ModelNotFoundError(ModelSpecError, FileNotFoundError):
+    """A spec that is a path, but nothing is there."""
+
+
+def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, device=None) -> PreTrainedModel:
+    """A causal LM in eval mode. `dtype` None means float32; "auto" keeps the checkpoint's dtype."""
+    model = _from_pretrained(AutoModelForCausalLM, *resolve_spec(spec), dtype=_dtype(dtype))
+    if device is not None:
+        model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
+    kind, where = resolve_spec(spec)
+    tokenizer = _from_pretrained(AutoTokenizer, kind, where)
+    if kind == "gguf":
+        _set_gguf_special_tokens(tokenizer, where)
+    return tokenizer
+
+
+def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
+    """("gguf", file), ("dir", folder) or ("hub", id); raises ModelSpecError for anything else."""
+    if isinstance(spec, str) and spec in ALIASES:
+        return "gguf", ALIASES[spec]()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(f"{path} holds no config.json, so it is not a Hugging Face model folder")
+        return "dir", path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSpecError(f"{path} is neither a .gguf file nor a model folder")
+        return "gguf", path
+    if isinstance(spec, str) and path.suffix != ".gguf" and _HUB_ID.fullmatch(spec):
+        return "hub", spec
+    raise ModelNotFoundError(f"no such model file or folder: {path}")
+
+
+def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
+    if kind == "gguf":
+        return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
+    if kind == "dir":
+        return auto_class.from_pretrained(where, **kwargs)
+    if not _hub_reachable():
+        # Only the local HF cache can help now; asking transformers would retry each file for a minute.
+        try:
+            where = huggingface_hub.snapshot_download(where, local_files_only=True)
+        except OSError as e:
+            raise ModelSpecError(
+                f"{where!r} is not a local path, nor in the Hugging Face cache, and the hub "
+                f"({huggingface_hub.constants.ENDPOINT}) cannot be reached"
+            ) from e
+    try:
+        return auto_class.from_pretrained(where, **kwargs)
+    except OSError as e:
+        reason = str(e).strip().splitlines()[0]
+        raise ModelSpecError(f"could not load {where!r} from the Hugging Face hub: {reason}") from e
+
+
+def _hub_reachable() -> bool:
+    try:
+        urllib.request.urlopen(huggingface_hub.constants.ENDPOINT, timeout=5).close()
+    except urllib.error.HTTPError:
+        return True  # it answered, if only with an error
+    except OSError:
+        return False
+    return True
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as float32 or bfloat16, or 'auto'")
+    return getattr(torch, dtype)
+
+
+def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    # transformers' GGUF converter for Llama vocabularies makes the BOS token the EOS token too and
+    # drops the pad token; the file's own metadata has the right ids.
+    fields = GGUFReader(path).fields
+    for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id")):
+        if key in fields:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key].contents())))

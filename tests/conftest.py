@@ -1,0 +1,44 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+# Small windows/chunks so that short test sequences cross several of them.
+TINY_OPTIONS = {
+    "lizard": dict(window=8, num_sinks=2),
+    "still": dict(window=8, budget=14, chunk_size=4, max_chunks=2),
+    "lolcats": dict(window=8),
+    "liger": dict(window=8),
+}
+METHODS = list(TINY_OPTIONS)
+
+
+def tiny_teacher(arch: str = "llama", seed: int = 0, **overrides):
+    config_class, model_class = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    return model_class(config_class(**{**TINY, **overrides})).eval()
+
+
+def perturb_new_parameters(model, scale: float = 0.3, seed: int = 1):
+    """Move the new modules away from their init so that every term of the output matters."""
+    from linearize.attention import LinearizedAttention
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LinearizedAttention):
+                for p in module.new_parameters():
+                    p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_teacher("llama")

@@ -1,0 +1,103 @@
+"""The STILL op: parallel form == recurrence (values, gradients, routing state) and the routing rule."""
+
+import pytest
+import torch
+
+from linearize.feature_maps import NormPreservingFeatureMap
+from linearize.ops import still
+
+B, H, HKV, D, F = 2, 4, 2, 8, 3
+
+
+def setup(L, seed=0, gate=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, L, D, generator=g, dtype=torch.float64).requires_grad_() for h in (H, HKV, HKV))
+    gate_t = torch.rand(B, H, L, D, generator=g, dtype=torch.float64).requires_grad_() if gate else None
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[1, :3] = False
+    torch.manual_seed(seed)
+    phi_q, phi_k = NormPreservingFeatureMap(H, D, F).double(), NormPreservingFeatureMap(H, D, F).double()
+    return (q, k, v, gate_t), valid, phi_q, phi_k
+
+
+def state0(window, budget):
+    return still.init_state(B, H, HKV, 2 * F, D, window, budget - window, device="cpu", dtype=torch.float64)
+
+
+def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
+    state, ys, soft_sizes = state0(window, budget), [], []
+    for t in range(q.shape[2]):
+        sl = slice(t, t + 1)
+        y, state = still.still_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl],
+                                    None if gate is None else gate[:, :, sl], state, phi_q, phi_k, start=t, **opts)
+        ys.append(y)
+        soft_sizes.append(state["sal_used"].sum(-1) + state["win_valid"][:, None, :].sum(-1) + 1)
+    return torch.cat(ys, 2), state, torch.stack(soft_sizes)
+
+
+@pytest.mark.parametrize("L", [1, 7, 16, 29])
+@pytest.mark.parametrize("routing", ["saliency", "random", "recency"])
+@pytest.mark.parametrize("window,chunk,budget,max_chunks", [(4, 4, 10, 2), (8, 4, 14, 1), (4, 2, 4, 3)])
+def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks):
+    (q, k, v, gate), valid, phi_q, phi_k = setup(L)
+    opts = dict(window=window, chunk=chunk, per_chunk=(budget - window) // max_chunks, routing=routing, scale=D**-0.5)
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0, **opts)
+    y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
+    torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
+    for name in s_par:
+        torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
+    w = torch.randn_like(y_par)
+    params = [q, k, v, gate, phi_q.reflector, phi_k.weight]
+    for a, b in zip(torch.autograd.grad((y_par * w).sum(), params, allow_unused=True, materialize_grads=True),
+                    torch.autograd.grad((y_rec * w).sum(), params, allow_unused=True, materialize_grads=True)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-8)
+
+
+def test_parallel_continues_from_a_state():
+    (q, k, v, gate), valid, phi_q, phi_k = setup(23)
+    opts = dict(window=4, chunk=2, per_chunk=2, routing="saliency", scale=D**-0.5)
+    full, _ = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, **opts)
+    cut = lambda x, s: None if x is None else x[:, :, s]  # noqa: E731
+    a, state = still.still_parallel(cut(q, slice(0, 9)), cut(k, slice(0, 9)), cut(v, slice(0, 9)), valid[:, :9],
+                                    cut(gate, slice(0, 9)), state0(4, 9), phi_q, phi_k, start=0, **opts)
+    b, _ = still.still_parallel(cut(q, slice(9, None)), cut(k, slice(9, None)), cut(v, slice(9, None)), valid[:, 9:],
+                                cut(gate, slice(9, None)), state, phi_q, phi_k, start=9, **opts)
+    torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-9, rtol=1e-8)
+
+
+def test_softmax_set_never_exceeds_budget():
+    (q, k, v, gate), valid, phi_q, phi_k = setup(64, gate=False)
+    window, budget = 8, 14
+    opts = dict(window=window, chunk=4, per_chunk=3, routing="saliency", scale=D**-0.5)
+    _, state, sizes = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
+    assert sizes.max() == budget  # full after enough chunks, and never more
+    assert state["sal_used"].all()
+
+
+def test_route_departure_evicts_the_lowest_score_oldest_first():
+    slots = {"score": torch.tensor([[[3.0, 1.0, 1.0, 5.0]]]), "pos": torch.tensor([[[10, 7, 4, 2]]]),
+             "used": torch.ones(1, 1, 4, dtype=torch.bool)}
+    slot, victim, fold_cand, new = still.route_departure(slots, torch.tensor([[2.0]]), torch.tensor([[20]]),
+                                                         torch.tensor([[True]]))
+    assert slot.item() == 2 and victim.item() and not fold_cand.item()  # score 1.0 at pos 4 is the oldest lowest
+    assert new["score"].tolist() == [[[3.0, 1.0, 2.0, 5.0]]] and new["pos"][0, 0, 2] == 20
+    slot, victim, fold_cand, _ = still.route_departure(slots, torch.tensor([[0.5]]), torch.tensor([[20]]),
+                                                       torch.tensor([[True]]))
+    assert slot.item() == -1 and not victim.item() and fold_cand.item()  # the newcomer is the lowest: folded
+
+
+def test_select_chunk_keeps_top_scores_and_skips_padding():
+    scores = torch.tensor([[[0.1, 0.9, 0.5, 0.7]]])
+    valid = torch.tensor([[[True, False, True, True]]])
+    assert still.select_chunk(scores, valid, 2).tolist() == [[[False, False, False, True]]]
+
+
+def test_saliency_score_is_high_for_self_attending_tokens():
+    """A query that matches only its own key depends on itself: its score beats a uniform one."""
+    keys = torch.zeros(1, 1, 4, D, dtype=torch.float64)
+    keys[0, 0, 3, 0] = 10.0
+    q = torch.zeros(1, 1, 2, D, dtype=torch.float64)
+    q[0, 0, 1, 0] = 1.0  # token 3 attends to itself, token 2 (q = 0) attends uniformly
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    scores = still.saliency_scores(q, keys, valid, valid[:, 2:], chunk=4, scale=1.0, eps=1e-6)
+    assert scores[0, 0, 1] > scores[0, 0, 0] > 0
