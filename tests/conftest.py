@@ -42,3 +42,23 @@ def perturb_new_parameters(model, scale: float = 0.3, seed: int = 1):
 @pytest.fixture
 def tiny_llama():
     return tiny_teacher("llama")
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer that fits the tiny models' 128-token vocabulary, built offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({chr(c): len(vocab) for c in range(32, 127)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def save_tiny_teacher(path, arch="llama"):
+    tiny_teacher(arch).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

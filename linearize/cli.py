@@ -1,0 +1,193 @@
+"""The `linearize` command. Flag names are a contract: other tools script against them.
+
+Every user mistake (bad flag value, missing path, unsupported model...) ends as one line on stderr
+and exit status 2; set LINEARIZE_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from .config import ConfigError
+
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """A problem with the user's input, reported as one line."""
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+@contextmanager
+def atomic_output_dir(out: str | Path):
+    """Yield a scratch directory that becomes `out` only if the block succeeds.
+
+    It is made next to `out` first, so an unwritable destination fails before any real work, and an
+    error or Ctrl-C leaves nothing half-written behind.
+    """
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CommandError(f"output {out} already exists and is not an empty directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise CommandError(f"cannot write {out}: parent directory {parent} does not exist")
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
+    except OSError as e:
+        raise CommandError(f"cannot write {out}: {e.strerror}") from None
+    try:
+        yield scratch
+        if out.exists():
+            out.rmdir()
+        scratch.rename(out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _set_options(pairs: list[str]) -> dict[str, str]:
+    from .config import parse_set_options
+
+    return parse_set_options(pairs or [])
+
+
+def cmd_convert(args) -> None:
+    from .convert import convert
+    from .config import make_method_config
+    from .loading import load_model, load_tokenizer
+
+    options = _set_options(args.set)
+    make_method_config(args.method, **options)  # validate before loading anything
+    with atomic_output_dir(args.out) as scratch:
+        model = load_model(args.model, dtype=args.dtype)
+        convert(model, args.method, softmax_layers=args.softmax_layers, **options)
+        model.save_pretrained(scratch)
+        load_tokenizer(args.model).save_pretrained(scratch)
+    print(f"wrote {args.method} model to {args.out}")
+
+
+def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: bool = False,
+                  temperature: float = 0.0, seed: int = 0) -> str:
+    import torch
+
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).to(model.device)
+    torch.manual_seed(seed)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def cmd_generate(args) -> None:
+    from .loading import load_model, load_tokenizer
+
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(args.model)
+    print(generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                        temperature=args.temperature, seed=args.seed))
+
+
+def cmd_demo(args) -> None:
+    from .convert import convert
+    from .loading import load_model, load_tokenizer
+
+    prompt = "What is the capital of France?"
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model)
+    print(f"teacher ({args.model}):", generate_text(model, tokenizer, prompt, max_new_tokens=24, chat=True))
+    convert(model, "lizard")
+    print("lizard, converted but not yet distilled:",
+          generate_text(model, tokenizer, prompt, max_new_tokens=24, chat=True))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line, not argparse's usage block: scripts read stderr.
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import METHOD_CONFIGS
+
+    parser = _Parser(prog="linearize", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="swap a model's attention and save the result")
+    p.add_argument("--model", required=True, help="smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--method", required=True, choices=sorted(METHOD_CONFIGS))
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--softmax-layers", type=parse_int_list, default=[], help="layers that keep softmax, e.g. 0,4")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text from a teacher or linearized model")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job on the default teacher")
+    p.add_argument("--model", default="smollm2")
+    p.set_defaults(func=cmd_demo)
+
+    from .eval.command import register as register_eval
+
+    register_eval(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed as one line
+        return e.code
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
+    try:
+        args.func(args)
+    except (CommandError, ConfigError, FileNotFoundError, PermissionError, ValueError, OSError) as e:
+        if os.environ.get("LINEARIZE_DEBUG"):
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"linearize: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The CLI contract: flags, outputs, and one-line errors that leave nothing behind."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from linearize.cli import main
+from linearize.loading import load_model
+
+from conftest import save_tiny_teacher, tiny_tokenizer
+
+
+@pytest.fixture
+def teacher_dir(tmp_path):
+    return save_tiny_teacher(tmp_path / "teacher")
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_convert_writes_a_loadable_model(teacher_dir, tmp_path, capsys):
+    out = tmp_path / "lizard"
+    code, _, err = run(capsys, "convert", "--model", teacher_dir, "--method", "lizard", "--out", out,
+                       "--softmax-layers", "1", "--set", "window=8", "--set", "gate=vector")
+    assert code == 0, err
+    model = load_model(out)
+    assert model.config.linearize["options"]["window"] == 8
+    assert model.config.linearize["options"]["gate"] == "vector"
+    assert model.config.linearize["softmax_layers"] == [1]
+    same = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(3, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, same(ids).logits)
+    code, text, err = run(capsys, "generate", "--model", out, "--prompt", "hello", "--max-new-tokens", "5")
+    assert code == 0, err
+    assert len(tiny_tokenizer()(text.rstrip("\n"))["input_ids"]) <= 5
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--method", "mamba"], "invalid choice"),
+    (["--method", "lizard", "--set", "window=0"], "window must be > 0"),
+    (["--method", "lizard", "--set", "gate=sideways"], "gate must be one of"),
+    (["--method", "lizard", "--set", "bogus=1"], "no option 'bogus'"),
+    (["--method", "still", "--set", "window=32", "--set", "chunk_size=64"], "window (32) must be >= chunk_size"),
+    (["--method", "lizard", "--softmax-layers", "0,7"], "out of range"),
+])
+def test_bad_options_fail_in_one_line_and_write_nothing(teacher_dir, tmp_path, capsys, argv, needle):
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "convert", "--model", teacher_dir, "--out", out, *argv)
+    assert code == 2
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [teacher_dir]
+
+
+def test_missing_model_path(tmp_path, capsys):
+    code, _, err = run(capsys, "convert", "--model", tmp_path / "nope", "--method", "lizard", "--out", tmp_path / "o")
+    assert code == 2 and "nope" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_unsupported_architecture(tmp_path, capsys):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)).save_pretrained(tmp_path / "gpt2")
+    tiny_tokenizer().save_pretrained(tmp_path / "gpt2")
+    code, _, err = run(capsys, "convert", "--model", tmp_path / "gpt2", "--method", "lizard", "--out", tmp_path / "o")
+    assert code == 2 and "gpt2" in err and "llama" in err and "mistral" in err and "qwen2" in err
+    assert not (tmp_path / "o").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["gpt2"]
+
+
+def test_unwritable_out(teacher_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = run(capsys, "convert", "--model", teacher_dir, "--method", "lizard", "--out", blocker / "sub")
+    assert code == 2 and "does not exist" in err
+    code, _, err = run(capsys, "convert", "--model", teacher_dir, "--method", "lizard", "--out", blocker)
+    assert code == 2 and "already exists" in err
+
+
+@pytest.mark.slow
+def test_real_teacher_converts_to_lizard_and_generates(tmp_path):
+    from linearize import convert
+    from linearize.cli import generate_text
+    from linearize.loading import load_tokenizer
+
+    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    convert(model, "lizard")
+    assert len(model.model.layers) == 30
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+    assert isinstance(generate_text(model, tokenizer, "Hi", max_new_tokens=8, chat=True), str)
