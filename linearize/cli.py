@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from .eval.command import register as register_eval
+    from .train.command import register as register_distill
 
+    register_distill(sub)
     register_eval(sub)
     return parser
 

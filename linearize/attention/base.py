@@ -73,8 +73,11 @@ class LinearizedAttention(nn.Module):
         cache = claim_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
         state = cache.state if cache is not None else None
         start = cache.seen if cache is not None else 0
-        y, new_state = self.attend(hidden_states, q.float(), k.float(), v.float(), position_embeddings, valid, state,
-                                   start)
+        # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
+        # lose too much in bf16.
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            y, new_state = self.attend(hidden_states, q.float(), k.float(), v.float(), position_embeddings, valid,
+                                       state, start)
         if cache is not None:
             cache.store(new_state, L)
         out = self.o_proj(y.transpose(1, 2).reshape(B, L, -1).to(hidden_states.dtype))

@@ -33,7 +33,7 @@ class LizardAttention(LinearizedAttention):
         B, L, _ = x.shape
         if self.cfg.gate == "none":
             return x.new_zeros(B, self.num_heads, L, 1, dtype=torch.float32)
-        logits = self.gate(x).float().view(B, L, self.num_heads, -1).transpose(1, 2)
+        logits = self.gate(x.to(self.gate.weight.dtype)).float().view(B, L, self.num_heads, -1).transpose(1, 2)
         return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
 
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):

@@ -29,7 +29,7 @@ class StillAttention(LinearizedAttention):
         cfg = self.cfg
         B, H, L, d = q.shape
         q, k = rotate(q, k, position_embeddings)
-        gate = self.gate(x).float().sigmoid().view(B, L, H, d).transpose(1, 2) if cfg.gate else None
+        gate = self.gate(x.to(self.gate.weight.dtype)).float().sigmoid().view(B, L, H, d).transpose(1, 2) if cfg.gate else None
         options = dict(start=start, window=cfg.window, chunk=cfg.chunk_size, per_chunk=cfg.per_chunk,
                        routing=cfg.routing, scale=self.scaling, eps=cfg.eps)
         if state is None:

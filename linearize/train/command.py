@@ -1,0 +1,69 @@
+"""`linearize distill`: the CLI face of `linearize.train.distill`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _lrs(text: str) -> tuple[float, float | None]:
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LR or LR1,LR2, got {text!r}") from None
+    if len(parts) not in (1, 2) or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"expected one or two positive learning rates, got {text!r}")
+    return parts[0], parts[-1] if len(parts) == 2 else None
+
+
+def register(subparsers) -> None:
+    from ..cli import parse_int_list, positive_int
+
+    p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
+    p.add_argument("--model", required=True, help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--method", required=True, choices=["lizard", "still", "lolcats", "liger"])
+    p.add_argument("--data", default="default", help="default, a HF dataset name, .jsonl/.txt files or folders")
+    p.add_argument("--out", required=True, help="run directory; ends up holding the distilled model")
+    p.add_argument("--stage", default="both", choices=["1", "2", "both"])
+    p.add_argument("--max-tokens", type=positive_int, default=20_000_000, help="training tokens per stage")
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences per optimizer step (global)")
+    p.add_argument("--grad-accum", type=positive_int, default=1)
+    p.add_argument("--lr", type=_lrs, default=None, help="stage learning rate(s): LR, or LR1,LR2 for both stages")
+    p.add_argument("--softmax-layers", type=parse_int_list, default=[])
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
+    p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
+    p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args):
+    from ..config import make_method_config, parse_set_options
+    from .config import DistillConfig
+
+    options = parse_set_options(args.set or [])
+    make_method_config(args.method, **options)  # fail on a bad option before loading anything
+    lrs = {}
+    if args.lr is not None:
+        first, second = args.lr
+        if args.stage == "2":
+            lrs["lr_stage2"] = first
+        else:
+            lrs["lr_stage1"] = first
+            if second is not None:
+                lrs["lr_stage2"] = second
+    return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
+                         max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
+                         grad_accum=args.grad_accum, options=options, softmax_layers=args.softmax_layers,
+                         save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
+                         precision=args.precision, **lrs)
+
+
+def run(args) -> None:
+    from .distill import distill
+
+    out = distill(config_from_args(args), resume=args.resume)
+    print(f"distilled {args.method} model written to {out}")

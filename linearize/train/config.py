@@ -1,0 +1,76 @@
+"""Hyper-parameters of a distillation run, with the papers' defaults (Lizard / LoLCATs recipe)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class DistillConfig:
+    model: str
+    method: str
+    out: str
+    data: str = "default"
+    stage: str = "both"  # "1", "2" or "both"; Liger's published recipe is stage 2 alone
+    max_tokens: int = 20_000_000  # training tokens per stage
+    seq_len: int = 2048
+    batch: int = 8  # sequences per optimizer step, over all ranks and accumulation steps
+    grad_accum: int = 1
+    lr_stage1: float = 1e-3
+    lr_stage2: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    clip: float = 1.0
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    options: dict = field(default_factory=dict)  # method options (see linearize.config)
+    softmax_layers: list[int] = field(default_factory=list)
+    save_every: int = 100  # optimizer steps between checkpoints
+    eval_every: int = 100
+    val_batches: int = 4
+    seed: int = 0
+    device: str | None = None  # None: cuda if available
+    precision: str = "auto"  # auto: bf16 autocast on cuda, float32 on cpu
+
+    def __post_init__(self):
+        if self.stage not in ("1", "2", "both"):
+            raise ValueError(f"--stage must be 1, 2 or both, got {self.stage!r}")
+        for name in ("max_tokens", "seq_len", "batch", "grad_accum", "save_every", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.batch % self.grad_accum:
+            raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        self.betas = tuple(self.betas)
+        self.lora_targets = tuple(self.lora_targets)
+
+    @property
+    def stages(self) -> list[int]:
+        return [1, 2] if self.stage == "both" else [int(self.stage)]
+
+    def steps(self) -> int:
+        """Optimizer steps per stage."""
+        return max(1, self.max_tokens // (self.batch * self.seq_len))
+
+    def lr(self, stage: int) -> float:
+        return self.lr_stage1 if stage == 1 else self.lr_stage2
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DistillConfig":
+        return cls(**json.loads(Path(path).read_text()))
+
+    def same_run(self, other: "DistillConfig") -> list[str]:
+        """Fields that differ in a way that makes resuming `other` as this run wrong."""
+        free = {"save_every", "eval_every", "device"}
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

@@ -1,0 +1,271 @@
+"""Two-stage distillation: stage 1 attention transfer, stage 2 LoRA, checkpointed and resumable.
+
+Stage 1 trains only the new modules of every linearized layer to match that layer's softmax output
+(MSE), all layers at once in one forward pass: each layer returns the teacher's output, so the next
+layer sees teacher hidden states, and records its own error. No second model is held in memory.
+Stage 2 trains peft LoRA adapters on q/k/v with next-token cross-entropy, then merges them.
+
+Run directory (`out`): the final loadable model, `distill_config.json`, `train_log.jsonl`,
+`stage1_attention.pt` (new modules after stage 1) and `checkpoint/` (the latest resumable state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import checkpoint
+from .config import DistillConfig
+from .runtime import Runtime, shard
+
+LOG_NAME = "train_log.jsonl"
+CONFIG_NAME = "distill_config.json"
+STAGE1_NAME = "stage1_attention.pt"
+CHECKPOINT_NAME = "checkpoint"
+
+
+class ResumeError(ValueError):
+    """--resume was asked for but cannot be honoured (or was needed but not asked for)."""
+
+
+def linearized_layers(model) -> list:
+    from ..attention import LinearizedAttention
+
+    return [m for m in model.modules() if isinstance(m, LinearizedAttention)]
+
+
+def build_student(cfg: DistillConfig, stage1_path: Path | None):
+    """Teacher -> linearized student (float32 master weights), with stage-1 modules if they exist."""
+    from ..convert import convert
+    from ..loading import load_model
+
+    model = convert(load_model(cfg.model), cfg.method, softmax_layers=cfg.softmax_layers, **cfg.options)
+    if stage1_path is not None and stage1_path.exists():
+        missing, unexpected = model.load_state_dict(torch.load(stage1_path, map_location="cpu"), strict=False)
+        if unexpected:
+            raise ResumeError(f"{stage1_path} does not match this model: unexpected {unexpected[:3]}")
+    return model
+
+
+def new_parameter_names(model) -> set[str]:
+    ids = {id(p) for layer in linearized_layers(model) for p in layer.new_parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def prepare_stage(model, cfg: DistillConfig, stage: int):
+    """Freeze what this stage does not train; returns (model to call, names of trained parameters)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in linearized_layers(model):
+        layer.attention_transfer = stage == 1
+    if stage == 1:
+        names = new_parameter_names(model)
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+        names = {name for name, p in model.named_parameters() if "lora_" in name}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in names)
+    if not names:
+        raise ValueError(f"stage {stage} of {cfg.method} has nothing to train")
+    return model, names
+
+
+def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
+    if stage == 2:
+        return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    model.get_decoder()(input_ids=input_ids, use_cache=False)
+    losses = [layer.transfer_loss for layer in linearized_layers(model)]
+    return torch.stack(losses).mean()
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    """Linear warmup over the first warmup_ratio of steps, then cosine decay to zero."""
+    warmup = max(1, int(total * warmup_ratio))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def forever(loader):
+    while True:
+        yield from loader
+
+
+class Run:
+    """One distillation run: data, logging and the stage loops."""
+
+    def __init__(self, cfg: DistillConfig, resume: bool, progress: bool):
+        from ..data import ResumableLoader, build_token_blocks
+        from ..loading import load_tokenizer
+
+        self.cfg = cfg
+        self.out = Path(cfg.out).expanduser()
+        self.rt = Runtime.start(cfg.device, cfg.precision)
+        self.progress = progress and self.rt.main
+        self._check_resume(resume)
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
+                                                                max_tokens=cfg.max_tokens, seed=cfg.seed)
+        micro = cfg.batch // cfg.grad_accum
+        if micro % self.rt.world_size:
+            raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
+        self.make_loader = lambda blocks, seed: ResumableLoader(blocks, micro, seed=seed, rank=self.rt.rank,
+                                                                world_size=self.rt.world_size)
+
+    def _check_resume(self, resume: bool) -> None:
+        ckpt, saved = self.out / CHECKPOINT_NAME, self.out / CONFIG_NAME
+        if resume:
+            if not saved.exists():
+                raise ResumeError(f"nothing to resume in {self.out}: no {CONFIG_NAME}")
+            diff = self.cfg.same_run(DistillConfig.from_json(saved))
+            if diff:
+                raise ResumeError(f"cannot resume {self.out}: these settings differ from the saved run: {diff}")
+        elif ckpt.exists() or saved.exists():
+            raise ResumeError(f"{self.out} already holds a run; pass --resume to continue it or pick a new --out")
+        if self.rt.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            saved.write_text(self.cfg.to_json())
+        self.rt.barrier()
+
+    def log(self, record: dict) -> None:
+        if self.rt.main:
+            with open(self.out / LOG_NAME, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def validate(self, model, stage: int) -> float:
+        loader = self.make_loader(self.val_blocks, seed=0)
+        total, count = 0.0, 0
+        model.eval()
+        with torch.no_grad(), self.rt.autocast():
+            for i, ids in enumerate(loader):
+                if i >= self.cfg.val_batches:
+                    break
+                total += stage_loss(model, ids.to(self.rt.device), stage).item()
+                count += 1
+        model.train()
+        return self.rt.mean(total / max(1, count))
+
+    def stage(self, stage: int) -> None:
+        cfg, rt = self.cfg, self.rt
+        ckpt_path = self.out / CHECKPOINT_NAME
+        state = checkpoint.load(ckpt_path) if ckpt_path.exists() else None
+        if state is not None and (state["stage"] > stage or (state["stage"] == stage and state["stage_done"])):
+            return  # finished in an earlier invocation
+        state = state if state is not None and state["stage"] == stage else None
+
+        model = build_student(cfg, self.out / STAGE1_NAME if stage == 2 else None)
+        model, names = prepare_stage(model, cfg, stage)
+        model.to(rt.device)
+        if rt.distributed:
+            shard(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr(stage), betas=cfg.betas, weight_decay=cfg.weight_decay)
+        total = cfg.steps()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
+        loader = self.make_loader(self.train_blocks, seed=cfg.seed + stage)
+        step, tokens = 0, 0
+        if state is not None:
+            checkpoint.restore(state, model=model, optimizer=optimizer, distributed=rt.distributed)
+            scheduler.load_state_dict(state["scheduler"])
+            loader.load_state_dict(state["loader"])
+            step, tokens = state["step"], state["tokens"]
+
+        def save(done: bool = False) -> None:
+            meta = {"stage": stage, "step": step, "tokens": tokens, "scheduler": scheduler.state_dict(),
+                    "loader": snapshot["loader"], "rng": snapshot["rng"], "stage_done": done}
+            checkpoint.save(ckpt_path, model=model, optimizer=optimizer, names=names, meta=meta,
+                            distributed=rt.distributed, main=rt.main)
+
+        snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
+        if step == 0:
+            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": self.validate(model, stage)})
+        batches = forever(loader)
+        bar = tqdm(total=total, initial=step, desc=f"stage {stage}", disable=not self.progress, unit="step")
+        model.train()
+        started, tokens_at_start = time.perf_counter(), tokens
+        try:
+            while step < total:
+                loss_sum = 0.0
+                for _ in range(cfg.grad_accum):
+                    ids = next(batches).to(rt.device)
+                    with rt.autocast():
+                        loss = stage_loss(model, ids, stage)
+                    (loss / cfg.grad_accum).backward()
+                    loss_sum += loss.item() / cfg.grad_accum
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                tokens += cfg.batch * cfg.seq_len
+                snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
+                elapsed = time.perf_counter() - started
+                speed = (tokens - tokens_at_start) / max(elapsed, 1e-9)
+                loss_value = rt.mean(loss_sum)
+                self.log({"stage": stage, "step": step, "tokens": tokens, "loss": loss_value, "lr": lr,
+                          "grad_norm": float(grad_norm), "tokens_per_s": speed})
+                bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{speed:,.0f}")
+                bar.update(1)
+                if step % cfg.eval_every == 0 or step == total:
+                    self.log({"stage": stage, "step": step, "tokens": tokens, "split": "val",
+                              "val_loss": self.validate(model, stage)})
+                if step % cfg.save_every == 0 and step < total:
+                    save()
+        except KeyboardInterrupt:
+            save()
+            bar.close()
+            if rt.main:
+                print(f"\ninterrupted: checkpoint at step {step} saved in {ckpt_path}; rerun with --resume")
+            raise
+        bar.close()
+        self.finish_stage(model, stage, names)
+        save(done=True)
+
+    def finish_stage(self, model, stage: int, names: set[str]) -> None:
+        tensors = checkpoint.trained_tensors(model, names, self.rt.distributed)
+        if not self.rt.main:
+            return
+        if stage == 1:
+            torch.save(tensors, self.out / STAGE1_NAME)
+        else:
+            torch.save(tensors, self.out / "stage2_lora.pt")
+
+    def export(self) -> None:
+        """Write the final model (LoRA merged) as a loadable directory, on the main rank."""
+        if not self.rt.main:
+            return
+        model = build_student(self.cfg, self.out / STAGE1_NAME)
+        lora_path = self.out / "stage2_lora.pt"
+        if lora_path.exists() and 2 in self.cfg.stages:
+            model, _ = prepare_stage(model, self.cfg, 2)
+            model.load_state_dict(torch.load(lora_path, map_location="cpu"), strict=False)
+            model = model.merge_and_unload()
+        for layer in linearized_layers(model):
+            layer.attention_transfer = False
+        model.save_pretrained(self.out)
+        self.tokenizer.save_pretrained(self.out)
+
+
+def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) -> Path:
+    """Run the configured stages and write the final model into `cfg.out`; returns that directory."""
+    run = Run(cfg, resume, progress)
+    try:
+        for stage in cfg.stages:
+            run.stage(stage)
+        run.export()
+        run.rt.barrier()
+    finally:
+        run.rt.stop()
+    return run.out

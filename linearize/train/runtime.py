@@ -1,0 +1,68 @@
+"""Where a run executes: one process, or one rank of `torchrun` with FSDP2."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    bf16: bool
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def start(cls, device: str | None, precision: str) -> "Runtime":
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if world_size > 1:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl")
+            target = torch.device("cuda", local_rank)
+        else:
+            target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        bf16 = precision == "bf16" or (precision == "auto" and target.type == "cuda")
+        return cls(rank=rank, world_size=world_size, device=target, bf16=bf16)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+    def mean(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], device=self.device, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def stop(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2: each decoder layer is its own unit; the decoder stack is the root (the lm_head stays replicated)."""
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer)
+    fully_shard(decoder)
