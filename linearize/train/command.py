@@ -63,7 +63,7 @@ def config_from_args(args):
 
 
 def run(args) -> None:
-    from .distill import distill
+    from .distillation import distill
 
     out = distill(config_from_args(args), resume=args.resume)
     print(f"distilled {args.method} model written to {out}")

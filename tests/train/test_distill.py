@@ -1,0 +1,111 @@
+"""Distillation on tiny models: losses fall, only the intended tensors move, resume is exact."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from linearize.train import DistillConfig, ResumeError, distill
+from linearize.train import distillation as distill_module
+from linearize.loading import load_model
+
+from conftest import save_tiny_teacher
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    save_tiny_teacher(root / "teacher")
+    rng = random.Random(0)
+    words = "the cat sat on a mat while dogs ran far away and then came back home".split()
+    (root / "data.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(120)) for _ in range(40)))
+    return root
+
+
+def config(workspace, out, **overrides):
+    base = dict(model=str(workspace / "teacher"), method="lizard", out=str(out), data=str(workspace / "data.txt"),
+                max_tokens=4 * 32 * 8, seq_len=32, batch=4, options={"window": 8, "num_sinks": 2}, save_every=3,
+                eval_every=4, val_batches=1, lr_stage1=3e-2, lr_stage2=2e-3)
+    return DistillConfig(**{**base, **overrides})
+
+
+def log(out):
+    return [json.loads(line) for line in (Path(out) / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_both_stages_reduce_their_losses_and_export_a_model(workspace, tmp_path):
+    out = distill(config(workspace, tmp_path / "run", max_tokens=4 * 32 * 16), progress=False)
+    records = log(out)
+    for stage in (1, 2):
+        val = [r["val_loss"] for r in records if r["stage"] == stage and r.get("split") == "val"]
+        assert val[-1] < val[0], (stage, val)
+        train = [r for r in records if r["stage"] == stage and "loss" in r]
+        assert {"stage", "step", "tokens", "loss", "lr"} <= set(train[0])
+        assert train[-1]["tokens"] == 16 * 4 * 32
+    model = load_model(out)
+    assert model.config.linearize["method"] == "lizard"
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+def test_each_stage_changes_only_its_parameters(workspace, tmp_path):
+    teacher = load_model(workspace / "teacher")
+    out = distill(config(workspace, tmp_path / "s1", stage="1"), progress=False)
+    student = load_model(out)
+    new = {n for n, _ in student.named_parameters()} - {n for n, _ in teacher.named_parameters()}
+    teacher_params = dict(teacher.named_parameters())
+    for name, p in student.named_parameters():
+        if name not in new:
+            assert torch.equal(p, teacher_params[name]), name
+    stage1 = torch.load(Path(out) / "stage1_attention.pt")
+    assert set(stage1) == new
+
+    out2 = distill(config(workspace, tmp_path / "s2", stage="2"), progress=False)
+    merged = load_model(out2)
+    changed = {n for n, p in merged.named_parameters() if n in teacher_params and not torch.equal(p, teacher_params[n])}
+    assert changed and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in changed)
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monkeypatch):
+    straight = distill(config(workspace, tmp_path / "straight"), progress=False)
+
+    real_loss, calls = distill_module.stage_loss, {"n": 0}
+
+    def flaky(model, ids, stage):
+        calls["n"] += stage == 2
+        if calls["n"] == 7:  # stage 2: val, steps 1-4 (checkpoint at 3), val, then mid step 5
+            raise KeyboardInterrupt
+        return real_loss(model, ids, stage)
+
+    monkeypatch.setattr(distill_module, "stage_loss", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        distill(config(workspace, tmp_path / "resumed"), progress=False)
+    monkeypatch.setattr(distill_module, "stage_loss", real_loss)
+    with pytest.raises(ResumeError):
+        distill(config(workspace, tmp_path / "resumed"), progress=False)  # refuses to overwrite without --resume
+    resumed = distill(config(workspace, tmp_path / "resumed"), resume=True, progress=False)
+
+    a, b = load_model(straight), load_model(resumed)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+    losses = lambda out: [(r["stage"], r["step"], r["loss"]) for r in log(out) if "loss" in r]  # noqa: E731
+    assert dict(((s, k), v) for s, k, v in losses(resumed)) == dict(((s, k), v) for s, k, v in losses(straight))
+
+
+def test_resume_refuses_a_different_run(workspace, tmp_path):
+    distill(config(workspace, tmp_path / "run", stage="1"), progress=False)
+    with pytest.raises(ResumeError, match="seq_len"):
+        distill(config(workspace, tmp_path / "run", stage="1", seq_len=16), resume=True, progress=False)
+
+
+def test_bad_data_path_is_a_clear_error(workspace, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        distill(config(workspace, tmp_path / "run", data=str(tmp_path / "nope.jsonl")), progress=False)
+
+
+def test_bad_settings_are_rejected():
+    with pytest.raises(ValueError, match="stage"):
+        DistillConfig(model="m", method="lizard", out="o", stage="3")
+    with pytest.raises(ValueError, match="grad_accum"):
+        DistillConfig(model="m", method="lizard", out="o", batch=6, grad_accum=4)
