@@ -34,6 +34,7 @@ class LizardConfig:
     rope_in_window: bool = False
     combine: Literal["alpha", "shared"] = "alpha"  # y_gla + alpha * y_win, or one shared normalizer
     alpha_init: float = 1.0
+    chunk_size: int = 64  # of the chunked training/prefill form
     eps: float = 1e-6
 
 
@@ -84,6 +85,7 @@ class LigerConfig:
     window: int = 64
     gate_normalizer: float = 16.0
     mix: float = 0.5  # y = mix * y_swa + (1 - mix) * y_gla
+    chunk_size: int = 64
 
 
 MethodConfig = LizardConfig | StillConfig | LolcatsConfig | LigerConfig

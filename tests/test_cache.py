@@ -6,7 +6,7 @@ import torch
 import linearize
 from linearize.cache import LinearizeCacheLayer, cache_nbytes
 
-from conftest import TINY_OPTIONS, tiny_teacher
+from tiny_models import TINY_OPTIONS, tiny_teacher
 
 
 def generated_cache(method, new_tokens, **options):

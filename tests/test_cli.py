@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from linearize.cli import main
 from linearize.loading import load_model
 
-from conftest import save_tiny_teacher, tiny_tokenizer
+from tiny_models import save_tiny_teacher, tiny_tokenizer
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from linearize import assets, loading
 from linearize.loading import ModelNotFoundError, ModelSpecError, load_model, load_tokenizer, resolve_spec
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import linearize
 from linearize.attention import LinearizedAttention
 
-from conftest import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
 
 def linearized(method, arch="llama", **overrides):

@@ -11,6 +11,7 @@ from torch import nn
 from ..config import LigerConfig
 from ..feature_maps import SoftmaxFeatureMap
 from ..ops import gla_window
+from ..ops.gla_window_chunked import gla_window_chunked
 from ..ops.common import repeat_kv
 from .base import LinearizedAttention, rotate
 
@@ -35,4 +36,4 @@ class LigerAttention(LinearizedAttention):
                                           cfg.window, device=q.device)
         elif q.shape[2] == 1:
             return gla_window.gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, **options)
-        return gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, **options)
+        return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)

@@ -8,6 +8,7 @@ from torch import nn
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
 from ..ops import gla_window
+from ..ops.gla_window_chunked import gla_window_chunked
 from ..ops.common import repeat_kv
 from .base import LinearizedAttention, rotate
 
@@ -49,4 +50,4 @@ class LizardAttention(LinearizedAttention):
                                           cfg.window, device=q.device)
         elif q.shape[2] == 1:
             return gla_window.gla_window_step(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options)
-        return gla_window.gla_window_parallel(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options)
+        return gla_window_chunked(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)

@@ -19,10 +19,10 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from linearize.data.cache import cache_root, cached_array
 from linearize.data.errors import DataError
 from linearize.data.shuffle import permutation
 from linearize.data.sources import data_fingerprint, load_documents
+from linearize.data.token_cache import cached_array, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def build_token_blocks(
     seq_len: int,
     *,
     max_tokens: int | None = None,
-    val_size: float | int = 0.02,
+    val_size: float = 0.02,
     max_val_blocks: int = 64,
     seed: int = 0,
     cache_dir: str | Path | None = None,
@@ -68,7 +68,7 @@ def build_token_blocks(
     The blocks are shuffled with `seed`; the first ones go to validation: `val_size` blocks if it is an int, else
     that fraction of all blocks rounded up and capped at `max_val_blocks`. The rest, capped at `max_tokens` tokens,
     are for training. The validation set therefore does not change with `max_tokens`.
-    Packed blocks are cached under `cache_dir` (default: $LINEARIZE_CACHE/blocks or ~/.cache/linearize/blocks),
+    Packed blocks are cached under `cache_dir` (default: `blocks/` in $LINEARIZE_CACHE or ~/.cache/linearize),
     keyed by the data, the tokenizer and `seq_len`.
     """
     if seq_len < 1:
@@ -88,7 +88,7 @@ def build_token_blocks(
                 "documents": num_docs, "tokens": len(stream), "blocks": len(blocks)}
         return blocks, info
 
-    blocks = cached_array(Path(cache_dir) if cache_dir else cache_root() / "blocks", key, build)
+    blocks = cached_array(Path(cache_dir) if cache_dir else default_cache_dir(), key, build)
     train, val = split_indices(len(blocks), seq_len, val_size=val_size, max_val_blocks=max_val_blocks,
                                max_tokens=max_tokens, seed=seed)
     log.info("Data %s: %d blocks of %d tokens, %d for training, %d for validation.",
@@ -129,7 +129,7 @@ def split_indices(
     num_blocks: int,
     seq_len: int,
     *,
-    val_size: float | int,
+    val_size: float,
     max_val_blocks: int,
     max_tokens: int | None,
     seed: int,

@@ -11,6 +11,8 @@ A record is used through its `text` field, or else as an Alpaca record (`instruc
 import hashlib
 import json
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -61,16 +63,6 @@ def data_fingerprint(spec: str | Path) -> str:
     root = path.resolve()
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
     return _hash([str(root)] + [_file_stamp(f, root.parent) for f in files])
-
-
-def _record_text(record: dict, where: str) -> str:
-    """The training text of one record: its `text` field, or its Alpaca prompt + output."""
-    if "text" in record and isinstance(record["text"], str | None):
-        return record["text"] or ""
-    if all(isinstance(record.get(field), str) for field in ALPACA_FIELDS):
-        return format_example(record)
-    raise DataError(f"{where}: record has neither a 'text' field nor Alpaca 'instruction'/'output' fields "
-                    f"(found {sorted(record)}).")
 
 
 def _hash(parts: list[str]) -> str:
@@ -137,6 +129,16 @@ def _as_record(value, where: str) -> dict:
     return value
 
 
+def _record_text(record: dict, where: str) -> str:
+    """The training text of one record: its `text` field, or its Alpaca prompt + output."""
+    if "text" in record and isinstance(record["text"], str | None):
+        return record["text"] or ""
+    if all(isinstance(record.get(field), str) for field in ALPACA_FIELDS):
+        return format_example(record)
+    raise DataError(f"{where}: record has neither a 'text' field nor Alpaca 'instruction'/'output' fields "
+                    f"(found {sorted(record)}).")
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
@@ -154,13 +156,28 @@ def _load_saved(path: Path):
 
 def _load_hub(name: str):
     import datasets
+    import huggingface_hub
 
+    local = "pass a local .jsonl/.json/.txt file, a folder of them, or a datasets.save_to_disk directory"
+    # Without this check, an offline machine spends half a minute in the hub client's retries before failing.
+    if not huggingface_hub.constants.HF_HUB_OFFLINE and not _hub_reachable(huggingface_hub.constants.ENDPOINT):
+        raise DataError(f"'{name}' is not a local path, and the Hugging Face hub cannot be reached: {local} "
+                        "(or set HF_HUB_OFFLINE=1 to use a copy already in the Hugging Face cache).")
     try:
         return datasets.load_dataset(name, split="train")
-    except Exception as e:  # offline, unknown name, gated: all end the same way for the user
+    except Exception as e:  # unknown name, gated, no cached copy: all end the same way for the user
         raise DataError(f"Could not load '{name}' from the Hugging Face hub ({type(e).__name__}: {e}). It is not "
-                        "a local path either: if you are offline, pass a local .jsonl/.json/.txt file, a folder of "
-                        "them, or a datasets.save_to_disk directory.") from e
+                        f"a local path either: {local}.") from e
+
+
+def _hub_reachable(endpoint: str) -> bool:
+    try:
+        urllib.request.urlopen(endpoint, timeout=5).close()
+    except urllib.error.HTTPError:
+        return True  # it answered, if only with an error
+    except OSError:
+        return False
+    return True
 
 
 def _dataset_documents(dataset, where: str) -> Iterator[str]:

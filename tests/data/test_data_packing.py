@@ -1,13 +1,22 @@
 import numpy as np
 import pytest
 import torch
+from data_helpers import make_tokenizer, write_jsonl
 
-from linearize.data import DataError, TokenBlocks, build_token_blocks
-from linearize.data import packing
-from linearize.data.token_cache import default_cache_dir
+from linearize.data import DataError, TokenBlocks, build_token_blocks, packing
 from linearize.data.packing import pack, split_indices, tokenize_documents
+from linearize.data.token_cache import default_cache_dir
 
-pytestmark = pytest.mark.usefixtures("isolated_cache")
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    """Keep the token cache inside the test's tmp_path, never in the user's cache."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def tokenizer():
+    return make_tokenizer()
 
 
 def random_docs(n: int, seed: int = 0) -> list[str]:
@@ -20,7 +29,7 @@ def expected_stream(docs: list[str], tokenizer) -> list[int]:
     return [i for doc in docs for i in [vocab[word] for word in doc.split()] + [tokenizer.eos_token_id]]
 
 
-def write_docs(path, docs, write_jsonl):
+def write_docs(path, docs):
     return write_jsonl(path, [{"text": doc} for doc in docs])
 
 
@@ -46,9 +55,9 @@ def test_blocks_are_exact_slices_of_the_stream_and_the_remainder_is_dropped():
     assert blocks.tolist() == [list(range(i, i + 5)) for i in range(0, 20, 5)]
 
 
-def test_train_and_val_blocks_are_slices_of_the_packed_stream(tmp_path, tokenizer, write_jsonl):
+def test_train_and_val_blocks_are_slices_of_the_packed_stream(tmp_path, tokenizer):
     docs = random_docs(300)
-    path = write_docs(tmp_path / "d.jsonl", docs, write_jsonl)
+    path = write_docs(tmp_path / "d.jsonl", docs)
     train, val = build_token_blocks(path, tokenizer, seq_len=16, val_size=0.05, seed=3)
     stream = expected_stream(docs, tokenizer)
     slices = {tuple(stream[i : i + 16]) for i in range(0, len(stream) - 15, 16)}
@@ -59,8 +68,8 @@ def test_train_and_val_blocks_are_slices_of_the_packed_stream(tmp_path, tokenize
     assert train.seq_len == 16 and train.num_tokens == 16 * len(train)
 
 
-def test_validation_is_disjoint_from_train(tmp_path, tokenizer, write_jsonl):
-    path = write_docs(tmp_path / "d.jsonl", random_docs(300), write_jsonl)
+def test_validation_is_disjoint_from_train(tmp_path, tokenizer):
+    path = write_docs(tmp_path / "d.jsonl", random_docs(300))
     train, val = build_token_blocks(path, tokenizer, seq_len=16, val_size=0.1)
     assert len(val) > 0
     assert not set(train.indices.tolist()) & set(val.indices.tolist())
@@ -86,8 +95,8 @@ def test_max_tokens_caps_train_but_not_validation():
         split_indices(100, 8, val_size=5, max_val_blocks=64, max_tokens=7, seed=0)
 
 
-def test_shuffle_is_seeded(tmp_path, tokenizer, write_jsonl):
-    path = write_docs(tmp_path / "d.jsonl", random_docs(300), write_jsonl)
+def test_shuffle_is_seeded(tmp_path, tokenizer):
+    path = write_docs(tmp_path / "d.jsonl", random_docs(300))
     first, _ = build_token_blocks(path, tokenizer, seq_len=16, seed=1)
     again, _ = build_token_blocks(path, tokenizer, seq_len=16, seed=1)
     other, _ = build_token_blocks(path, tokenizer, seq_len=16, seed=2)
@@ -96,8 +105,8 @@ def test_shuffle_is_seeded(tmp_path, tokenizer, write_jsonl):
     assert sorted(first.indices.tolist()) != first.indices.tolist()  # actually shuffled
 
 
-def test_packed_blocks_are_cached_per_seq_len(tmp_path, tokenizer, write_jsonl, monkeypatch):
-    path = write_docs(tmp_path / "d.jsonl", random_docs(100), write_jsonl)
+def test_packed_blocks_are_cached_per_seq_len(tmp_path, tokenizer, monkeypatch):
+    path = write_docs(tmp_path / "d.jsonl", random_docs(100))
     train, _ = build_token_blocks(path, tokenizer, seq_len=16)
     assert default_cache_dir() == tmp_path / "cache" / "blocks"  # $LINEARIZE_CACHE
     assert len(list(default_cache_dir().glob("*.npy"))) == 1
@@ -112,8 +121,8 @@ def test_packed_blocks_are_cached_per_seq_len(tmp_path, tokenizer, write_jsonl, 
         build_token_blocks(path, tokenizer, seq_len=8)
 
 
-def test_cache_key_follows_the_tokenizer(tmp_path, tokenizer, make_tokenizer, write_jsonl):
-    path = write_docs(tmp_path / "d.jsonl", random_docs(100), write_jsonl)
+def test_cache_key_follows_the_tokenizer(tmp_path, tokenizer):
+    path = write_docs(tmp_path / "d.jsonl", random_docs(100))
     build_token_blocks(path, tokenizer, seq_len=16)
     other = make_tokenizer(eos_token="<unk>")
     train, _ = build_token_blocks(path, other, seq_len=16)
@@ -121,25 +130,25 @@ def test_cache_key_follows_the_tokenizer(tmp_path, tokenizer, make_tokenizer, wr
     assert 0 in {i for row in all_rows(train) for i in row}  # <unk> is this tokenizer's separator
 
 
-def test_cache_dir_argument(tmp_path, tokenizer, write_jsonl):
-    path = write_docs(tmp_path / "d.jsonl", random_docs(100), write_jsonl)
+def test_cache_dir_argument(tmp_path, tokenizer):
+    path = write_docs(tmp_path / "d.jsonl", random_docs(100))
     build_token_blocks(path, tokenizer, seq_len=16, cache_dir=tmp_path / "mine")
     assert len(list((tmp_path / "mine").glob("*.npy"))) == 1
 
 
-def test_empty_dataset(tmp_path, tokenizer, write_jsonl):
+def test_empty_dataset(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": ""}, {"text": "  \n"}])
     with pytest.raises(DataError, match="holds no documents"):
         build_token_blocks(path, tokenizer, seq_len=16)
 
 
-def test_fewer_tokens_than_one_block(tmp_path, tokenizer, write_jsonl):
+def test_fewer_tokens_than_one_block(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "w1 w2 w3"}])
     with pytest.raises(DataError, match="has 4 tokens, fewer than one block of 16"):
         build_token_blocks(path, tokenizer, seq_len=16)
 
 
-def test_too_few_blocks_to_hold_out_validation(tmp_path, tokenizer, write_jsonl):
+def test_too_few_blocks_to_hold_out_validation(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": " ".join(["w1"] * 20)}])
     with pytest.raises(DataError, match="Only 1 blocks of 16 tokens"):
         build_token_blocks(path, tokenizer, seq_len=16)
@@ -147,6 +156,6 @@ def test_too_few_blocks_to_hold_out_validation(tmp_path, tokenizer, write_jsonl)
     assert len(train) == 1 and len(val) == 0
 
 
-def test_tokenizer_without_eos(make_tokenizer):
+def test_tokenizer_without_eos():
     with pytest.raises(DataError, match="no EOS token"):
         tokenize_documents(["w1"], make_tokenizer(eos_token=None))

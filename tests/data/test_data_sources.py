@@ -1,14 +1,15 @@
 import datasets
 import pytest
+from data_helpers import write_jsonl
 
-from linearize.data import DataError, load_documents
+from linearize.data import DataError, load_documents, sources
 from linearize.data.alpaca import format_example
 from linearize.data.sources import data_fingerprint
 
 ALPACA = {"instruction": "Say hi.", "input": "", "output": "Hi!"}
 
 
-def test_jsonl_text_and_alpaca_records(tmp_path, write_jsonl):
+def test_jsonl_text_and_alpaca_records(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "first doc"}, ALPACA, {"text": "   "}, {"text": "last"}])
     assert list(load_documents(path)) == ["first doc", format_example(ALPACA), "last"]
 
@@ -23,7 +24,7 @@ def test_txt_file_is_one_document(tmp_path):
     assert list(load_documents(str(tmp_path / "book.txt"))) == ["line one\nline two\n"]
 
 
-def test_folder_is_read_recursively_in_sorted_order(tmp_path, write_jsonl):
+def test_folder_is_read_recursively_in_sorted_order(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "z.txt").write_text("b/z")
     (tmp_path / "a.txt").write_text("a")
@@ -58,7 +59,7 @@ def test_unknown_format(tmp_path):
         load_documents(tmp_path / "data.csv")
 
 
-def test_record_without_usable_field_names_file_and_line(tmp_path, write_jsonl):
+def test_record_without_usable_field_names_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"question": "?", "answer": "!"}])
     with pytest.raises(DataError, match=r"d.jsonl:2: record has neither a 'text' field .*\['answer', 'question'\]"):
         list(load_documents(path))
@@ -82,11 +83,20 @@ def test_folder_without_data_files(tmp_path):
         load_documents(tmp_path)
 
 
-def test_hub_name_when_offline_suggests_a_local_path(monkeypatch):
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach the hub")
+def test_hub_name_when_offline_fails_at_once_suggesting_a_local_path(monkeypatch):
+    monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: pytest.fail("tried the hub"))
+    with pytest.raises(DataError, match="'yahma/alpaca-cleaned' is not a local path, and the Hugging Face hub "
+                                        "cannot be reached: pass a local"):
+        load_documents("yahma/alpaca-cleaned")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+
+def test_hub_failure_suggests_a_local_path(monkeypatch):
+    def fails(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'yahma/alpaca-cleaned' on the Hub")
+
+    monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(datasets, "load_dataset", fails)
     with pytest.raises(DataError, match="'yahma/alpaca-cleaned' from the Hugging Face hub.*pass a local"):
         load_documents("yahma/alpaca-cleaned")
 
@@ -98,6 +108,7 @@ def test_hub_name_loads_the_train_split(monkeypatch):
         calls.append((name, split))
         return datasets.Dataset.from_dict({k: [v] for k, v in ALPACA.items()})
 
+    monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: True)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert list(load_documents("yahma/alpaca-cleaned")) == [format_example(ALPACA)]
     assert calls == [("yahma/alpaca-cleaned", "train")]

@@ -11,7 +11,7 @@ from linearize.train import DistillConfig, ResumeError, distill
 from linearize.train import distillation as distill_module
 from linearize.loading import load_model
 
-from conftest import save_tiny_teacher
+from tiny_models import save_tiny_teacher
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-import pytest
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -39,9 +39,6 @@ def perturb_new_parameters(model, scale: float = 0.3, seed: int = 1):
                     p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
 
 
-@pytest.fixture
-def tiny_llama():
-    return tiny_teacher("llama")
 
 
 def tiny_tokenizer():

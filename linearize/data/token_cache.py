@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 
 
-def cache_root() -> Path:
-    """$LINEARIZE_CACHE, else ~/.cache/linearize."""
-    return Path(os.environ.get("LINEARIZE_CACHE") or Path.home() / ".cache" / "linearize")
+def default_cache_dir() -> Path:
+    """`blocks/` in the project's user cache ($LINEARIZE_CACHE, else ~/.cache/linearize), beside the assets."""
+    from linearize.assets import cache_dir
+
+    return cache_dir() / "blocks"
 
 
 def cached_array(directory: Path, key: str, build: Callable[[], tuple[np.ndarray, dict]]) -> np.ndarray:
