@@ -82,7 +82,9 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
 def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
     if stage == 2:
         return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-    model.get_decoder()(input_ids=input_ids, use_cache=False)
+    # Through the full model (FSDP's root) but with logits for one position only: stage 1 needs
+    # just the per-layer losses recorded on the way.
+    model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
     losses = [layer.transfer_loss for layer in linearized_layers(model)]
     return torch.stack(losses).mean()
 
@@ -204,6 +206,8 @@ class Run:
                     (loss / cfg.grad_accum).backward()
                     loss_sum += loss.item() / cfg.grad_accum
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                    grad_norm = grad_norm.full_tensor()
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
                 scheduler.step()

@@ -59,10 +59,14 @@ class Runtime:
 
 
 def shard(model: torch.nn.Module) -> None:
-    """FSDP2: each decoder layer is its own unit; the decoder stack is the root (the lm_head stays replicated)."""
+    """FSDP2: each decoder layer is its own unit, the causal LM the root.
+
+    The root must be the whole causal LM (under peft: its base model) so that tied input/output
+    embeddings stay in one unit, and every forward must enter through it.
+    """
     from torch.distributed.fsdp import fully_shard
 
-    decoder = model.get_decoder()
-    for layer in decoder.layers:
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in causal_lm.get_decoder().layers:
         fully_shard(layer)
-    fully_shard(decoder)
+    fully_shard(causal_lm)

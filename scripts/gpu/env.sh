@@ -1,0 +1,8 @@
+# Sourced at the start of a GPU command, after the teacher is reassembled at /tmp/teacher.gguf:
+# points the package's cache at a copy of the carried assets and the teacher, so `smollm2` resolves.
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LINEARIZE_CACHE=/tmp/lcache
+if [ ! -d /tmp/lcache/texts ] && [ -d .device/assets/cache ]; then
+  mkdir -p /tmp/lcache && cp -r .device/assets/cache/. /tmp/lcache/
+fi
+mkdir -p /tmp/lcache/smollm2
+[ -f /tmp/lcache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || cp /tmp/teacher.gguf /tmp/lcache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -1,0 +1,88 @@
+"""One GPU vs N GPUs (FSDP2) at the same global batch: same loss curve, tokens/s ratio, resume.
+
+    python scripts/gpu/fsdp_check.py --gpus 2 --out $OUT/fsdp [--model smollm2] [--steps 40]
+
+Runs `linearize distill` under torchrun with 1 and with N processes on identical settings (stage 1
+then stage 2), then resumes a stopped N-GPU run on 1 GPU. Writes fsdp.json (per-step losses of both
+runs, their largest relative difference, median tokens/s and the speed-up) and fsdp.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def distill(nproc: int, out: Path, args, extra=()) -> None:
+    tokens = args.steps * args.batch * args.seq_len
+    cmd = ["torchrun", f"--nproc-per-node={nproc}", "-m", "linearize.cli", "distill", "--model", args.model,
+           "--method", args.method, "--out", str(out), "--max-tokens", str(tokens), "--seq-len", str(args.seq_len),
+           "--batch", str(args.batch), "--save-every", "10", "--eval-every", str(args.steps), *extra]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def summary(records: list[dict], stage: int) -> dict:
+    steps = [r for r in records if r["stage"] == stage and "loss" in r]
+    return {"loss": [r["loss"] for r in steps],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps[len(steps) // 4:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--method", default="lizard")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = Path("/tmp/fsdp_runs")
+    one, many = runs / "gpu1", runs / f"gpu{args.gpus}"
+    distill(1, one, args)
+    distill(args.gpus, many, args)
+
+    result = {"gpus": args.gpus, "model": args.model, "method": args.method, "batch": args.batch,
+              "seq_len": args.seq_len, "steps": args.steps, "stages": {}}
+    for stage in (1, 2):
+        a, b = summary(read_log(one), stage), summary(read_log(many), stage)
+        worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["loss"], b["loss"]))
+        result["stages"][stage] = {"loss_1gpu": a["loss"], f"loss_{args.gpus}gpu": b["loss"],
+                                   "max_relative_loss_difference": worst,
+                                   "tokens_per_s_1gpu": a["tokens_per_s"],
+                                   f"tokens_per_s_{args.gpus}gpu": b["tokens_per_s"],
+                                   "speedup": b["tokens_per_s"] / a["tokens_per_s"]}
+    (out / "fsdp.json").write_text(json.dumps(result, indent=2))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, stage in zip(axes, (1, 2)):
+        s = result["stages"][stage]
+        ax.plot(s["loss_1gpu"], label="1 GPU")
+        ax.plot(s[f"loss_{args.gpus}gpu"], "--", label=f"{args.gpus} GPUs (FSDP2)")
+        ax.set_title(f"stage {stage}: speed-up {s['speedup']:.2f}x")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fsdp.png", dpi=120)
+    json.dump(result["stages"], sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()
