@@ -73,8 +73,8 @@ def _set_options(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_convert(args) -> None:
-    from .convert import convert
     from .config import make_method_config
+    from .convert import convert
     from .loading import load_model, load_tokenizer
 
     options = _set_options(args.set)
@@ -98,7 +98,7 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
         text = prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).to(model.device)
     torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                              **sampling)
@@ -130,8 +130,8 @@ def cmd_demo(args) -> None:
     gpu = torch.cuda.is_available()
     # On 2 CPU cores a stage-2 step of 4 x 256 tokens takes ~8 s, so the CPU budget is 16 steps per
     # stage, with a stage-1 learning rate raised to make them count.
-    budget = (dict(max_tokens=20_000_000, seq_len=2048, batch=8) if gpu
-              else dict(max_tokens=16_384, seq_len=256, batch=4, lr_stage1=1e-2))
+    budget = ({"max_tokens": 20_000_000, "seq_len": 2048, "batch": 8} if gpu
+              else {"max_tokens": 16_384, "seq_len": 256, "batch": 4, "lr_stage1": 1e-2})
     cfg = DistillConfig(model=args.model, method="lizard", out=args.out, data="default", eval_every=8, save_every=4,
                         val_batches=2, **budget)
     out = Path(args.out)

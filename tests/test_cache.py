@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from tiny_models import TINY_OPTIONS, tiny_teacher
 
 import linearize
 from linearize.cache import LinearizeCacheLayer, cache_nbytes
-
-from tiny_models import TINY_OPTIONS, tiny_teacher
 
 
 def generated_cache(method, new_tokens, **options):

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import save_tiny_teacher, tiny_tokenizer
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from linearize.cli import main
 from linearize.loading import load_model
-
-from tiny_models import save_tiny_teacher, tiny_tokenizer
 
 
 @pytest.fixture

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
 from linearize.attention import LinearizedAttention
-
-from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
 
 def linearized(method, arch="llama", **overrides):

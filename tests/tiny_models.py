@@ -2,8 +2,8 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 4096, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -13,10 +13,10 @@ ARCHITECTURES = {
 
 # Small windows/chunks so that short test sequences cross several of them.
 TINY_OPTIONS = {
-    "lizard": dict(window=8, num_sinks=2),
-    "still": dict(window=8, budget=14, chunk_size=4, max_chunks=2),
-    "lolcats": dict(window=8),
-    "liger": dict(window=8),
+    "lizard": {"window": 8, "num_sinks": 2},
+    "still": {"window": 8, "budget": 14, "chunk_size": 4, "max_chunks": 2},
+    "lolcats": {"window": 8},
+    "liger": {"window": 8},
 }
 METHODS = list(TINY_OPTIONS)
 

@@ -13,5 +13,11 @@ ATTENTION_CLASSES = {
     "liger": LigerAttention,
 }
 
-__all__ = ["ATTENTION_CLASSES", "LinearizedAttention", "LigerAttention", "LizardAttention", "LolcatsAttention",
-           "StillAttention"]
+__all__ = [
+    "ATTENTION_CLASSES",
+    "LigerAttention",
+    "LinearizedAttention",
+    "LizardAttention",
+    "LolcatsAttention",
+    "StillAttention",
+]

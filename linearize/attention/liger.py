@@ -11,8 +11,8 @@ from torch import nn
 from ..config import LigerConfig
 from ..feature_maps import SoftmaxFeatureMap
 from ..ops import gla_window
-from ..ops.gla_window_chunked import gla_window_chunked
 from ..ops.common import repeat_kv
+from ..ops.gla_window_chunked import gla_window_chunked
 from .base import LinearizedAttention, rotate
 
 
@@ -29,8 +29,8 @@ class LigerAttention(LinearizedAttention):
         fq, fk = self.feature_map(q), self.feature_map(repeat_kv(k, n_rep))
         qw, kw = rotate(q, k, position_embeddings)
         mix = torch.full((self.num_heads,), cfg.mix, device=q.device)
-        options = dict(window=cfg.window, scale=self.scaling, sinks=None, alpha=mix, beta=1.0 - cfg.mix,
-                       normalize=False, shared=False)
+        options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix, "beta": 1.0 - cfg.mix,
+                       "normalize": False, "shared": False}
         if state is None:
             state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim,
                                           cfg.window, device=q.device)

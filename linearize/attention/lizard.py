@@ -8,8 +8,8 @@ from torch import nn
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
 from ..ops import gla_window
-from ..ops.gla_window_chunked import gla_window_chunked
 from ..ops.common import repeat_kv
+from ..ops.gla_window_chunked import gla_window_chunked
 from .base import LinearizedAttention, rotate
 
 
@@ -43,8 +43,8 @@ class LizardAttention(LinearizedAttention):
         fq = self.feature_map_q(q)
         fk = self.feature_map_k(repeat_kv(k, n_rep))
         qw, kw = rotate(q, k, position_embeddings) if cfg.rope_in_window else (q, k)
-        options = dict(window=cfg.window, scale=self.scaling, sinks=self.sinks.float() if cfg.num_sinks else None,
-                       alpha=self.alpha.float(), beta=1.0, normalize=True, shared=cfg.combine == "shared", eps=cfg.eps)
+        options = {"window": cfg.window, "scale": self.scaling, "sinks": self.sinks.float() if cfg.num_sinks else None,
+                       "alpha": self.alpha.float(), "beta": 1.0, "normalize": True, "shared": cfg.combine == "shared", "eps": cfg.eps}
         if state is None:
             state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
                                           cfg.window, device=q.device)

@@ -25,8 +25,8 @@ class LolcatsAttention(LinearizedAttention):
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         q, k = rotate(q, k, position_embeddings)
-        options = dict(window=cfg.window, scale=self.scaling, factor=torch.sigmoid(self.window_factors.float()),
-                       eps=cfg.eps)
+        options = {"window": cfg.window, "scale": self.scaling, "factor": torch.sigmoid(self.window_factors.float()),
+                       "eps": cfg.eps}
         if state is None:
             state = lolcats.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
                                        cfg.window, device=q.device)

@@ -30,8 +30,8 @@ class StillAttention(LinearizedAttention):
         B, H, L, d = q.shape
         q, k = rotate(q, k, position_embeddings)
         gate = self.gate(x.to(self.gate.weight.dtype)).float().sigmoid().view(B, L, H, d).transpose(1, 2) if cfg.gate else None
-        options = dict(start=start, window=cfg.window, chunk=cfg.chunk_size, per_chunk=cfg.per_chunk,
-                       routing=cfg.routing, scale=self.scaling, eps=cfg.eps)
+        options = {"start": start, "window": cfg.window, "chunk": cfg.chunk_size, "per_chunk": cfg.per_chunk,
+                       "routing": cfg.routing, "scale": self.scaling, "eps": cfg.eps}
         if state is None:
             state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.budget - cfg.window,
                                      device=q.device)

@@ -21,7 +21,7 @@ from .common import exp_weights, keep_last, repeat_kv, safe_divide
 
 
 def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, *, device, dtype=torch.float32):
-    zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
+    zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)
     return {
         "S": zeros(batch, num_heads, feature_dim, head_dim),
         "z": zeros(batch, num_heads, feature_dim),

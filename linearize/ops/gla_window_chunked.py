@@ -44,7 +44,7 @@ def _gla_chunks(fq, fk, log_g, v, S, z, chunk):
 
 def _window_blocks(qw, keys, values, key_valid, window, scale, sinks):
     """Softmax over (i - w, i] for each new query; `keys` = w-1 carried keys followed by the L new ones."""
-    B, H, L, d = qw.shape
+    H, L = qw.shape[1], qw.shape[2]
     n_rep = H // keys.shape[1]
     nb = -(-L // window)
     # One invalid key in front makes the new tokens start at offset w, so query block b sees key blocks b, b+1.

@@ -66,10 +66,10 @@ class DistillConfig:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "DistillConfig":
+    def from_json(cls, path: str | Path) -> DistillConfig:
         return cls(**json.loads(Path(path).read_text()))
 
-    def same_run(self, other: "DistillConfig") -> list[str]:
+    def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         free = {"save_every", "eval_every", "device"}
         return [f.name for f in dataclasses.fields(self)

@@ -46,7 +46,7 @@ def build_student(cfg: DistillConfig, stage1_path: Path | None):
 
     model = convert(load_model(cfg.model), cfg.method, softmax_layers=cfg.softmax_layers, **cfg.options)
     if stage1_path is not None and stage1_path.exists():
-        missing, unexpected = model.load_state_dict(torch.load(stage1_path, map_location="cpu"), strict=False)
+        unexpected = model.load_state_dict(torch.load(stage1_path, map_location="cpu"), strict=False).unexpected_keys
         if unexpected:
             raise ResumeError(f"{stage1_path} does not match this model: unexpected {unexpected[:3]}")
     return model

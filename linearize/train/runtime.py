@@ -26,7 +26,7 @@ class Runtime:
         return self.rank == 0
 
     @classmethod
-    def start(cls, device: str | None, precision: str) -> "Runtime":
+    def start(cls, device: str | None, precision: str) -> Runtime:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world_size > 1:

@@ -10,7 +10,7 @@ B, H, HKV, D, F = 2, 4, 2, 8, 6
 
 def inputs(L, gate_dim, seed=0, pad=3):
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     fq = torch.softmax(rand(B, H, L, F), -1)
     fk = torch.softmax(rand(B, H, L, F), -1)
     log_g = torch.nn.functional.logsigmoid(rand(B, H, L, gate_dim) + 2)
@@ -22,8 +22,8 @@ def inputs(L, gate_dim, seed=0, pad=3):
 
 
 def options(window, sinks, shared=False, normalize=True):
-    return dict(window=window, scale=D**-0.5, sinks=sinks, alpha=torch.linspace(0.5, 1.5, H, dtype=torch.float64),
-                beta=1.0, normalize=normalize, shared=shared)
+    return {"window": window, "scale": D**-0.5, "sinks": sinks, "alpha": torch.linspace(0.5, 1.5, H, dtype=torch.float64),
+                "beta": 1.0, "normalize": normalize, "shared": shared}
 
 
 def empty_state(window):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from test_gla_window import F, H, check_pair, empty_state, inputs, options
 
 from linearize.ops import gla_window
 from linearize.ops.gla_window_chunked import gla_window_chunked
-
-from test_gla_window import F, H, check_pair, empty_state, inputs, options
 
 
 @pytest.mark.parametrize("L", [1, 7, 16, 37])

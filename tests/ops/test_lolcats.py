@@ -30,7 +30,7 @@ def state0(window):
 @pytest.mark.parametrize("window", [1, 4])
 def test_parallel_equals_recurrent(L, window):
     (q, k, v), valid, phi_q, phi_k = setup(L)
-    opts = dict(window=window, scale=D**-0.5, factor=torch.tensor([0.2, 0.5, 0.7, 0.9], dtype=torch.float64))
+    opts = {"window": window, "scale": D**-0.5, "factor": torch.tensor([0.2, 0.5, 0.7, 0.9], dtype=torch.float64)}
     y_par, s_par = lolcats.lolcats_parallel(q, k, v, valid, state0(window), phi_q, phi_k, **opts)
     state, ys = state0(window), []
     for t in range(L):
@@ -51,7 +51,7 @@ def test_parallel_equals_recurrent(L, window):
 def test_factor_one_is_pure_sliding_window_softmax():
     (q, k, v), valid, phi_q, phi_k = setup(10)
     valid[:] = True
-    opts = dict(window=3, scale=D**-0.5, factor=torch.ones(H, dtype=torch.float64), eps=0.0)
+    opts = {"window": 3, "scale": D**-0.5, "factor": torch.ones(H, dtype=torch.float64), "eps": 0.0}
     y, _ = lolcats.lolcats_parallel(q, k, v, valid, state0(3), phi_q, phi_k, **opts)
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     i = 7

@@ -40,7 +40,7 @@ def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
 @pytest.mark.parametrize("window,chunk,budget,max_chunks", [(4, 4, 10, 2), (8, 4, 14, 1), (4, 2, 4, 3)])
 def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks):
     (q, k, v, gate), valid, phi_q, phi_k = setup(L)
-    opts = dict(window=window, chunk=chunk, per_chunk=(budget - window) // max_chunks, routing=routing, scale=D**-0.5)
+    opts = {"window": window, "chunk": chunk, "per_chunk": (budget - window) // max_chunks, "routing": routing, "scale": D**-0.5}
     y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0, **opts)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
@@ -55,9 +55,9 @@ def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks
 
 def test_parallel_continues_from_a_state():
     (q, k, v, gate), valid, phi_q, phi_k = setup(23)
-    opts = dict(window=4, chunk=2, per_chunk=2, routing="saliency", scale=D**-0.5)
+    opts = {"window": 4, "chunk": 2, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
     full, _ = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, **opts)
-    cut = lambda x, s: None if x is None else x[:, :, s]  # noqa: E731
+    cut = lambda x, s: None if x is None else x[:, :, s]
     a, state = still.still_parallel(cut(q, slice(0, 9)), cut(k, slice(0, 9)), cut(v, slice(0, 9)), valid[:, :9],
                                     cut(gate, slice(0, 9)), state0(4, 9), phi_q, phi_k, start=0, **opts)
     b, _ = still.still_parallel(cut(q, slice(9, None)), cut(k, slice(9, None)), cut(v, slice(9, None)), valid[:, 9:],
@@ -68,7 +68,7 @@ def test_parallel_continues_from_a_state():
 def test_softmax_set_never_exceeds_budget():
     (q, k, v, gate), valid, phi_q, phi_k = setup(64, gate=False)
     window, budget = 8, 14
-    opts = dict(window=window, chunk=4, per_chunk=3, routing="saliency", scale=D**-0.5)
+    opts = {"window": window, "chunk": 4, "per_chunk": 3, "routing": "saliency", "scale": D**-0.5}
     _, state, sizes = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
     assert sizes.max() == budget  # full after enough chunks, and never more
     assert state["sal_used"].all()

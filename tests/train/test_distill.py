@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny_teacher
 
+from linearize.loading import load_model
 from linearize.train import DistillConfig, ResumeError, distill
 from linearize.train import distillation as distill_module
-from linearize.loading import load_model
-
-from tiny_models import save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +18,15 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
     save_tiny_teacher(root / "teacher")
     rng = random.Random(0)
-    words = "the cat sat on a mat while dogs ran far away and then came back home".split()
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "and", "then", "came", "back", "home"]
     (root / "data.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(120)) for _ in range(40)))
     return root
 
 
 def config(workspace, out, **overrides):
-    base = dict(model=str(workspace / "teacher"), method="lizard", out=str(out), data=str(workspace / "data.txt"),
-                max_tokens=4 * 32 * 8, seq_len=32, batch=4, options={"window": 8, "num_sinks": 2}, save_every=3,
-                eval_every=4, val_batches=1, lr_stage1=3e-2, lr_stage2=2e-3)
+    base = {"model": str(workspace / "teacher"), "method": "lizard", "out": str(out), "data": str(workspace / "data.txt"),
+                "max_tokens": 4 * 32 * 8, "seq_len": 32, "batch": 4, "options": {"window": 8, "num_sinks": 2}, "save_every": 3,
+                "eval_every": 4, "val_batches": 1, "lr_stage1": 3e-2, "lr_stage2": 2e-3}
     return DistillConfig(**{**base, **overrides})
 
 
@@ -89,8 +88,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monk
     a, b = load_model(straight), load_model(resumed)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), name
-    losses = lambda out: [(r["stage"], r["step"], r["loss"]) for r in log(out) if "loss" in r]  # noqa: E731
-    assert dict(((s, k), v) for s, k, v in losses(resumed)) == dict(((s, k), v) for s, k, v in losses(straight))
+    losses = lambda out: [(r["stage"], r["step"], r["loss"]) for r in log(out) if "loss" in r]
+    assert {(s, k): v for s, k, v in losses(resumed)} == {(s, k): v for s, k, v in losses(straight)}
 
 
 def test_resume_refuses_a_different_run(workspace, tmp_path):
