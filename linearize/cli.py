@@ -185,11 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo-lizard", help="run directory (rerun to resume)")
     p.set_defaults(func=cmd_demo)
 
+    from .bench.command import register as register_bench
     from .eval.command import register as register_eval
+    from .eval.command import run as run_eval
     from .train.command import register as register_distill
 
     register_distill(sub)
-    register_eval(sub)
+    register_eval(sub).set_defaults(func=run_eval)
+    register_bench(sub)
     return parser
 
 

@@ -1,0 +1,111 @@
+"""`linearize bench kernels|model|train`: the CLI face of `linearize.bench`. Flag names are a contract."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..config import METHOD_CONFIGS
+from .common import parse_sizes
+
+
+def sizes(text: str) -> list[int]:
+    try:
+        return parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def size(text: str) -> int:
+    values = sizes(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one size such as 4k, got {text!r}")
+    return values[0]
+
+
+def methods(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHOD_CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected methods among {', '.join(METHOD_CONFIGS)}, got {text!r}")
+    return names
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    from ..cli import positive_int
+
+    bench = subparsers.add_parser("bench", help="measure kernel, model and training speed and memory",
+                                  description="Each writes DIR/<name>.json, DIR/<name>.md and PNG plots into --out.")
+    sub = bench.add_subparsers(dest="bench", required=True)
+    quick_help = "tiny shapes and sweeps: runs on a CPU in seconds (what the tests use)"
+
+    p = sub.add_parser("kernels", help="Lizard attention op vs fla chunk_gla / chunk_simple_gla and causal SDPA")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.set_defaults(func=run_kernels)
+
+    p = sub.add_parser("model", help="prefill latency, decode tokens/s and peak memory vs context and batch")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    which = p.add_mutually_exclusive_group()
+    # No default here, or argparse could not tell `--shape smollm2 --model X` from `--model X`.
+    which.add_argument("--shape", choices=["smollm2", "llama3-8b"],
+                       help="random bf16 weights of this shape (default smollm2)")
+    which.add_argument("--model", help="load this model instead: smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--contexts", type=sizes, help="batch-1 context sweep, e.g. 1k,4k,1m (default 1k..1m, doubling)")
+    p.add_argument("--batches", type=sizes, help="batch sweep, e.g. 1,4,16,64 (default)")
+    p.add_argument("--batch-context", type=size, help="context of the batch sweep (default 4k)")
+    p.add_argument("--methods", type=methods, default=["lizard"], help="linear methods to compare with softmax")
+    p.add_argument("--decode-steps", type=positive_int, help="timed decode steps per point (default 32)")
+    p.add_argument("--prefill-chunk", type=size, help="tokens per prefill call of a linear model (default 16k)")
+    p.add_argument("--teacher-max", type=size, help="longest context for softmax attention (default 128k)")
+    p.add_argument("--time-limit", type=positive_float,
+                   help="seconds for the whole sweep; points that would end later are skipped (default 420)")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.set_defaults(func=run_model)
+
+    p = sub.add_parser("train", help="tokens/s of distillation stages 1 and 2 vs a full fine-tune")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--model", default="smollm2", help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--method", default="lizard", choices=sorted(METHOD_CONFIGS))
+    p.add_argument("--seq-len", type=positive_int, help="default 2048")
+    p.add_argument("--batch", type=positive_int, help="sequences per optimizer step (default 8)")
+    p.add_argument("--steps", type=positive_int, help="timed optimizer steps per mode (default 10)")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.set_defaults(func=run_train)
+
+
+def wrote(paths) -> None:
+    for path in paths:
+        print(f"wrote {path}")
+
+
+def run_kernels(args) -> None:
+    from . import kernels
+
+    wrote(kernels.bench(args.out, quick=args.quick))
+
+
+def run_model(args) -> None:
+    from . import model
+
+    wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=args.methods, quick=args.quick,
+                      contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
+                      decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
+                      time_limit=args.time_limit))
+
+
+def run_train(args) -> None:
+    from . import train
+
+    wrote(train.bench(args.out, model=args.model, method=args.method, quick=args.quick, seq_len=args.seq_len,
+                      batch=args.batch, steps=args.steps))

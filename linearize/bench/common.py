@@ -1,0 +1,196 @@
+"""What every benchmark shares: timing, memory, provenance, size parsing and writing DIR/<name>.{json,md,png}."""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+OOM = torch.cuda.OutOfMemoryError
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, *, warmup: int, iters: int) -> float:
+    """Median milliseconds of `fn()` over `iters` calls after `warmup` calls (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def wall_ms(fn, device: torch.device) -> float:
+    """Milliseconds of one call of `fn()`, from a synchronised start to a synchronised end."""
+    sync(device)
+    started = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - started) * 1e3
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """Peak allocated GPU memory since the last `reset_peak`; None off the GPU (not measured there)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def failure(error: BaseException) -> dict:
+    """A row's status for a failed measurement; the traceback goes to stderr so a GPU log shows it."""
+    if isinstance(error, OOM):
+        return {"status": "oom"}
+    traceback.print_exception(error, file=sys.stderr)
+    lines = str(error).strip().splitlines()
+    return {"status": "error", "reason": f"{type(error).__name__}: {lines[0] if lines else ''}"}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    cpu = f"CPU ({platform.processor() or platform.machine()})"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return {
+        "device": name,
+        "device_type": device.type,
+        "gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "versions": {name: _version(name) for name in ("torch", "transformers", "peft", "triton",
+                                                        "flash-linear-attention", "fla-core")},
+    }
+
+
+def new_results(bench: str, subject: str, device: torch.device, settings: dict) -> dict:
+    """The provenance every result file starts with; the title names the subject and the device."""
+    env = environment(device)
+    return {
+        "bench": bench,
+        "title": f"{subject} on {env['device']}",
+        "command": shlex.join(sys.orig_argv),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "environment": env,
+        "settings": settings,
+    }
+
+
+def parse_sizes(text: str) -> list[int]:
+    """"1k,4K,1m,512" -> [1024, 4096, 1048576, 512] (k = 1024, m = 1024 * 1024)."""
+    sizes = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        scale = {"k": 1 << 10, "m": 1 << 20}.get(part[-1], 1)
+        digits = part[:-1] if scale > 1 else part
+        if not digits.isdigit() or int(digits) == 0:
+            raise ValueError(f"expected sizes such as 1k,4k,1m, got {text!r}")
+        sizes.append(int(digits) * scale)
+    if not sizes:
+        raise ValueError(f"expected at least one size, got {text!r}")
+    return sizes
+
+
+def size_label(n: int) -> str:
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def save_json(results: dict, out: Path) -> Path:
+    """Rewritten after every measurement, so a run cut short still leaves what it measured."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{results['bench']}.json"
+    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def provenance(results: dict) -> list[str]:
+    env = results["environment"]
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    return [
+        f"- device: {env['device']}" + (f", CUDA {env['cuda']}" if env["cuda"] else ""),
+        f"- versions: {versions}",
+        f"- started {results['started_at']}, "
+        + (f"wall time {results['wall_time_s']:.0f} s" if "wall_time_s" in results else "**run cut short**"),
+        "- command:",
+        "",
+        "```sh",
+        results["command"],
+        "```",
+    ]
+
+
+def write_outputs(results: dict, out: Path, tables, plots) -> list[Path]:
+    """DIR/<name>.json, the PNGs `plots(results, out)` draws and DIR/<name>.md (provenance, tables, plots)."""
+    results["wall_time_s"] = time.time() - datetime.fromisoformat(results["started_at"]).timestamp()
+    paths = [save_json(results, out), *plots(results, out)]
+    lines = [f"# {results['title']}", "", *provenance(results), "", *tables(results)]
+    lines += [f"![{p.stem}]({p.name})" for p in paths[1:]]
+    md = out / f"{results['bench']}.md"
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return [*paths, md]
+
+
+def number(x: float) -> str:
+    """Three significant digits, without exponents for the magnitudes benchmarks produce."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{number(n / scale)} {unit}"
+    return f"{n} B"
+
+
+def cell(row: dict | None, fmt) -> str:
+    """A table cell: `fmt(row)` for a measured row, else why there is no number."""
+    if row is None:
+        return ""
+    if row["status"] == "ok":
+        return fmt(row)
+    return {"oom": "OOM", "skipped": "–", "error": "error"}[row["status"]]

@@ -1,0 +1,266 @@
+"""`linearize bench model`: prefill latency, decode speed and GPU memory of linearized models vs softmax (SDPA).
+
+A point (batch b, context c) prefills c random tokens with use_cache=True, then runs single-token decode steps
+continuing from that cache (median ms per step). The softmax teacher prefills in one forward, as HF does; a linear
+model prefills in calls of `prefill_chunk` tokens that continue the same cache, so its memory stays bounded at any
+context. Peak memory is torch.cuda.max_memory_allocated, reset before the prefill and again before the decode;
+`cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill. Each model gets two sweeps: batch at
+`batch_context`, then context at batch 1. Speed needs no trained weights, so `--shape` builds random ones.
+
+A point that runs out of memory is recorded as OOM and the larger points of its sweep are skipped; a point that
+would end past the model's share of the time limit (estimated from the previous point, cost taken to grow with the
+number of tokens) is skipped too, so a sweep ends on time whatever the device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..cache import cache_nbytes
+from ..convert import convert
+from .common import (
+    GIB,
+    cell,
+    default_device,
+    failure,
+    free_memory,
+    human_bytes,
+    new_results,
+    number,
+    parse_sizes,
+    peak_bytes,
+    reset_peak,
+    save_json,
+    size_label,
+    time_ms,
+    wall_ms,
+    write_outputs,
+)
+
+SOFTMAX = "softmax (sdpa)"
+
+# Random-weight models of known shapes. max_position_embeddings only has to cover the sweep: RoPE is computed on
+# the fly, and speed does not depend on its trained range.
+SHAPES = {
+    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True},
+    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+MAX_POSITIONS = 1 << 20
+
+# Short prefills are timed as the median of a few runs; long ones once (each takes seconds).
+SHORT_PREFILL_REPEATS = 3
+
+FULL = {"contexts": parse_sizes("1k,2k,4k,8k,16k,32k,64k,128k,256k,512k,1m"), "batches": [1, 4, 16, 64],
+        "batch_context": 4096, "decode_steps": 32, "decode_warmup": 3, "prefill_chunk": 16384,
+        "teacher_max": 128 * 1024, "time_limit": 420.0}
+QUICK = {"contexts": [64, 256], "batches": [1, 2], "batch_context": 64, "decode_steps": 3, "decode_warmup": 1,
+         "prefill_chunk": 128, "teacher_max": 256, "time_limit": 120.0}
+
+
+def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype):
+    """The teacher (loaded, or random weights of a known shape), converted unless `variant` is softmax."""
+    if settings["model"]:
+        from ..loading import load_model
+
+        model = load_model(settings["model"], dtype=dtype, device=device)
+        model.set_attn_implementation("sdpa")
+    else:
+        config = LlamaConfig(**SHAPES[settings["shape"]], max_position_embeddings=MAX_POSITIONS)
+        torch.manual_seed(0)
+        with torch.device(device):  # initialised in place: an 8B model never passes through host memory
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if variant != SOFTMAX:
+        convert(model, variant)
+    return model.eval()
+
+
+def prefill_chunk(variant: str, context: int, settings: dict) -> int:
+    return context if variant == SOFTMAX else settings["prefill_chunk"]
+
+
+def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict, device: torch.device) -> dict:
+    ids = torch.randint(model.config.vocab_size, (batch, context), device=device)
+    last = {}
+
+    def prefill():
+        last.clear()  # drop the previous run's cache before building a new one
+        cache = None
+        for start in range(0, context, chunk):
+            out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            cache = out.past_key_values
+        last.update(cache=cache, token=out.logits[:, -1:].argmax(-1))
+
+    repeats = SHORT_PREFILL_REPEATS if batch * context <= settings["prefill_chunk"] else 1
+    times = []
+    for _ in range(repeats):
+        reset_peak(device)
+        times.append(wall_ms(prefill, device))
+    point = {"prefill_ms": statistics.median(times), "prefill_repeats": repeats,
+             "prefill_calls": -(-context // chunk), "prefill_peak_bytes": peak_bytes(device),
+             "cache_bytes": cache_nbytes(last["cache"])}
+
+    def step():
+        out = model(input_ids=last["token"], past_key_values=last["cache"], use_cache=True, logits_to_keep=1)
+        last["token"] = out.logits[:, -1:].argmax(-1)
+
+    reset_peak(device)
+    step_ms = time_ms(step, device, warmup=settings["decode_warmup"], iters=settings["decode_steps"])
+    return dict(point, decode_ms=step_ms, decode_tokens_per_s=batch * 1e3 / step_ms,
+                decode_peak_bytes=peak_bytes(device))
+
+
+def sweep(model, variant: str, name: str, points: list[tuple[int, int]], settings: dict, device, deadline: float,
+          results: dict, out: Path) -> None:
+    """Measure (batch, context) points in increasing size until OOM or until the deadline would pass."""
+    stop, previous = None, None  # why the rest is skipped; (tokens, seconds) of the last measured point
+    for batch, context in points:
+        row = {"model": variant, "sweep": name, "batch": batch, "context": context}
+        tokens = batch * context
+        if stop:
+            row.update(status="skipped", reason=stop)
+        elif variant == SOFTMAX and context > settings["teacher_max"]:
+            row.update(status="skipped", reason=f"softmax runs up to {size_label(settings['teacher_max'])} tokens")
+        elif previous and time.monotonic() + previous[1] * tokens / previous[0] > deadline:
+            row.update(status="skipped", reason="would pass the time limit")
+        else:
+            started = time.monotonic()
+            try:
+                chunk = prefill_chunk(variant, context, settings)
+                row.update(status="ok", **measure_point(model, batch=batch, context=context, chunk=chunk,
+                                                        settings=settings, device=device))
+            except Exception as e:  # noqa: BLE001 (OOM or a broken model: record it, go on with the next sweep)
+                row.update(failure(e))
+                stop = f"{row['status']} at batch {batch}, context {size_label(context)}"
+            previous = (tokens, time.monotonic() - started)
+            row["wall_s"] = previous[1]
+        free_memory()  # after the except block, so an OOM's traceback no longer holds its tensors
+        results["points"].append(row)
+        save_json(results, out)
+
+
+def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
+          quick: bool = False, **overrides) -> list[Path]:
+    """Run both sweeps for softmax and each method; `overrides` replace entries of FULL / QUICK."""
+    device = default_device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are unrepresentative
+    settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
+    # Ascending, because a sweep stops at its first OOM and estimates each point from the one before.
+    settings.update(contexts=sorted(set(settings["contexts"])), batches=sorted(set(settings["batches"])))
+    settings.update(model=model, shape=None if model else shape, methods=list(methods),
+                    dtype=str(dtype).removeprefix("torch."), quick=quick)
+    label = model or f"{shape} shape, random weights"
+    results = new_results("model", f"Model speed: {label}", device, settings)
+    results.update(models=[], points=[])
+    variants = [SOFTMAX, *methods]
+    end = time.monotonic() + settings["time_limit"]
+    for i, variant in enumerate(variants):
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(variants) - i)  # a fair share of the rest
+        net = build(settings, variant, device, dtype)
+        results["models"].append({
+            "name": variant, "parameters": sum(p.numel() for p in net.parameters()),
+            "weights_bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
+            "attn_implementation": net.config._attn_implementation,
+            "linearize": getattr(net.config, "linearize", None)})
+        with torch.inference_mode():
+            # Warm-up (kernel selection, allocator): one small point, not recorded.
+            first = settings["contexts"][0]
+            measure_point(net, batch=1, context=first, chunk=prefill_chunk(variant, first, settings), settings=settings,
+                          device=device)
+            batch_points = [(b, settings["batch_context"]) for b in settings["batches"]]
+            sweep(net, variant, "batch", batch_points, settings, device, deadline, results, out)
+            sweep(net, variant, "context", [(1, c) for c in settings["contexts"]], settings, device, deadline,
+                  results, out)
+        del net
+        free_memory()
+    return write_outputs(results, out, tables, plots)
+
+
+def gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
+
+
+def tables(results: dict) -> list[str]:
+    settings, points = results["settings"], results["points"]
+    variants = [m["name"] for m in results["models"]]
+    by = {(p["model"], p["sweep"], p["batch"], p["context"]): p for p in points}
+    contexts, batches = settings["contexts"], settings["batches"]
+
+    def table(caption, first, keys, sweep, fmt):
+        lines = [caption, "", f"| {first} | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+        for batch, context in keys:
+            label = size_label(context) if sweep == "context" else str(batch)
+            cells = [cell(by.get((v, sweep, batch, context)), fmt) for v in variants]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        return lines + [""]
+
+    context_keys = [(1, c) for c in contexts]
+    lines = [
+        (f"{settings['dtype']}; softmax prefills in one forward, linear models in calls of "
+         f"{size_label(settings['prefill_chunk'])} tokens continuing the cache; decode: median of "
+         f"{settings['decode_steps']} steps after {settings['decode_warmup']} warm-up steps. Peak memory is "
+         "torch.cuda.max_memory_allocated (weights included)."),
+        "",
+        *table("**Prefill latency, batch 1** (ms)", "context", context_keys, "context",
+               lambda p: number(p["prefill_ms"])),
+        *table("**Decode, batch 1** (tokens/s · peak GiB while decoding · cache size)", "context", context_keys,
+               "context", lambda p: f"{number(p['decode_tokens_per_s'])} · {gib(p['decode_peak_bytes'])} · "
+                                    f"{human_bytes(p['cache_bytes'])}"),
+        *table(f"**Decode vs batch, context {size_label(settings['batch_context'])}** (tokens/s · peak GiB)",
+               "batch", [(b, settings["batch_context"]) for b in batches], "batch",
+               lambda p: f"{number(p['decode_tokens_per_s'])} · {gib(p['decode_peak_bytes'])}"),
+    ]
+    reasons = dict.fromkeys(f"{p['model']}: {p['reason']}" for p in points if p.get("reason"))
+    return lines + [f"- not measured: {r}" for r in reasons] + ([""] if reasons else [])
+
+
+def plot(results: dict, out: Path, name: str, sweep: str, curves, ylabel: str, log_y: bool = True) -> Path:
+    """One line per model and curve over the sweep's x values; `curves` maps a legend suffix to a value getter."""
+    x_key = "context" if sweep == "context" else "batch"
+    fig = Figure(figsize=(6.5, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for model in [m["name"] for m in results["models"]]:
+        for suffix, value in curves.items():
+            xy = [(p[x_key], value(p)) for p in results["points"]
+                  if p["model"] == model and p["sweep"] == sweep and p["status"] == "ok" and value(p) is not None]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", linestyle="--" if "prefill" in suffix else "-", label=model + suffix)
+    xs = results["settings"]["contexts" if sweep == "context" else "batches"]
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xticks(xs, [size_label(x) if sweep == "context" else str(x) for x in xs])
+    batch_note = f" (context {size_label(results['settings']['batch_context'])})" if sweep == "batch" else " (batch 1)"
+    ax.set(xlabel=x_key + batch_note, ylabel=ylabel, title=results["title"])
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "nothing measured here (memory is only measured on CUDA)", ha="center",
+                transform=ax.transAxes)
+    path = out / f"model.{name}.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plots(results: dict, out: Path) -> list[Path]:
+    def in_gib(key):
+        return lambda p: None if p[key] is None else p[key] / GIB
+
+    return [
+        plot(results, out, "prefill", "context", {"": lambda p: p["prefill_ms"]}, "prefill ms"),
+        plot(results, out, "decode", "context", {"": lambda p: p["decode_tokens_per_s"]}, "decode tokens/s"),
+        plot(results, out, "memory", "context",
+             {" decode": in_gib("decode_peak_bytes"), " prefill": in_gib("prefill_peak_bytes")}, "peak GiB",
+             log_y=False),
+        plot(results, out, "batch", "batch", {"": lambda p: p["decode_tokens_per_s"]}, "decode tokens/s"),
+    ]

@@ -1,0 +1,56 @@
+"""`python -m linearize.bench.report DIR...`: merge `linearize bench` results into docs/benchmarks.md.
+
+Every DIR/kernels.json, DIR/model.json and DIR/train.json becomes one section, titled with what was measured and
+on which device and carrying the command that produced it. Sections are found again by title, so merging a rerun
+replaces its section instead of adding a copy; everything else in the document is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import kernels, model, train
+from .common import provenance
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+TABLES = {"kernels": kernels.tables, "model": model.tables, "train": train.tables}
+START = "<!-- bench section: {} -->"
+END = "<!-- end of bench section -->"
+
+
+def section(results: dict) -> str:
+    lines = [START.format(results["title"]), f"### {results['title']}", "", *provenance(results), "",
+             *TABLES[results["bench"]](results), END]
+    return "\n".join(lines)
+
+
+def merge(doc: str, results: dict) -> str:
+    start = START.format(results["title"])
+    if start in doc:
+        head, rest = doc.split(start, 1)
+        return head + section(results) + rest.split(END, 1)[1]
+    return (doc.rstrip("\n") + "\n\n" if doc.strip() else "") + section(results) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m linearize.bench.report", description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", type=Path, help="--out directories of `linearize bench` runs")
+    parser.add_argument("--doc", type=Path, default=DOC, help=f"document to update (default {DOC})")
+    args = parser.parse_args(argv)
+    files = [d / f"{name}.json" for d in args.dirs for name in TABLES if (d / f"{name}.json").is_file()]
+    if not files:
+        parser.error(f"no {', '.join(f'{n}.json' for n in TABLES)} in {', '.join(map(str, args.dirs))}")
+    doc = args.doc.read_text(encoding="utf-8") if args.doc.exists() else ""
+    for path in files:
+        doc = merge(doc, json.loads(path.read_text(encoding="utf-8")))
+        print(f"merged {path}")
+    args.doc.write_text(doc, encoding="utf-8")
+    print(f"wrote {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

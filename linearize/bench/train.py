@@ -1,0 +1,122 @@
+"""`linearize bench train`: training tokens/s of distillation stage 1 and stage 2 vs a full fine-tune of the teacher.
+
+Each mode builds its model as the trainer does (`build_student` + `prepare_stage`: float32 master weights, bf16
+autocast on CUDA), then times whole optimizer steps on random tokens: forward, backward, gradient clipping and
+AdamW. tokens/s = batch * seq_len / median step time over the timed steps after the warm-up ones. The full
+fine-tune trains every teacher parameter with the same loss as stage 2 (next-token cross-entropy).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
+
+from ..train.config import DistillConfig
+from ..train.distillation import build_student, prepare_stage, stage_loss
+from ..train.runtime import Runtime
+from .common import (
+    GIB,
+    cell,
+    failure,
+    free_memory,
+    new_results,
+    number,
+    peak_bytes,
+    reset_peak,
+    save_json,
+    time_ms,
+    write_outputs,
+)
+
+MODES = {"full fine-tune (teacher)": None, "stage 1 (attention transfer)": 1, "stage 2 (LoRA)": 2}  # name: stage
+
+FULL = {"seq_len": 2048, "batch": 8, "steps": 10, "warmup": 3}
+QUICK = {"seq_len": 64, "batch": 2, "steps": 2, "warmup": 1}
+
+
+def build(cfg: DistillConfig, stage: int | None):
+    """(model, its trained parameters) for one mode, on the CPU as the trainer builds it."""
+    if stage is None:
+        from ..loading import load_model
+
+        model = load_model(cfg.model)
+        return model, list(model.parameters())
+    model, _ = prepare_stage(build_student(cfg, None), cfg, stage)
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, settings: dict) -> dict:
+    model.to(rt.device).train()
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr(stage or 2), betas=cfg.betas, weight_decay=cfg.weight_decay)
+    ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len), device=rt.device)
+
+    def step():
+        with rt.autocast():
+            loss = stage_loss(model, ids, stage or 2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    reset_peak(rt.device)
+    ms = time_ms(step, rt.device, warmup=settings["warmup"], iters=settings["steps"])
+    return {"step_ms": ms, "tokens_per_s": cfg.batch * cfg.seq_len * 1e3 / ms, "peak_bytes": peak_bytes(rt.device),
+            "trained_parameters": sum(p.numel() for p in params)}
+
+
+def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: bool = False,
+          **overrides) -> list[Path]:
+    """Time the three modes; `overrides` (seq_len, batch, steps) replace entries of FULL / QUICK."""
+    settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
+    rt = Runtime.start(None, "auto")
+    settings.update(model=model, method=method, precision="bf16 autocast" if rt.bf16 else "float32", quick=quick)
+    cfg = DistillConfig(model=model, method=method, out=str(out), seq_len=settings["seq_len"], batch=settings["batch"])
+    results = new_results("train", f"Training throughput: {model}, {method}", rt.device, settings)
+    results["rows"] = []
+    for mode, stage in MODES.items():
+        row = {"mode": mode, "stage": stage}
+        started = time.perf_counter()
+        try:
+            row.update(status="ok", **measure(*build(cfg, stage), cfg, stage, rt, settings))
+        except Exception as e:  # noqa: BLE001 (OOM or a broken mode: record it, time the others)
+            row.update(failure(e))
+        row["wall_s"] = time.perf_counter() - started
+        free_memory()  # after the except block, so an OOM's traceback no longer holds its tensors
+        results["rows"].append(row)
+        save_json(results, out)
+    return write_outputs(results, out, tables, plots)
+
+
+def tables(results: dict) -> list[str]:
+    s = results["settings"]
+    lines = [
+        (f"Batch {s['batch']} × {s['seq_len']} tokens, {s['precision']}, AdamW; median of {s['steps']} optimizer "
+         f"steps after {s['warmup']} warm-up steps."),
+        "",
+        "| mode | trained parameters | tokens/s | ms per step | peak GiB |",
+        "|---|---|---|---|---|",
+    ]
+    columns = (lambda r: f"{r['trained_parameters']:,}", lambda r: number(r["tokens_per_s"]),
+               lambda r: number(r["step_ms"]),
+               lambda r: "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / GIB:.2f}")
+    for r in results["rows"]:
+        lines.append(f"| {r['mode']} | " + " | ".join(cell(r, fmt) for fmt in columns) + " |")
+    reasons = [f"- {r['mode']}: {r['reason']}" for r in results["rows"] if r.get("reason")]
+    return lines + [""] + reasons + ([""] if reasons else [])
+
+
+def plots(results: dict, out: Path) -> list[Path]:
+    rows = [r for r in results["rows"] if r["status"] == "ok"]
+    fig = Figure(figsize=(6.5, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.barh([r["mode"] for r in rows], [r["tokens_per_s"] for r in rows])
+    ax.invert_yaxis()
+    ax.set(xlabel="training tokens/s", title=results["title"])
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, axis="x")
+    path = out / "train.png"
+    fig.savefig(path, dpi=120)
+    return [path]

@@ -1,0 +1,137 @@
+"""`linearize bench` on CPU with --quick: every subcommand writes json/md/png; GPU-only rows are skipped cleanly."""
+
+import json
+
+import pytest
+import torch
+
+from linearize.bench import model as model_bench
+from linearize.bench.command import register
+from linearize.bench.common import parse_sizes
+from linearize.bench.report import main as report_main
+from linearize.cli import _Parser
+
+
+def run(*argv):
+    parser = _Parser(prog="linearize")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args([str(a) for a in argv])
+    args.func(args)
+
+
+def load(out, name):
+    assert {p.name for p in out.iterdir()} >= {f"{name}.json", f"{name}.md"}
+    assert list(out.glob("*.png"))
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory, teacher_dir):
+    root = tmp_path_factory.mktemp("runs")
+    run("bench", "kernels", "--out", root / "kernels", "--quick")
+    run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick")
+    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick")
+    return root
+
+
+def test_kernels_measure_our_op_and_sdpa_and_skip_gpu_only_rows(outputs):
+    results = load(outputs / "kernels", "kernels")
+    assert results["peak"]["tflops"] > 0
+    by_op = {}
+    for row in results["rows"]:
+        by_op.setdefault(row["op"], set()).add(row["status"])
+        if row["status"] == "ok":
+            assert row["ms"] > 0 and row["tflops"] > 0 and row["flops"] > 0
+    assert by_op["lizard (pytorch chunked)"] == {"ok"}
+    assert by_op["sdpa causal"] == {"ok"}
+    if not torch.cuda.is_available():
+        assert by_op["fla chunk_gla"] == by_op["fla chunk_simple_gla"] == by_op["lizard (triton)"] == {"skipped"}
+    assert set(results["flop_formulas"]) == set(by_op)
+    md = (outputs / "kernels" / "kernels.md").read_text()
+    assert "| lizard (pytorch chunked) | fwd+bwd |" in md
+
+
+def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(outputs):
+    results = load(outputs / "model", "model")
+    assert [m["name"] for m in results["models"]] == [model_bench.SOFTMAX, "lizard"]
+    points = results["points"]
+    assert all(p["status"] == "ok" for p in points)
+    context = {(p["model"], p["context"]): p for p in points if p["sweep"] == "context"}
+    short, long = results["settings"]["contexts"]
+    assert context["lizard", short]["cache_bytes"] == context["lizard", long]["cache_bytes"]
+    assert context[model_bench.SOFTMAX, long]["cache_bytes"] > context[model_bench.SOFTMAX, short]["cache_bytes"]
+    assert context["lizard", long]["prefill_calls"] == long // results["settings"]["prefill_chunk"] > 1
+    assert context[model_bench.SOFTMAX, long]["prefill_calls"] == 1
+    batch = [p for p in points if p["sweep"] == "batch"]
+    assert {p["batch"] for p in batch} == set(results["settings"]["batches"])
+    assert all(p["decode_tokens_per_s"] > 0 and p["prefill_ms"] > 0 for p in points)
+    if not torch.cuda.is_available():
+        assert all(p["decode_peak_bytes"] is None for p in points)
+    assert {p.name for p in (outputs / "model").glob("*.png")} == {
+        f"model.{name}.png" for name in ("prefill", "decode", "memory", "batch")}
+
+
+def test_train_times_both_stages_and_the_full_fine_tune(outputs):
+    results = load(outputs / "train", "train")
+    rows = {r["mode"]: r for r in results["rows"]}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows.values())
+    full = rows.pop("full fine-tune (teacher)")["trained_parameters"]
+    assert [r["stage"] for r in rows.values()] == [1, 2]
+    assert all(0 < r["trained_parameters"] < full for r in rows.values())
+
+
+def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nHow to rerun.\n")
+    dirs = [outputs / name for name in ("kernels", "model", "train")]
+    assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
+    first = doc.read_text()
+    assert first.startswith("# Benchmarks\n\nHow to rerun.\n")
+    for name in ("kernels", "model", "train"):
+        results = json.loads((outputs / name / f"{name}.json").read_text())
+        assert f"### {results['title']}" in first
+        assert results["command"] in first
+    assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
+    assert doc.read_text() == first
+
+
+def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_path, monkeypatch):
+    measure = model_bench.measure_point
+
+    def out_of_memory_from_128(model, *, batch, context, **kwargs):
+        if batch * context >= 128:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return measure(model, batch=batch, context=context, **kwargs)
+
+    monkeypatch.setattr(model_bench, "measure_point", out_of_memory_from_128)
+    model_bench.bench(tmp_path / "oom", model=str(teacher_dir), methods=["lizard"], quick=True,
+                      contexts=[64, 128, 256], batches=[1])
+    statuses = [p["status"] for p in json.loads((tmp_path / "oom" / "model.json").read_text())["points"]
+                if p["sweep"] == "context"]
+    assert statuses == ["ok", "oom", "skipped"] * 2
+
+    monkeypatch.setattr(model_bench, "measure_point", measure)
+    model_bench.bench(tmp_path / "late", model=str(teacher_dir), methods=["lizard"], quick=True, time_limit=1e-3)
+    points = json.loads((tmp_path / "late" / "model.json").read_text())["points"]
+    skipped = [p for p in points if p["status"] == "skipped"]
+    assert skipped and all(p["reason"] == "would pass the time limit" for p in skipped)
+
+
+@pytest.mark.parametrize("argv", [
+    ["model", "--contexts", "1x"],
+    ["model", "--methods", "mamba"],
+    ["model", "--shape", "smollm2", "--model", "smollm2"],
+    ["train", "--steps", "0"],
+])
+def test_bad_flags_fail_with_one_line(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run("bench", argv[0], "--out", tmp_path / "out", *argv[1:])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_parse_sizes():
+    assert parse_sizes("1k, 4K,1m,512") == [1024, 4096, 1 << 20, 512]
+    for bad in ("", "k", "0", "1.5k", "-1"):
+        with pytest.raises(ValueError):
+            parse_sizes(bad)

@@ -1,0 +1,67 @@
+"""The same equivalences on a CUDA device (skipped without one): decode == prefill, chunked == naive."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import linearize
+from linearize.ops import gla_window
+from linearize.ops.gla_window_chunked import gla_window_chunked
+
+from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefill_equals_decode_on_cuda(method):
+    model = tiny_teacher()
+    linearize.convert(model, method, **TINY_OPTIONS[method])
+    perturb_new_parameters(model)
+    model.cuda()
+    ids = torch.randint(3, 128, (2, 45), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        steps = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(45)], 1)
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("gate_dim", [1, 64])
+def test_chunked_equals_naive_on_cuda_at_length_2048(gate_dim):
+    g = torch.Generator("cuda").manual_seed(0)
+    B, H, HKV, L, D, F = 1, 4, 2, 2048, 64, 64
+    rand = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    fq, fk = torch.softmax(rand(B, H, L, F), -1), torch.softmax(rand(B, H, L, F), -1)
+    log_g = torch.nn.functional.logsigmoid(rand(B, H, L, gate_dim) + 4)
+    qw, kw, v = rand(B, H, L, D), rand(B, HKV, L, D), rand(B, HKV, L, D)
+    valid = torch.ones(B, L, dtype=torch.bool, device="cuda")
+    state = gla_window.init_state(B, H, HKV, F, D, 128, device="cuda")
+    opts = {"window": 128, "scale": D**-0.5, "sinks": rand(H, 4), "alpha": torch.ones(H, device="cuda"), "beta": 1.0}
+    y_ref, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, **opts)
+    y, _ = gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **opts)
+    assert ((y - y_ref).norm() / y_ref.norm()).item() < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_real_teacher_bf16_training_step_and_generate(method):
+    from linearize.loading import load_model
+    from linearize.train.config import DistillConfig
+    from linearize.train.distillation import prepare_stage, stage_loss
+
+    model = linearize.convert(load_model("smollm2"), method).cuda()
+    cfg = DistillConfig(model="smollm2", method=method, out="unused")
+    ids = torch.randint(0, 49152, (2, 1024), device="cuda")
+    for stage in ((1, 2) if method != "liger" else (2,)):
+        trained, _ = prepare_stage(model, cfg, stage)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = stage_loss(trained, ids, stage)
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in trained.parameters() if p.grad is not None)
+        if stage == 2:
+            model = trained.merge_and_unload()
+    with torch.no_grad():
+        out = model.generate(ids[:, :16], max_new_tokens=8, do_sample=False)
+    assert out.shape == (2, 24)
