@@ -58,6 +58,13 @@ class LinearizedAttention(nn.Module):
         inherited = {id(p) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj) for p in m.parameters()}
         return [p for p in self.parameters() if id(p) not in inherited]
 
+    def _add_feature_maps(self, feature_map_class, feature_dim: int | None) -> None:
+        """Separate q and k maps; f defaults to head_dim / 2, so phi has head_dim features."""
+        f = feature_dim or self.head_dim // 2
+        self.feature_map_q = feature_map_class(self.num_heads, self.head_dim, f)
+        self.feature_map_k = feature_map_class(self.num_heads, self.head_dim, f)
+        self.features = 2 * f
+
     def _param_like(self, module: nn.Module) -> nn.Module:
         weight = self.q_proj.weight
         return module.to(device=weight.device, dtype=weight.dtype)

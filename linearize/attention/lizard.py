@@ -16,11 +16,8 @@ from .base import LinearizedAttention, rotate
 class LizardAttention(LinearizedAttention):
     def __init__(self, teacher: nn.Module, cfg: LizardConfig, model_config):
         super().__init__(teacher, cfg, model_config)
-        H, d = self.num_heads, self.head_dim
-        f = cfg.feature_dim or d // 2
-        self.feature_map_q = HedgehogFeatureMap(H, d, f)
-        self.feature_map_k = HedgehogFeatureMap(H, d, f)
-        self.features = 2 * f
+        H = self.num_heads
+        self._add_feature_maps(HedgehogFeatureMap, cfg.feature_dim)
         if cfg.gate != "none":
             self.gate = nn.Linear(model_config.hidden_size, H if cfg.gate == "scalar" else H * self.features)
             nn.init.zeros_(self.gate.weight)

@@ -14,11 +14,8 @@ from .base import LinearizedAttention, rotate
 class LolcatsAttention(LinearizedAttention):
     def __init__(self, teacher: nn.Module, cfg: LolcatsConfig, model_config):
         super().__init__(teacher, cfg, model_config)
-        H, d = self.num_heads, self.head_dim
-        f = cfg.feature_dim or d // 2
-        self.feature_map_q = HedgehogFeatureMap(H, d, f)
-        self.feature_map_k = HedgehogFeatureMap(H, d, f)
-        self.features = 2 * f
+        H = self.num_heads
+        self._add_feature_maps(HedgehogFeatureMap, cfg.feature_dim)
         self.window_factors = nn.Parameter(torch.full((H,), cfg.window_factor_init))
         self._param_like(self)
 

@@ -14,11 +14,8 @@ class StillAttention(LinearizedAttention):
     def __init__(self, teacher: nn.Module, cfg: StillConfig, model_config):
         super().__init__(teacher, cfg, model_config)
         H, d = self.num_heads, self.head_dim
-        f = cfg.feature_dim or d // 2
-        feature_map = NormPreservingFeatureMap if cfg.feature_map == "npmap" else HedgehogFeatureMap
-        self.feature_map_q = feature_map(H, d, f)
-        self.feature_map_k = feature_map(H, d, f)
-        self.features = 2 * f
+        self._add_feature_maps(NormPreservingFeatureMap if cfg.feature_map == "npmap" else HedgehogFeatureMap,
+                               cfg.feature_dim)
         if cfg.gate:
             self.gate = nn.Linear(model_config.hidden_size, H * d)
             nn.init.zeros_(self.gate.weight)
@@ -29,7 +26,9 @@ class StillAttention(LinearizedAttention):
         cfg = self.cfg
         B, H, L, d = q.shape
         q, k = rotate(q, k, position_embeddings)
-        gate = self.gate(x.to(self.gate.weight.dtype)).float().sigmoid().view(B, L, H, d).transpose(1, 2) if cfg.gate else None
+        gate = None
+        if cfg.gate:
+            gate = self.gate(x.to(self.gate.weight.dtype)).float().sigmoid().view(B, L, H, d).transpose(1, 2)
         options = {"start": start, "window": cfg.window, "chunk": cfg.chunk_size, "per_chunk": cfg.per_chunk,
                        "routing": cfg.routing, "scale": self.scaling, "eps": cfg.eps}
         if state is None:

@@ -33,3 +33,9 @@ def exp_weights(scores: torch.Tensor, extra_logits: torch.Tensor | None = None):
 def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den where den > 0, else 0 (rows that attended to nothing, i.e. padding)."""
     return num / torch.where(den > 0, den, torch.ones_like(den))
+
+
+def extend_window(state: dict, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+    """The carried window (w-1 keys, values, validity) followed by the new tokens."""
+    return (torch.cat([state["win_k"], k], dim=2), torch.cat([state["win_v"], v], dim=2),
+            torch.cat([state["win_valid"], valid], dim=1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import exp_weights, keep_last, repeat_kv, safe_divide
+from .common import exp_weights, extend_window, keep_last, repeat_kv, safe_divide
 
 
 def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, *, device, dtype=torch.float32):
@@ -75,9 +75,7 @@ def gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale
     gla_num = scores @ v_rep + fq_from_start @ state["S"]
     gla_den = scores.sum(-1) + (fq_from_start * state["z"][:, :, None, :]).sum(-1)
 
-    keys = torch.cat([state["win_k"], kw], dim=2)
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    keys, values, key_valid = extend_window(state, kw, v, valid)
     q_pos = torch.arange(L, device=fq.device)[:, None] + (window - 1)
     k_pos = torch.arange(keys.shape[2], device=fq.device)[None, :]
     band = (k_pos <= q_pos) & (k_pos > q_pos - window)
@@ -113,9 +111,7 @@ def gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, si
     gla_num = (phi_q[..., None] * S).sum(-2)[:, :, None]
     gla_den = (phi_q * z).sum(-1)[:, :, None]
 
-    keys = torch.cat([state["win_k"], kw], dim=2)
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    keys, values, key_valid = extend_window(state, kw, v, valid)
     win_num, win_den = _window_terms(qw, keys, values, key_valid[:, None, None, :], scale, sinks)
 
     y = _combine(gla_num, gla_den, win_num, win_den, alpha=alpha, beta=beta, normalize=normalize, shared=shared,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import exp_weights, keep_last, repeat_kv
+from .common import exp_weights, extend_window, keep_last, repeat_kv
 from .gla_window import _combine
 
 
@@ -83,9 +83,7 @@ def gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     keep = valid[:, None, :, None].to(fq.dtype)
     gla_num, gla_den, S, z = _gla_chunks(fq, fk * keep, log_g * keep, repeat_kv(v, n_rep), state["S"], state["z"],
                                          chunk)
-    keys = torch.cat([state["win_k"], kw], dim=2)
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    keys, values, key_valid = extend_window(state, kw, v, valid)
     win_num, win_den = _window_blocks(qw, keys, values, key_valid, window, scale, sinks)
     y = _combine(gla_num, gla_den, win_num, win_den, alpha=alpha, beta=beta, normalize=normalize, shared=shared,
                  eps=eps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import exp_weights, keep_last, repeat_kv
+from .common import exp_weights, extend_window, keep_last, repeat_kv
 from .gla_window import init_state  # same layout: linear state plus a w-1 window
 
 __all__ = ["init_state", "lolcats_parallel", "lolcats_step"]
@@ -27,9 +27,7 @@ def lolcats_parallel(q, k, v, valid, state, phi_q, phi_k, *, window, scale, fact
     """Naive parallel form over L new tokens continuing from `state`. Returns (y, new state)."""
     L = q.shape[2]
     n_rep = q.shape[1] // k.shape[1]
-    keys = torch.cat([state["win_k"], k], dim=2)
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    keys, values, key_valid = extend_window(state, k, v, valid)
     keys_rep, values_rep = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)
 
     q_pos = torch.arange(L, device=q.device)[:, None] + (window - 1)
@@ -63,9 +61,7 @@ def lolcats_parallel(q, k, v, valid, state, phi_q, phi_k, *, window, scale, fact
 def lolcats_step(q, k, v, valid, state, phi_q, phi_k, *, window, scale, factor, eps=1e-6):
     """Recurrent form for one token: attend to the window and the state, then fold the oldest key."""
     n_rep = q.shape[1] // k.shape[1]
-    keys = torch.cat([state["win_k"], k], dim=2)
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
+    keys, values, key_valid = extend_window(state, k, v, valid)
     keys_rep, values_rep = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)
 
     scores = ((q @ keys_rep.transpose(-1, -2)) * scale).masked_fill(~key_valid[:, None, None, :], float("-inf"))

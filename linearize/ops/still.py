@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import exp_weights, keep_last, repeat_kv
+from .common import exp_weights, extend_window, keep_last, repeat_kv
 
 NEVER = torch.iinfo(torch.long).max
 
@@ -147,6 +147,20 @@ def _select_if_complete(chosen, scores, key_valid, end, completes, chunk, per_ch
     chosen[..., c] = torch.where(completes[:, None, None], picked, chosen[..., c])
 
 
+def _scored_window(q, k, v, valid, state, routing, chunk, scale, eps):
+    """The combined sequence (old window, then new tokens) with scores and selection flags.
+
+    Returns keys, values, validity, scores, chosen (selection flags, new tokens not yet chosen) and,
+    per new token, whether it completes its row's chunk.
+    """
+    keys, values, key_valid = extend_window(state, k, v, valid)
+    row_pos, completes = _row_positions(state, valid, chunk)
+    new_scores = _token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
+    scores = torch.cat([state["win_score"], new_scores], dim=2)
+    chosen = torch.cat([state["win_sel"], torch.zeros_like(new_scores, dtype=torch.bool)], dim=2)
+    return keys, values, key_valid, scores, chosen, completes
+
+
 def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, scale, eps):
     n_rep = q.shape[1] // soft_keys.shape[1]
     scores = (q @ repeat_kv(soft_keys, n_rep).transpose(-1, -2)) * scale
@@ -166,13 +180,8 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     B, H, L, _ = q.shape
     n_rep = H // k.shape[1]
     W1 = window - 1
-    keys = torch.cat([state["win_k"], k], dim=2)  # the combined sequence: old window then new tokens
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
-    row_pos, completes = _row_positions(state, valid, chunk)
-    new_scores = _token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
-    scores = torch.cat([state["win_score"], new_scores], dim=2)
-    chosen = torch.cat([state["win_sel"], torch.zeros_like(new_scores, dtype=torch.bool)], dim=2)
+    keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
+                                                                        eps)
     positions = torch.arange(start - W1, start + L, device=q.device)
 
     # Replay routing: chunk selections, then one departure (combined index i) per new token.
@@ -239,13 +248,8 @@ def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chun
                eps=1e-6):
     """Recurrent form for the token at absolute position `start`: score, select, attend, route."""
     n_rep = q.shape[1] // k.shape[1]
-    keys = torch.cat([state["win_k"], k], dim=2)
-    values = torch.cat([state["win_v"], v], dim=2)
-    key_valid = torch.cat([state["win_valid"], valid], dim=1)
-    row_pos, completes = _row_positions(state, valid, chunk)
-    score = _token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
-    scores = torch.cat([state["win_score"], score], dim=2)
-    chosen = torch.cat([state["win_sel"], torch.zeros_like(score, dtype=torch.bool)], dim=2)
+    keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
+                                                                        eps)
     if completes.any():
         _select_if_complete(chosen, scores, key_valid, window - 1, completes[:, 0], chunk, per_chunk)
 
