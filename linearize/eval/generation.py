@@ -6,10 +6,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-DEFAULT_MAX_BATCH_TOKENS = 65536
+# Tokens (prompt + new) per generate call. Generation keeps only the last position's logits, so the
+# KV cache bounds memory: 256K tokens of a 135M Llama are ~6 GB of cache.
+DEFAULT_MAX_BATCH_TOKENS = 262144
 
 
-def rows_per_batch(length: int, batch: int, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
+def rows_per_batch(length: int, batch: int, max_batch_tokens: int) -> int:
     """`batch` rows, fewer for long sequences so one batch holds at most `max_batch_tokens` tokens."""
     return max(1, min(batch, max_batch_tokens // max(length, 1)))
 

@@ -6,6 +6,7 @@ needles inserted among them; `fit` finds the largest n whose prompt has at most 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -58,11 +59,9 @@ def fit(tokenizer, length: int, render: Callable[[int], str], task: str) -> tupl
             lo, lo_tokens = n, tokens
         else:
             hi = n
-        per_unit = max((tokens - empty) / n, 1e-3)
-        guess = n + round((length - tokens) / per_unit)
+        step = (length - tokens) / max((tokens - empty) / n, 1e-3)
+        guess = n + (math.floor(step) if tokens > length else max(1, math.floor(step)))
         upper = hi if hi is not None else max(2 * n, guess + 1)
-        n = guess if lo < guess < upper else (lo + upper) // 2
-        if n == lo:  # the bracket is [lo, lo + 1]: probe lo + 1
-            n = lo + 1
+        n = guess if lo < guess < upper else max((lo + upper) // 2, lo + 1)
     prompt = render(lo)
     return lo, prompt, lo_tokens

@@ -132,8 +132,8 @@ def redirect_to_local(manager, names: list[str], root: Path) -> dict[str, dict]:
     sources = {}
     for leaf in sorted({leaf for name in names for leaf in leaf_tasks(manager, name)}):
         entry = manager.task_index[leaf]
-        cfg = load_yaml(entry.yaml_path, resolve_func=True)
-        overrides = local_overrides(cfg, root)
+        cfg = load_yaml(entry.yaml_path, resolve_func=True) if entry.yaml_path else None
+        overrides = local_overrides(cfg, root) if cfg else None  # Python-defined tasks have no YAML
         if overrides is None:
             sources[leaf] = {"source": "hub"}
             continue

@@ -24,6 +24,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from tqdm.auto import tqdm
 
@@ -34,18 +35,21 @@ DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
 DEFAULT_SAMPLES = 5  # per (length, depth) cell, and per variant
 
 ADJECTIVES = (
-    "amber ancient bitter brave bright calm clever cold crimson curious dark eager early fancy fierce gentle "
-    "golden grand happy hidden hollow humble icy jolly kind lazy little lively loud lucky mighty misty noble "
-    "odd pale polite proud quiet rapid rare rough round royal rusty silent silver sleepy smooth soft solid "
-    "sour swift tall tender tiny velvet warm wild wise young"
-).split()
+    "amber", "ancient", "bitter", "brave", "bright", "calm", "clever", "cold", "crimson", "curious", "dark",
+    "eager", "early", "fancy", "fierce", "gentle", "golden", "grand", "happy", "hidden", "hollow", "humble", "icy",
+    "jolly", "kind", "lazy", "little", "lively", "loud", "lucky", "mighty", "misty", "noble", "odd", "pale",
+    "polite", "proud", "quiet", "rapid", "rare", "rough", "round", "royal", "rusty", "silent", "silver", "sleepy",
+    "smooth", "soft", "solid", "sour", "swift", "tall", "tender", "tiny", "velvet", "warm", "wild", "wise",
+    "young",
+)
 NOUNS = (
-    "anchor apple arrow badge basket beacon bell bridge candle canyon castle cedar cloud comet compass coral "
-    "crown desert dragon eagle engine falcon feather forest fountain garden glacier harbor hammer island jewel "
-    "kettle lantern lemon meadow mirror mountain needle ocean orchard otter palace pebble pepper planet pocket "
-    "quarry rabbit river saddle shadow signal spark spider summit thunder tiger tower valley violin wagon whistle "
-    "willow window"
-).split()
+    "anchor", "apple", "arrow", "badge", "basket", "beacon", "bell", "bridge", "candle", "canyon", "castle",
+    "cedar", "cloud", "comet", "compass", "coral", "crown", "desert", "dragon", "eagle", "engine", "falcon",
+    "feather", "forest", "fountain", "garden", "glacier", "harbor", "hammer", "island", "jewel", "kettle",
+    "lantern", "lemon", "meadow", "mirror", "mountain", "needle", "ocean", "orchard", "otter", "palace", "pebble",
+    "pepper", "planet", "pocket", "quarry", "rabbit", "river", "saddle", "shadow", "signal", "spark", "spider",
+    "summit", "thunder", "tiger", "tower", "valley", "violin", "wagon", "whistle", "willow", "window",
+)
 
 PASSKEY_INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -175,7 +179,7 @@ def variable_tracking(tokenizer, length: int, depth: float, seed: int) -> Sample
         if name not in names:
             names.append(name)
     value = str(rng.randint(10000, 99999))
-    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in pairwise(names)]
     places = [depth / 100] + later_depths(rng, depth / 100, VT_HOPS)
     question = VT_QUESTION.format(value=value, count=len(names))
 
@@ -232,6 +236,21 @@ def sample_seed(seed: int, task: str, length: int, depth: float, index: int, var
     return zlib.crc32(f"{seed}:{task}:{variant}:{length}:{depth}:{index}".encode())
 
 
+def build_sample(
+    task: str, tokenizer, length: int, depth: float, seed: int, *, variant: int | None = None, essay: Sequence[str] = ()
+) -> Sample:
+    """One prompt of `task`; `variant` only for niah_single, `essay` only for essay haystacks."""
+    generator, needs_essay, _ = TASKS[task]
+    options = ({"essay": essay} if needs_essay else {}) | ({"variant": variant} if variant is not None else {})
+    return generator(tokenizer, length, depth, seed, **options)
+
+
+def check_length(task: str, tokenizer, length: int, essay: Sequence[str] = ()) -> None:
+    """Raise ValueError now if `length` cannot hold the task's prompt (every variant)."""
+    for variant in TASKS[task][2] or (None,):
+        build_sample(task, tokenizer, length, 0, 0, variant=variant, essay=essay)
+
+
 def run_longcontext(
     task: str,
     generate: Callable[[list[str], int], list[str]],
@@ -248,22 +267,25 @@ def run_longcontext(
     `generate(prompts, max_new_tokens)` returns one continuation per prompt; it is called once per
     length, so a real model batches prompts of similar size.
     """
-    generator, needs_essay, variants = TASKS[task]
-    extra = {"essay": essay} if needs_essay else {}
+    variants = TASKS[task][2]
     records = []
     for length in lengths:
-        cells = [(v, d, i) for v in variants or (None,) for d in depths for i in range(samples)]
-        built = []
-        for variant, depth, index in tqdm(cells, desc=f"{task}@{length} prompts", leave=False):
-            s = sample_seed(seed, task, length, depth, index, variant)
-            options = extra | ({"variant": variant} if variant is not None else {})
-            built.append((variant, depth, s, generator(tokenizer, length, depth, s, **options)))
-        predictions = generate([b[3].prompt for b in built], max(b[3].max_new_tokens for b in built))
-        for (variant, depth, s, sample), prediction in zip(built, predictions):
-            record = {"length": length, "depth": depth, "seed": s, "tokens": sample.tokens}
-            record |= {"variant": variant} if variant is not None else {}
-            record |= {"answers": list(sample.answers), "prediction": prediction}
-            records.append(record | {"score": score(prediction, sample.answers)})
+        cells = [
+            {"length": length, "depth": d, "seed": sample_seed(seed, task, length, d, i, v)}
+            | ({"variant": v} if v is not None else {})
+            for v in variants or (None,)
+            for d in depths
+            for i in range(samples)
+        ]
+        built = [
+            build_sample(task, tokenizer, length, c["depth"], c["seed"], variant=c.get("variant"), essay=essay)
+            for c in tqdm(cells, desc=f"{task}@{length} prompts", leave=False)
+        ]
+        predictions = generate([s.prompt for s in built], max(s.max_new_tokens for s in built))
+        for cell, sample, prediction in zip(cells, built, predictions):
+            answers = list(sample.answers)
+            records.append(cell | {"tokens": sample.tokens, "answers": answers, "prediction": prediction,
+                                   "score": score(prediction, answers)})
     return summarize(records, lengths, depths, variants)
 
 

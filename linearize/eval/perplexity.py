@@ -10,17 +10,20 @@ a model that extrapolates keeps that curve flat or falling past its training len
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, rows_per_batch
+from linearize.eval.generation import rows_per_batch
 
 DEFAULT_MAX_TOKENS = 65536
 DEFAULT_BUCKETS = 48
 LOSS_CHUNK = 2048  # positions per float32 logits slice, to bound memory at long lengths
+# Tokens per forward pass: the model returns logits for every position (65536 x 49152 bf16 = 6 GB).
+PPL_BATCH_TOKENS = 65536
 
 
 def text_tokens(tokenizer, path: str | Path) -> torch.Tensor:
@@ -44,7 +47,7 @@ def token_nll(model, windows: torch.Tensor) -> torch.Tensor:
 def log_buckets(length: int, count: int) -> list[tuple[int, int]]:
     """Up to `count` [start, end) ranges of target positions 1..length-1, log-spaced, none empty."""
     edges = sorted({round(math.exp(math.log(length) * i / count)) for i in range(count + 1)} | {1, length})
-    return list(zip(edges[:-1], edges[1:]))
+    return list(pairwise(edges))
 
 
 def perplexity(
@@ -56,7 +59,7 @@ def perplexity(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     limit: int | None = None,
     batch: int = 8,
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    max_batch_tokens: int = PPL_BATCH_TOKENS,
     buckets: int = DEFAULT_BUCKETS,
 ) -> dict:
     """Perplexity per context length and the loss-by-position curve at the longest length.

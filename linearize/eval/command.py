@@ -1,0 +1,87 @@
+"""`linearize eval`: load a model by spec, run eval tasks, write FILE.json + FILE.md + plots."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from linearize.eval import api
+from linearize.eval.longcontext import DEFAULT_SAMPLES
+from linearize.eval.report import write_report
+
+TASK_HELP = (
+    "comma-separated tasks: ppl, piqa, arc_easy, arc_challenge, hellaswag, winogrande, mmlu, lambada, "
+    "passkey, niah_single, niah_multikey, niah_multivalue, variable_tracking, mqar; shorthands "
+    "zeroshot (the five zero-shot tasks) and longcontext (the six synthetic ones); other lm-eval task names pass through"
+)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate a teacher or linearized model (perplexity, lm-eval tasks, long-context tasks)",
+        description="Evaluate a model and write FILE.json, FILE.md and PNG plots next to it.",
+    )
+    parser.add_argument("--model", required=True, help="model spec: alias (smollm2), .gguf path, local HF dir or hub id")
+    parser.add_argument("--tasks", required=True, help=TASK_HELP)
+    parser.add_argument("--out", required=True, help="results JSON path; FILE.md and FILE.*.png are written next to it")
+    parser.add_argument("--limit", type=int, help="cap per task: lm-eval documents, ppl windows per length, "
+                        "long-context samples per (length, depth) cell")
+    parser.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k",
+                        help="context lengths in tokens for ppl and long-context tasks, e.g. 1k,2k,512,32K")
+    parser.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                        help="long-context samples per (length, depth) cell")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass (fewer for long ones)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="default float32; auto keeps the checkpoint's dtype")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
+    parser.add_argument("--text", help="perplexity text (.txt); default Moby-Dick from the public-domain texts")
+    parser.add_argument("--essay", help="essay haystack text (.txt); default the other public-domain texts")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args) -> int:
+    # Check every input before the (slow) model load, so a mistake fails at once.
+    tasks = api.parse_tasks(args.tasks)
+    lengths, depths = api.parse_lengths(args.lengths), api.parse_depths(args.depths)
+    for flag in ("limit", "samples", "batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be a positive integer, got {getattr(args, flag)}.")
+    for flag in ("text", "essay"):
+        if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
+            raise ValueError(f"--{flag} {getattr(args, flag)} is not a file.")
+
+    import torch
+
+    from linearize.loading import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    results = api.evaluate(
+        model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
+        batch=args.batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
+    )
+    for path in write_report(results, args.out):
+        print(f"wrote {path}")
+    print(summary_line(results))
+    return 0
+
+
+def summary_line(results: dict) -> str:
+    """One line of headline numbers for the terminal."""
+    parts = []
+    for name, r in results["tasks"].items():
+        if name == "ppl":
+            parts += [f"ppl@{row['length']}={row['ppl']:.2f}" for row in r["by_length"]]
+        elif "grid" in r:
+            parts.append(f"{name}={r['score']:.3f}")
+        elif "acc" in r:
+            parts.append(f"{name}={r['acc']:.3f}")
+    if "zeroshot_average" in results:
+        parts.append(f"zeroshot_avg={results['zeroshot_average']['value']:.3f}")
+    return " ".join(parts)

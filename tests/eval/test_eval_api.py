@@ -1,0 +1,165 @@
+import argparse
+import json
+import sys
+import types
+
+import pytest
+
+from linearize.eval import api, command, evaluate, write_report
+from linearize.eval.harness import ZEROSHOT
+from linearize.eval.longcontext import TASKS as LONG_TASKS
+
+
+def test_parse_tasks_expands_shorthands_in_order_without_repeats():
+    assert api.parse_tasks("ppl,zeroshot,piqa") == ["ppl", *ZEROSHOT]
+    assert api.parse_tasks(["longcontext"]) == list(LONG_TASKS)
+    assert api.parse_tasks(" mmlu , lambada ") == ["mmlu", "lambada"]
+
+
+def test_parse_tasks_rejects_unknown_names_in_one_sentence():
+    with pytest.raises(ValueError, match=r"^Unknown task 'pikachu'; choose from ppl, .*lm-eval task name\.$"):
+        api.parse_tasks("ppl,pikachu")
+    with pytest.raises(ValueError, match="No tasks given"):
+        api.parse_tasks(" , ")
+
+
+def test_parse_tasks_passes_lm_eval_names_through():
+    assert api.parse_tasks("boolq") == ["boolq"]
+
+
+def test_parse_lengths():
+    assert api.parse_lengths("1k,2k,512,32K") == [512, 1024, 2048, 32768]
+    assert api.parse_lengths([4096, "1k", 4096]) == [1024, 4096]
+    for bad in ("1.5k", "0", "-1", "2m", "abc", ""):
+        with pytest.raises(ValueError, match="Bad length|No lengths"):
+            api.parse_lengths(bad)
+
+
+def test_parse_depths():
+    assert api.parse_depths("100,0,50,12.5") == [0, 12.5, 50, 100]
+    for bad in ("101", "-5", "half"):
+        with pytest.raises(ValueError, match="Bad depth"):
+            api.parse_depths(bad)
+
+
+ALL_TASKS = "ppl,zeroshot,mmlu,lambada,longcontext"
+
+
+@pytest.fixture(scope="module")
+def results(model, tokenizer, ppl_text, essay_file, fake_olmo):
+    """Every task end to end on a tiny model: small limit, short lengths, the miniature olmo data."""
+    model.config.linearize = {"method": "lizard", "window": 8}  # as a converted student carries it
+    try:
+        yield evaluate(
+            model, tokenizer, ALL_TASKS, limit=2, lengths="1k,2k", depths="0,100", samples=3, batch=4,
+            seed=3, text=str(ppl_text), essay=str(essay_file), data_dir=str(fake_olmo), ppl_max_tokens=4096,
+            model_spec="tiny-llama",
+        )
+    finally:
+        del model.config.linearize
+
+
+def test_evaluate_runs_every_task(results):
+    expected = api.parse_tasks(ALL_TASKS)
+    assert list(results["tasks"]) == expected
+    assert len(expected) == 1 + 7 + 6
+    for name, result in results["tasks"].items():
+        assert result["wall_time_s"] > 0, name
+    assert [r["windows"] for r in results["tasks"]["ppl"]["by_length"]] == [2, 2]
+    for name in LONG_TASKS:
+        result = results["tasks"][name]
+        assert 0.0 <= result["score"] <= 1.0
+        per_variant = 3 if name == "niah_single" else 1
+        assert len(result["samples"]) == 2 * 2 * 2 * per_variant  # lengths x depths x min(samples, limit)
+        assert {"length", "depth", "answers", "prediction", "score", "seed", "tokens"} <= set(result["samples"][0])
+    assert 0.0 <= results["zeroshot_average"]["value"] <= 1.0
+
+
+def test_provenance(results):
+    prov = results["provenance"]
+    assert prov["model"] == "tiny-llama"
+    assert prov["method_config"] == {"method": "lizard", "window": 8}
+    assert prov["seed"] == 3 and prov["limit"] == 2 and prov["samples_per_cell"] == 2
+    assert prov["lengths"] == [1024, 2048] and prov["depths"] == [0, 100]
+    assert prov["device"] == "cpu" and prov["dtype"] == "float32"
+    assert prov["versions"]["torch"] and prov["versions"]["transformers"] and prov["versions"]["lm_eval"]
+    assert prov["lm_eval_task_versions"]["mmlu"] is not None
+    assert prov["wall_time_s"] > 0
+
+
+def test_long_context_is_deterministic_by_seed(model, tokenizer):
+    run = lambda seed: evaluate(model, tokenizer, "passkey", lengths="1k", depths="50", samples=2, seed=seed)
+    first, again, other = run(1), run(1), run(2)
+    assert first["tasks"]["passkey"]["samples"] == again["tasks"]["passkey"]["samples"]
+    assert first["tasks"]["passkey"]["samples"] != other["tasks"]["passkey"]["samples"]
+
+
+def test_write_report(results, tmp_path):
+    out = tmp_path / "run" / "eval.json"
+    paths = write_report(results, out)
+    names = {p.name for p in paths}
+    expected_plots = {f"eval.{t}.png" for t in LONG_TASKS} | {"eval.ppl_by_length.png", "eval.loss_by_position.png"}
+    assert names == {"eval.json", "eval.md"} | expected_plots
+    for path in paths:
+        assert path.is_file() and path.stat().st_size > 0
+    for plot in expected_plots:
+        assert (out.parent / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    md = (out.parent / "eval.md").read_text()
+    assert "# Evaluation of tiny-llama" in md
+    assert "| piqa |" in md and "| passkey |" in md and "Zero-shot average" in md
+    assert "![passkey](eval.passkey.png)" in md
+
+
+# --- the CLI
+
+
+def parser():
+    root = argparse.ArgumentParser(prog="linearize")
+    command.register(root.add_subparsers(dest="command"))
+    return root
+
+
+@pytest.fixture
+def fake_loading(monkeypatch, model, tokenizer):
+    """Stand-in for linearize.loading, so the CLI test needs no checkpoint."""
+    calls = []
+
+    def load_model(spec, dtype=None, device=None):
+        calls.append((spec, dtype, device))
+        return model
+
+    module = types.SimpleNamespace(load_model=load_model, load_tokenizer=lambda spec: tokenizer)
+    monkeypatch.setitem(sys.modules, "linearize.loading", module)
+    return calls
+
+
+def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
+    out = tmp_path / "cli.json"
+    args = parser().parse_args([
+        "eval", "--model", "smollm2", "--tasks", "passkey,niah_multikey", "--out", str(out),
+        "--limit", "1", "--lengths", "1k", "--depths", "0,100", "--batch", "2", "--device", "cpu",
+        "--dtype", "float32", "--seed", "5", "--essay", str(essay_file),
+    ])
+    assert args.func(args) == 0
+    assert fake_loading == [("smollm2", "float32", "cpu")]
+    results = json.loads(out.read_text())
+    assert results["provenance"]["model"] == "smollm2" and results["provenance"]["seed"] == 5
+    assert len(results["tasks"]["passkey"]["samples"]) == 2
+    assert (tmp_path / "cli.md").is_file() and (tmp_path / "cli.passkey.png").is_file()
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "passkey=" in printed
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tasks", "ppl,nope"], "Unknown task 'nope'"),
+    (["--tasks", "ppl", "--lengths", "1k,huge"], "Bad length 'huge'"),
+    (["--tasks", "ppl", "--limit", "0"], "--limit must be a positive integer"),
+    (["--tasks", "passkey", "--lengths", "64"], "Length 64 is too short for a passkey prompt"),
+    (["--tasks", "ppl", "--text", "/no/such/book.txt"], "--text /no/such/book.txt is not a file"),
+])
+def test_cli_bad_input_fails_before_loading(flags, message, fake_loading, tmp_path):
+    args = parser().parse_args(["eval", "--model", "m", "--out", str(tmp_path / "x.json"), *flags])
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
+    assert fake_loading == []

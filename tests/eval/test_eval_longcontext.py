@@ -1,0 +1,170 @@
+import random
+import re
+
+import pytest
+
+from linearize.eval import longcontext as lc
+from linearize.eval.haystack import count_tokens, insert
+from linearize.eval.texts import essay_sentences
+
+DEPTHS = (0, 25, 50, 75, 100)
+
+
+def generate_one(task, tokenizer, length, depth, seed, essay, variant=None):
+    return lc.build_sample(task, tokenizer, length, depth, seed, variant=variant, essay=essay)
+
+
+CASES = [("passkey", None), ("niah_single", 1), ("niah_single", 2), ("niah_single", 3), ("niah_multikey", None),
+         ("niah_multivalue", None), ("variable_tracking", None), ("mqar", None)]
+
+
+@pytest.fixture(scope="module")
+def essay(essay_file):
+    return essay_sentences(essay_file)
+
+
+@pytest.mark.parametrize("task,variant", CASES)
+def test_generator_is_deterministic_by_seed(task, variant, tokenizer, essay):
+    a = generate_one(task, tokenizer, 1024, 50, 7, essay, variant)
+    b = generate_one(task, tokenizer, 1024, 50, 7, essay, variant)
+    c = generate_one(task, tokenizer, 1024, 50, 8, essay, variant)
+    assert a == b
+    assert c.answers != a.answers and c.prompt != a.prompt
+
+
+@pytest.mark.parametrize("task,variant", CASES)
+@pytest.mark.parametrize("length", [1024, 1500, 3000])
+def test_prompt_hits_target_length(task, variant, length, tokenizer, essay):
+    sample = generate_one(task, tokenizer, length, 50, 3, essay, variant)
+    assert sample.tokens == count_tokens(tokenizer, sample.prompt)
+    # Whole haystack units only: short of the target by less than one unit (a sentence or a line).
+    assert length - 100 <= sample.tokens <= length
+
+
+@pytest.mark.parametrize("task,variant", CASES)
+def test_answers_appear_in_the_prompt_before_the_question(task, variant, tokenizer, essay):
+    sample = generate_one(task, tokenizer, 2048, 50, 11, essay, variant)
+    body = sample.prompt.rsplit("\n", 1)[0]  # the question is the last line
+    for answer in sample.answers:
+        assert answer in body
+
+
+def needle_position(sample) -> float:
+    """Where the first answer sits, as a fraction of the prompt before the question line."""
+    body = sample.prompt.rsplit("\n", 1)[0]
+    return body.index(sample.answers[0]) / len(body)
+
+
+@pytest.mark.parametrize("task,variant", [("passkey", None), ("niah_single", 2), ("variable_tracking", None)])
+def test_depth_moves_the_needle_from_start_to_end(task, variant, tokenizer, essay):
+    positions = [needle_position(generate_one(task, tokenizer, 2048, d, 5, essay, variant)) for d in DEPTHS]
+    assert positions == sorted(positions)
+    assert positions[0] < 0.15 and positions[-1] > 0.85
+
+
+def test_mqar_first_query_sits_at_depth(tokenizer):
+    for depth, low, high in [(0, 0.0, 0.1), (50, 0.4, 0.6), (100, 0.85, 1.0)]:
+        sample = lc.mqar(tokenizer, 2048, depth, 9)
+        lines = sample.prompt.split("\n")[1:-1]
+        index = next(i for i, line in enumerate(lines) if line.endswith(f": {sample.answers[0]}"))
+        assert low <= index / len(lines) <= high
+
+
+def test_insert_keeps_the_order_of_needles_at_one_place():
+    assert insert(["a", "b"], [(0.5, "x"), (0.5, "y"), (0.0, "z")]) == ["z", "a", "x", "y", "b"]
+
+
+def test_variable_tracking_chain_is_in_order(tokenizer):
+    sample = lc.variable_tracking(tokenizer, 2048, 30, 2)
+    names = sample.answers
+    spots = [sample.prompt.index(f"VAR {name} =") for name in names]
+    assert spots == sorted(spots)
+    assert f"VAR {names[1]} = VAR {names[0]}." in sample.prompt
+
+
+def test_niah_multikey_has_distractors_and_one_answer(tokenizer, essay):
+    sample = lc.niah_multikey(tokenizer, 2048, 50, 4, essay=essay)
+    assert len(sample.answers) == 1
+    assert sample.prompt.count("One of the special magic numbers for") == 4
+
+
+def test_too_short_length_is_a_clear_error(tokenizer):
+    with pytest.raises(ValueError, match="too short for a passkey prompt"):
+        lc.passkey(tokenizer, 50, 0, 0)
+
+
+def test_essay_variant_needs_essay(tokenizer):
+    with pytest.raises(ValueError, match="needs essay sentences"):
+        lc.niah_single(tokenizer, 1024, 0, 0, variant=2)
+
+
+# --- scorers: an oracle that reads the needle out of the prompt scores 1, noise scores about 0.
+
+def oracle(prompt: str) -> str:
+    """Answer from the prompt text alone, the way a perfect retriever would."""
+    question = prompt.rsplit("\n", 1)[-1]
+    if question.startswith("What is the pass key?"):
+        return re.search(r"The pass key is (\d+)\. Remember it", prompt)[1]
+    if match := re.search(r"special magic (\w+) for ([\w-]+) mentioned", question):
+        return ", ".join(re.findall(rf"special magic {match[1]} for {match[2]} is: ([\w-]+)\.", prompt))
+    if match := re.search(r"assigned the value (\d+) in the text", question):
+        names = [re.search(rf"VAR (\w+) = {match[1]}\.", prompt)[1]]
+        while link := re.search(rf"VAR (\w+) = VAR {names[-1]}\.", prompt):
+            names.append(link[1])
+        return ", ".join(names)
+    keys = re.search(r"What are the values of the keys (.*)\?", question)[1].replace(" and ", ", ").split(", ")
+    return ", ".join(re.search(rf"^{key}: (\d+)$", prompt, re.MULTILINE)[1] for key in keys)
+
+
+NOISE_RNG = random.Random(0)
+
+
+def noise(prompt: str) -> str:
+    return "".join(NOISE_RNG.choices("0123456789abcdefABCDEF- ", k=40))
+
+
+@pytest.mark.parametrize("task", list(lc.TASKS))
+def test_oracle_scores_one_and_noise_scores_zero(task, tokenizer, essay):
+    def run(answer_fn):
+        result = lc.run_longcontext(
+            task, lambda prompts, max_new: [answer_fn(p) for p in prompts], tokenizer,
+            lengths=[1024, 2048], depths=[0, 50, 100], samples=2, seed=1, essay=essay,
+        )
+        return result
+
+    perfect = run(oracle)
+    assert perfect["score"] == 1.0
+    assert all(cell["score"] == 1.0 for cell in perfect["grid"])
+    assert run(noise)["score"] < 0.05
+
+
+def test_score_is_recall_of_all_answers():
+    assert lc.score("they are 123 and 456", ["123", "456"]) == 1.0
+    assert lc.score("they are 123", ["123", "456"]) == 0.5
+    assert lc.score("ABC", ["abc"]) == 1.0
+    assert lc.score("", ["1"]) == 0.0
+
+
+def test_run_records_every_cell_and_variant(tokenizer, essay):
+    calls = []
+
+    def fake_generate(prompts, max_new_tokens):
+        calls.append((len(prompts), max_new_tokens))
+        return ["" for _ in prompts]
+
+    result = lc.run_longcontext("niah_single", fake_generate, tokenizer, lengths=[1024, 2048],
+                                depths=[0, 100], samples=2, seed=0, essay=essay)
+    assert [n for n, _ in calls] == [12, 12]  # one call per length: 3 variants x 2 depths x 2 samples
+    assert all(m >= 8 for _, m in calls)
+    assert len(result["samples"]) == 24
+    assert {r["variant"] for r in result["samples"]} == {1, 2, 3}
+    assert [(c["length"], c["depth"], c["n"]) for c in result["grid"]] == [
+        (1024, 0, 6), (1024, 100, 6), (2048, 0, 6), (2048, 100, 6)]
+    assert [v["variant"] for v in result["by_variant"]] == [1, 2, 3]
+    seeds = [r["seed"] for r in result["samples"]]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_sample_seed_is_stable_and_distinct():
+    assert lc.sample_seed(0, "passkey", 1024, 50, 0) == lc.sample_seed(0, "passkey", 1024, 50, 0)
+    assert lc.sample_seed(0, "passkey", 1024, 50, 0) != lc.sample_seed(1, "passkey", 1024, 50, 0)

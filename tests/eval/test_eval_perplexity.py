@@ -1,0 +1,63 @@
+import math
+from itertools import pairwise
+
+import pytest
+import torch
+
+from linearize.eval.perplexity import log_buckets, perplexity, text_tokens
+
+
+def hand_nll(model, windows: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL straight from full-precision logits, one window at a time."""
+    rows = []
+    with torch.no_grad():
+        for window in windows:
+            logp = model(window[None]).logits[0].double().log_softmax(-1)
+            rows.append(-logp[:-1].gather(1, window[1:, None])[:, 0])
+    return torch.stack(rows)
+
+
+def test_ppl_is_exp_of_mean_nll_by_hand(model, tokenizer, ppl_text):
+    result = perplexity(model, tokenizer, [128, 256], text=ppl_text, max_tokens=1024, batch=3, buckets=8)
+    tokens = text_tokens(tokenizer, ppl_text)
+    for row in result["by_length"]:
+        length = row["length"]
+        windows = tokens[: 1024 // length * length].view(-1, length)
+        nll = hand_nll(model, windows)
+        assert row["windows"] == len(windows)
+        assert row["nll"] == pytest.approx(nll.mean().item(), rel=1e-5)
+        assert row["ppl"] == pytest.approx(math.exp(nll.mean().item()), rel=1e-5)
+    # The curve is the per-position mean over the longest windows, bucketed.
+    nll = hand_nll(model, tokens[:1024].view(-1, 256))
+    curve = result["loss_by_position"]
+    assert curve["length"] == 256 and curve["windows"] == 4
+    for bucket in curve["buckets"]:
+        expected = nll[:, bucket["start"] - 1 : bucket["end"] - 1].mean().item()
+        assert bucket["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_same_result_for_any_batch_size(model, tokenizer, ppl_text):
+    one = perplexity(model, tokenizer, [64], text=ppl_text, max_tokens=640, batch=1)
+    many = perplexity(model, tokenizer, [64], text=ppl_text, max_tokens=640, batch=7)
+    assert one["by_length"][0]["ppl"] == pytest.approx(many["by_length"][0]["ppl"], rel=1e-5)
+
+
+def test_limit_caps_windows_per_length(model, tokenizer, ppl_text):
+    result = perplexity(model, tokenizer, [64, 128], text=ppl_text, max_tokens=2048, limit=3)
+    assert [r["windows"] for r in result["by_length"]] == [3, 3]
+
+
+def test_text_shorter_than_the_longest_length_is_an_error(model, tokenizer, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Call me Ishmael.")
+    with pytest.raises(ValueError, match="fewer than the context length 64"):
+        perplexity(model, tokenizer, [64], text=short)
+
+
+def test_log_buckets_cover_every_position_once():
+    for length, count in [(256, 8), (32768, 48), (10, 48)]:
+        buckets = log_buckets(length, count)
+        assert buckets[0][0] == 1 and buckets[-1][1] == length
+        assert all(a[1] == b[0] for a, b in pairwise(buckets))
+        assert all(lo < hi for lo, hi in buckets)
+        assert len(buckets) <= count
