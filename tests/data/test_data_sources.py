@@ -84,6 +84,10 @@ def test_folder_without_data_files(tmp_path):
 
 
 def test_hub_name_when_offline_fails_at_once_suggesting_a_local_path(monkeypatch):
+    import huggingface_hub
+
+    # Not in HF's offline mode (the Makefile sets it), so the reachability check is what stops us.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: False)
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: pytest.fail("tried the hub"))
     with pytest.raises(DataError, match="'yahma/alpaca-cleaned' is not a local path, and the Hugging Face hub "

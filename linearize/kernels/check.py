@@ -1,0 +1,231 @@
+"""Check the Lizard kernel against the reference op and time it: `python -m linearize.kernels.check`.
+
+Prints, per case, the relative error (Frobenius) of the output and of every gradient against
+`gla_window_parallel` in float64 on the same (rounded) inputs, then median forward and
+forward+backward times in ms at B=16, H=32, D=128, L=2K/4K/8K for our kernel and, where installed,
+fla's chunk_gla and chunk_simple_gla and PyTorch's causal SDPA. `compare` is also what the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import gla_window
+from . import lizard_attention, unsupported_reason
+
+NAMES = ("y", "fq", "fk", "log_g", "qw", "kw", "v", "sinks", "alpha")
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    L: int
+    gate: str = "scalar"  # or "vector"
+    dtype: torch.dtype = torch.float32
+    window: int = 32
+    sinks: int = 4
+    B: int = 2
+    H: int = 4
+    HKV: int = 2
+    F: int = 64
+    D: int = 64
+    gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
+
+
+def make_inputs(case: Case, device, seed=0):
+    """Hedgehog-like features (non-negative, exp-based) and random gates, in the case's dtype."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device)
+    B, H, L = case.B, case.H, case.L
+    half = case.F // 2
+    u, w = rand(B, H, L, half), rand(B, H, L, half)
+    fq = torch.cat([u.softmax(-1), (-u).softmax(-1)], -1)
+    fk = torch.cat([w.softmax(-1), (-w).softmax(-1)], -1)
+    log_g = F.logsigmoid(rand(B, H, L, 1 if case.gate == "scalar" else case.F) + case.gate_bias)
+    qw, kw, v = rand(B, H, L, case.D), rand(B, case.HKV, L, case.D), rand(B, case.HKV, L, case.D)
+    # The model computes its gate (and keeps sinks and alpha) in float32.
+    tensors = [fq.to(case.dtype), fk.to(case.dtype), log_g] + [t.to(case.dtype) for t in (qw, kw, v)]
+    tensors += [rand(H, case.sinks), torch.linspace(0.5, 1.5, H, device=device)]
+    return tensors, rand(B, H, L, case.D).to(case.dtype)
+
+
+def _run(case, tensors, dy, dtype):
+    """Output and gradients, through the kernel (dtype None) or the reference op in `dtype`."""
+    leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
+    fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
+    opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha}
+    if dtype is None:
+        y = lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
+    else:
+        state = gla_window.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, device=fq.device,
+                                      dtype=dtype)
+        valid = torch.ones(case.B, case.L, dtype=torch.bool, device=fq.device)
+        y, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, beta=1.0, **opts)
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype), allow_unused=True)
+    return [y] + [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+
+
+def _rel(a, b):
+    # Gradients that vanish exactly (d log g at L = 1) are compared in absolute terms.
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-5)).item()
+
+
+def compare(case: Case, device="cuda", seed=0):
+    """Relative errors vs float64, of the kernel and of the reference op run in float32 (the yardstick
+    for ill-conditioned cases), per output/gradient; plus which path ran ("kernel" or the reason not)."""
+    tensors, dy = make_inputs(case, device, seed)
+    reason = unsupported_reason(*tensors[:6], window=case.window, sinks=tensors[6] if case.sinks else None)
+    ours = _run(case, tensors, dy, None)
+    exact = _run(case, tensors, dy, torch.float64)
+    fp32 = _run(case, tensors, dy, torch.float32)
+    names = [n for n in NAMES if n != "sinks" or case.sinks]
+    keep = [i for i, n in enumerate(NAMES) if n in names]
+    errors = {NAMES[i]: (_rel(ours[i], exact[i]), _rel(fp32[i], exact[i])) for i in keep}
+    return {"path": reason or "kernel", "errors": errors}
+
+
+def within_tolerance(case: Case, errors) -> bool:
+    """Each error below the dtype's tolerance, or within 4x of float32 PyTorch where that is worse."""
+    tol = TOLERANCE[case.dtype]
+    return all(err <= max(tol, 4 * err32) for err, err32 in errors.values())
+
+
+CHECK_CASES = [
+    Case(L=1), Case(L=63, window=64), Case(L=100, sinks=0), Case(L=257, window=64, gate="vector"),
+    Case(L=1000, window=128, F=128, D=128), Case(L=600, window=256, sinks=8, F=128, D=128, gate="vector"),
+    Case(L=257, dtype=torch.bfloat16, window=64), Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128),
+    Case(L=600, dtype=torch.bfloat16, window=128, F=128, D=128, gate="vector"),
+    Case(L=517, dtype=torch.float16, window=32, sinks=0),
+]
+
+
+def run_checks(device):
+    print(f"{'case':<58} {'path':<8} {'worst':<6} {'max rel err':>11}  ok")
+    for case in CHECK_CASES:
+        out = compare(case, device)
+        worst = max(out["errors"], key=lambda n: out["errors"][n][0])
+        label = (f"L={case.L} {case.gate} {str(case.dtype)[6:]} w={case.window} M={case.sinks} "
+                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}")
+        path = "kernel" if out["path"] == "kernel" else "fallback"
+        print(f"{label:<58} {path:<8} {worst:<6} {out['errors'][worst][0]:>11.2e}  "
+              f"{within_tolerance(case, out['errors'])}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing
+
+
+def _median_ms(fn, reps=20):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _fwd_and_bwd(forward, inputs):
+    """(forward-only ms without autograd, forward+backward ms)."""
+    with torch.no_grad():
+        fwd = _median_ms(forward)
+    leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
+    y = forward()
+    dy = torch.randn_like(y)
+    del y
+    both = _median_ms(lambda: torch.autograd.grad(forward(), leaves, dy))
+    for t in leaves:
+        t.requires_grad_(False)
+    return fwd, both
+
+
+def _bench_ours(B, H, L, D, gate, config=None):
+    from .lizard_triton import lizard_attention_triton
+
+    case = Case(L=L, gate=gate, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
+    (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+    inputs = [fq, fk, log_g, qw, kw, v, sinks, alpha]
+    return _fwd_and_bwd(lambda: lizard_attention_triton(fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
+                                                        sinks=sinks, alpha=alpha, config=config), inputs)
+
+
+def _bench_fla(B, H, L, D, which):
+    if which == "chunk_gla":
+        from fla.ops.gla import chunk_gla as op
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla as op
+    q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g_shape = (B, L, H, D) if which == "chunk_gla" else (B, L, H)
+    g = F.logsigmoid(torch.randn(g_shape, device="cuda") + 3)
+    return _fwd_and_bwd(lambda: op(q=q, k=k, v=v, g=g, scale=D**-0.5)[0], [q, k, v, g])
+
+
+def _bench_sdpa(B, H, L, D):
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return _fwd_and_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v])
+
+
+def run_bench(lengths, B=16, H=32, D=128):
+    rows = [("lizard scalar gate (w=128, M=4)", lambda L: _bench_ours(B, H, L, D, "scalar")),
+            ("lizard vector gate (w=128, M=4)", lambda L: _bench_ours(B, H, L, D, "vector")),
+            ("fla chunk_gla", lambda L: _bench_fla(B, H, L, D, "chunk_gla")),
+            ("fla chunk_simple_gla", lambda L: _bench_fla(B, H, L, D, "chunk_simple_gla")),
+            ("SDPA causal", lambda L: _bench_sdpa(B, H, L, D))]
+    print(f"\nmedian ms, bf16, B={B} H={H} D={D} (forward / forward+backward)")
+    print(f"{'':<34}" + "".join(f"{'L=' + str(L):>20}" for L in lengths))
+    for name, bench in rows:
+        cells = []
+        for L in lengths:
+            try:
+                fwd, both = bench(L)
+                cells.append(f"{fwd:8.2f} / {both:8.2f}")
+            except Exception as e:  # noqa: BLE001 - fla missing, out of memory...: report, go on
+                cells.append(f"{type(e).__name__:>19}")
+            torch.cuda.empty_cache()
+        print(f"{name:<34}" + "".join(f"{c:>20}" for c in cells), flush=True)
+
+
+def run_sweep(L, B=16, H=32, D=128):
+    """Time block configurations of our kernel (bf16, scalar gate) to pick Config defaults."""
+    from .lizard_triton import Config
+
+    print(f"\nconfig sweep, bf16 scalar gate, B={B} H={H} D={D} L={L}: forward / forward+backward ms")
+    for chunk in (32, 64):
+        for block_v in (64, 128):
+            for warps in (4, 8):
+                cfg = Config(chunk=chunk, block_v=block_v, window_block=chunk, warps=warps)
+                try:
+                    fwd, both = _bench_ours(B, H, L, D, "scalar", cfg)
+                    print(f"{cfg}: {fwd:8.2f} / {both:8.2f}", flush=True)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                    print(f"{cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--no-check", action="store_true", help="skip the correctness cases")
+    parser.add_argument("--no-bench", action="store_true", help="skip the timings")
+    parser.add_argument("--sweep", action="store_true", help="also time block configurations at the first length")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if not args.no_check:
+        run_checks("cuda")
+    if not args.no_bench:
+        run_bench(args.lengths)
+    if args.sweep:
+        run_sweep(args.lengths[0])
+
+
+if __name__ == "__main__":
+    main()

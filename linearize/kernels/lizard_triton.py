@@ -1,0 +1,618 @@
+"""Triton kernels for Lizard attention: gated linear attention + sliding-window softmax with sinks.
+
+Forward, one fused pass (docs/kernels.md has the full design): a program per (batch, head, block of
+value columns) walks the sequence chunk by chunk and computes both branches of each chunk:
+  - gated linear part in log space: A = cumulative log decay from the chunk start, folded into the
+    operands (q~ = phi_q e^A, k~ = phi_k e^(A_end - A), intra-chunk e^(A_i - A_j)), so every exponent
+    is <= 0 and the products are plain tensor-core GEMMs; its block of the state S and the normaliser
+    z (the "ones column" of V) stay in float32 registers across chunks;
+  - anchor window: the queries of chunk n see the keys of chunks n - NWB .. n only
+    (NWB = ceil((w - 1) / chunk)); online softmax whose running max and sum start from the sinks.
+Backward, five kernels that recompute instead of storing per-chunk states: dq and dk passes over
+blocks of state rows (features), a dv pass over blocks of state columns, and two fully parallel
+flash-attention-style kernels for the window (dq; dk, dv). The per-token d log g is a reverse cumsum
+of fq.dfq - fk.dfk, finished in PyTorch with the GQA and per-program sums.
+
+Importing this module needs triton; `linearize.kernels` guards that import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    from . import _interpreter
+
+    _interpreter.patch()
+
+VECTOR_GATE_CHUNK = 16  # per-feature decays are formed key by key inside a chunk (see _decays_from)
+MAX_SINKS = 16
+DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Block sizes and warps per kernel family (picked from ptxas spill reports for sm_90, F = D = 128)."""
+
+    chunk: int  # scalar-gate chunk (the vector gate always uses VECTOR_GATE_CHUNK)
+    block_v: int = 64  # value columns per program: forward and dv pass
+    block_k: int = 64  # state rows (features) per program: dq and dk passes
+    window_block: int = 64  # query/key rows per program in the backward window kernels
+    warps: int = 8
+
+    @staticmethod
+    def default(dtype: torch.dtype) -> Config:
+        # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones.
+        return Config(chunk=32, window_block=32) if dtype == torch.float32 else Config(chunk=64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DT: tl.constexpr):
+    """acc + a @ b on DT operands (the inputs' dtype), accumulated in float32 in place.
+
+    float32 inputs use 3xTF32: tensor cores at about float32 accuracy (plain TF32 loses ~1e-3).
+    """
+    if DT == tl.float32:
+        out = tl.dot(a.to(DT), b.to(DT), acc=acc, input_precision="tf32x3")
+    else:
+        out = tl.dot(a.to(DT), b.to(DT), acc=acc)
+    return out
+
+
+@triton.jit
+def _dot(a, b, DT: tl.constexpr):
+    return _dot_acc(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32), DT)
+
+
+@triton.jit
+def _load_tile(ptr, pos, L, STRIDE: tl.constexpr, BW: tl.constexpr):
+    """[rows pos, columns 0..BW) of a row-major matrix with row stride STRIDE; rows >= L read as zeros.
+
+    Kept in the stored dtype (half the registers for bfloat16): tensor-core operands as they are;
+    a product with a float32 factor promotes to float32.
+    """
+    cols = tl.arange(0, BW)
+    return tl.load(ptr + pos[:, None] * STRIDE + cols[None, :], mask=(pos < L)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_tile(ptr, pos, L, x, STRIDE: tl.constexpr, BW: tl.constexpr):
+    cols = tl.arange(0, BW)
+    tl.store(ptr + pos[:, None] * STRIDE + cols[None, :], x.to(ptr.dtype.element_ty), mask=(pos < L)[:, None])
+
+
+@triton.jit
+def _load_gate(LG, pos, L, F: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+    """Cumulative log decay A from the chunk start (inclusive) and its total over the chunk.
+
+    Vector gate: features 0..BK of LG (row stride F). Rows past the end read log g = 0: they neither
+    decay the state nor add to it (their keys are zero).
+    """
+    if VEC:
+        g = _load_tile(LG, pos, L, F, BK).to(tl.float32)
+    else:
+        g = tl.load(LG + pos, mask=pos < L, other=0.0).to(tl.float32)
+    return tl.cumsum(g, 0), tl.sum(g, 0)
+
+
+@triton.jit
+def _q_decay(A, VEC: tl.constexpr):
+    """e^{A_i}: decay from the chunk start to query i, shaped to scale [chunk, features] rows."""
+    if VEC:
+        out = tl.exp(A)
+    else:
+        out = tl.exp(A)[:, None]
+    return out
+
+
+@triton.jit
+def _k_decay(A, a_end, VEC: tl.constexpr):
+    """e^{A_end - A_j}: decay from key j to the chunk end, shaped to scale [chunk, features] rows."""
+    if VEC:
+        out = tl.exp(a_end[None, :] - A)
+    else:
+        out = tl.exp(a_end - A)[:, None]
+    return out
+
+
+@triton.jit
+def _decay_state(S, a_end, VEC: tl.constexpr):
+    """The state [features, columns] decayed over a whole chunk."""
+    if VEC:
+        out = S * tl.exp(a_end)[:, None]
+    else:
+        out = S * tl.exp(a_end)
+    return out
+
+
+@triton.jit
+def _scalar_decay(A, t):
+    """Causal [chunk, chunk] matrix e^{A_i - A_j} (i >= j), zero above the diagonal."""
+    return tl.exp(tl.where(t[:, None] >= t[None, :], A[:, None] - A[None, :], float("-inf")))
+
+
+@triton.jit
+def _decays_from(A, t, j):
+    """Per-feature decays e^{A_i - A_j} from key row j to every query row i (zero for i < j).
+
+    A vector gate has no single reference point r that keeps both e^{A_i - A_r} and e^{A_r - A_j}
+    bounded inside a chunk, so its intra-chunk products are formed exactly, key by key.
+    """
+    a_j = tl.sum(tl.where((t == j)[:, None], A, 0.0), 0)
+    return tl.exp(tl.where((t >= j)[:, None], A - a_j[None, :], float("-inf")))
+
+
+@triton.jit
+def _row(x, t, j):
+    return tl.sum(tl.where((t == j)[:, None], x, 0.0), 0)
+
+
+@triton.jit
+def _vector_scores(q, k, A, t, BT: tl.constexpr):
+    """Intra-chunk P_ij = sum_f q_if k_jf e^{A_if - A_jf} (i >= j) for a vector gate."""
+    P = tl.zeros([BT, BT], tl.float32)
+    for j in range(BT):
+        q_e_k = q * _decays_from(A, t, j) * _row(k, t, j)[None, :]
+        P = tl.where(t[None, :] == j, tl.sum(q_e_k, 1)[:, None], P)
+    return P
+
+
+@triton.jit
+def _window_scores(qw, kw, qpos, kpos, window, scale, DT: tl.constexpr):
+    """Scaled logits q.k, -inf outside the band kpos in (qpos - w, qpos]."""
+    s = _dot(qw, tl.trans(kw), DT) * scale
+    diff = qpos[:, None] - kpos[None, :]
+    return tl.where((diff >= 0) & (diff < window), s, float("-inf"))
+
+
+@triton.jit
+def _sink_logits(SINKS, M: tl.constexpr, MP: tl.constexpr):
+    idx = tl.arange(0, MP)
+    return tl.load(SINKS + idx, mask=idx < M, other=float("-inf")).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels. Layouts (contiguous): FQ, FK [B,H,L,F]; LG [B,H,L,1 or F]; QW, Y* [B,H,L,D]; KW, V
+# [B,HKV,L,D]; per-token statistics [B*H, L] float32. Axis 0 of every grid is b * H + h.
+
+
+@triton.jit
+def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
+                L, H, HKV, window, scale, eps,
+                F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
+                M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, D/BV): output columns [iv*BV, (iv+1)*BV) and that block of the state. The scores
+    (over F for the linear part, over D for the window) are recomputed by each column block."""
+    bh = tl.program_id(0).to(tl.int64)
+    iv = tl.program_id(1)
+    h = bh % H
+    kv = (bh // H) * HKV + h // (H // HKV)
+    FQ += bh * L * F
+    FK += bh * L * F
+    LG += bh * L * (F if VEC else 1)
+    QW += bh * L * D
+    KW += kv * L * D
+    VB = V + kv * L * D + iv * BV  # this program's value columns
+    out = bh * L * D + iv * BV
+    t = tl.arange(0, BT)
+    alpha = tl.load(ALPHA + h).to(tl.float32)
+    # The running softmax max/sum start from the sinks: they add mass to the denominator only.
+    if M > 0:
+        sinks = _sink_logits(SINKS + h * M, M, MP)
+        m0 = tl.max(sinks, 0)
+        l0 = tl.sum(tl.exp(sinks - m0), 0)
+    else:
+        m0 = -1e30  # finite, so exp(m_old - m_new) never sees inf - inf
+        l0 = 0.0
+
+    S = tl.zeros([F, BV], tl.float32)
+    z = tl.zeros([F], tl.float32)
+    for n in range(tl.cdiv(L, BT)):
+        pos = n * BT + t
+        q = _load_tile(FQ, pos, L, F, F)
+        k = _load_tile(FK, pos, L, F, F)
+        v = _load_tile(VB, pos, L, D, BV)
+        A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+
+        # Gated linear part: intra-chunk scores P, then the state carried from earlier chunks.
+        if VEC:
+            P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
+        else:
+            P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
+        q_dec = q * _q_decay(A, VEC)
+        num = _dot_acc(P, v, _dot(q_dec, S, DT), DT)
+        den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps  # the "ones column" of V
+        y_gla = num / den[:, None]
+        k_dec = k * _k_decay(A, a_end, VEC)
+        S = _dot_acc(tl.trans(k_dec), v, _decay_state(S, a_end, VEC), DT)
+        z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
+
+        # Anchor window: online softmax over the key chunks that overlap (pos - w, pos].
+        qw = _load_tile(QW, pos, L, D, D)
+        m_i = tl.zeros([BT], tl.float32) + m0
+        l_i = tl.zeros([BT], tl.float32) + l0
+        acc = tl.zeros([BT, BV], tl.float32)
+        for mb in range(tl.maximum(n - NWB, 0), n + 1):
+            kpos = mb * BT + t
+            s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            corr = tl.exp(m_i - m_new)
+            l_i = l_i * corr + tl.sum(p, 1)
+            acc = _dot_acc(p, _load_tile(VB, kpos, L, D, BV), acc * corr[:, None], DT)
+            m_i = m_new
+        y_win = acc / l_i[:, None]
+
+        _store_tile(Y + out, pos, L, y_gla + alpha * y_win, D, BV)
+        if SAVE:
+            _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
+            _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
+            if iv == 0:
+                tl.store(DEN + bh * L + pos, den, mask=pos < L)
+                tl.store(LSE + bh * L + pos, m_i + tl.log(l_i), mask=pos < L)
+
+
+@triton.jit
+def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, DFQ, DA_Q, DDEN, L, H, HKV,
+                   F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                   VEC: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK), forward over the chunks with state rows [fo, fo+BK): d fq of those features,
+    their share of dA = fq.dfq (DA_Q) and, from the first block, d den per token (DDEN)."""
+    bh = tl.program_id(0).to(tl.int64)
+    ik = tl.program_id(1)
+    fo = ik * BK
+    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
+    FQ += bh * L * F + fo
+    FK += bh * L * F + fo
+    DFQ += bh * L * F + fo
+    if VEC:
+        LG += bh * L * F + fo
+        DA_Q += bh * L * F + fo
+    else:
+        LG += bh * L
+        DA_Q += (ik * tl.num_programs(0) + bh) * L  # [F/BK, B*H, L] partial sums over features
+    V += kv * L * D
+    Y_GLA += bh * L * D
+    DY += bh * L * D
+    DEN += bh * L
+    DDEN += bh * L
+    t = tl.arange(0, BT)
+
+    S = tl.zeros([BK, D], tl.float32)
+    z = tl.zeros([BK], tl.float32)
+    for n in range(tl.cdiv(L, BT)):
+        pos = n * BT + t
+        inside = pos < L
+        q = _load_tile(FQ, pos, L, F, BK)
+        k = _load_tile(FK, pos, L, F, BK)
+        v = _load_tile(V, pos, L, D, D)
+        A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
+        dy = _load_tile(DY, pos, L, D, D)
+        den = tl.load(DEN + pos, mask=inside, other=1.0)
+        d_num = dy / den[:, None]
+        d_den = -tl.sum(dy.to(tl.float32) * _load_tile(Y_GLA, pos, L, D, D).to(tl.float32), 1) / den
+        if ik == 0:
+            tl.store(DDEN + pos, d_den, mask=inside)
+
+        # dP_ij = d_num_i . v_j + d_den_i (V with its ones column); decayed, causal.
+        dP = _dot(d_num, tl.trans(v), DT) + d_den[:, None]
+        if VEC:
+            k32 = k.to(tl.float32)
+            dq = tl.zeros([BT, BK], tl.float32)
+            for j in range(BT):
+                dP_j = tl.sum(tl.where(t[None, :] == j, dP, 0.0), 1)  # column j
+                dq += dP_j[:, None] * _decays_from(A, t, j) * _row(k32, t, j)[None, :]
+        else:
+            dq = _dot(dP * _scalar_decay(A, t), k, DT)
+        dq += _q_decay(A, VEC) * (_dot(d_num, tl.trans(S), DT) + d_den[:, None] * z[None, :])
+        _store_tile(DFQ, pos, L, dq, F, BK)
+        # d A_t = fq_t . dfq_t - fk_t . dfk_t: phi and log g enter only as phi e^{+-A}.
+        if VEC:
+            _store_tile(DA_Q, pos, L, q * dq, F, BK)
+        else:
+            tl.store(DA_Q + pos, tl.sum(q * dq, 1), mask=inside)
+
+        k_dec = k * _k_decay(A, a_end, VEC)
+        S = _dot_acc(tl.trans(k_dec), v, _decay_state(S, a_end, VEC), DT)
+        z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
+
+
+@triton.jit
+def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, DFK, DA_K, L, H, HKV,
+                   F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                   VEC: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK), backward over the chunks with rows [fo, fo+BK) of dS, the gradient w.r.t. the
+    state after each chunk: d fk of those features and their share of dA = -fk.dfk (DA_K)."""
+    bh = tl.program_id(0).to(tl.int64)
+    ik = tl.program_id(1)
+    fo = ik * BK
+    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
+    FQ += bh * L * F + fo
+    FK += bh * L * F + fo
+    DFK += bh * L * F + fo
+    if VEC:
+        LG += bh * L * F + fo
+        DA_K += bh * L * F + fo
+    else:
+        LG += bh * L
+        DA_K += (ik * tl.num_programs(0) + bh) * L
+    V += kv * L * D
+    DY += bh * L * D
+    DEN += bh * L
+    DDEN += bh * L
+    t = tl.arange(0, BT)
+
+    NT = tl.cdiv(L, BT)
+    dS = tl.zeros([BK, D], tl.float32)
+    dz = tl.zeros([BK], tl.float32)
+    for i in range(NT):
+        pos = (NT - 1 - i) * BT + t
+        inside = pos < L
+        q = _load_tile(FQ, pos, L, F, BK)
+        k = _load_tile(FK, pos, L, F, BK)
+        v = _load_tile(V, pos, L, D, D)
+        A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
+        d_num = _load_tile(DY, pos, L, D, D) / tl.load(DEN + pos, mask=inside, other=1.0)[:, None]
+        d_den = tl.load(DDEN + pos, mask=inside, other=0.0)
+
+        dP = _dot(d_num, tl.trans(v), DT) + d_den[:, None]
+        if VEC:
+            q32 = q.to(tl.float32)
+            dk = tl.zeros([BT, BK], tl.float32)
+            for j in range(BT):
+                dP_j = tl.sum(tl.where(t[None, :] == j, dP, 0.0), 1)  # column j
+                dk_j = tl.sum(dP_j[:, None] * q32 * _decays_from(A, t, j), 0)
+                dk = tl.where((t == j)[:, None], dk_j[None, :], dk)
+        else:
+            dk = _dot(tl.trans(dP * _scalar_decay(A, t)), q, DT)
+        # Through the state: key j reaches every later chunk as fk_j e^{A_end - A_j}.
+        k_dec = _k_decay(A, a_end, VEC)
+        dk += k_dec * (_dot(v, tl.trans(dS), DT) + dz[None, :])
+        _store_tile(DFK, pos, L, dk, F, BK)
+        if VEC:
+            _store_tile(DA_K, pos, L, -(k * dk), F, BK)
+        else:
+            tl.store(DA_K + pos, -tl.sum(k * dk, 1), mask=inside)
+
+        q_dec = q * _q_decay(A, VEC)
+        dS = _dot_acc(tl.trans(q_dec), d_num, _decay_state(dS, a_end, VEC), DT)
+        dz = dz * tl.exp(a_end) + tl.sum(q_dec * d_den[:, None], 0)
+
+
+@triton.jit
+def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, DV, L,
+                   F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                   VEC: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, D/BV), backward over the chunks with columns [vo, vo+BV) of dS: d v of the linear
+    part plus the window's (DV_WIN), per query head."""
+    bh = tl.program_id(0).to(tl.int64)
+    vo = tl.program_id(1) * BV
+    FQ += bh * L * F
+    FK += bh * L * F
+    LG += bh * L * (F if VEC else 1)
+    DY += bh * L * D + vo
+    DV_WIN += bh * L * D + vo
+    DV += bh * L * D + vo
+    DEN += bh * L
+    t = tl.arange(0, BT)
+
+    NT = tl.cdiv(L, BT)
+    dS = tl.zeros([F, BV], tl.float32)
+    for i in range(NT):
+        pos = (NT - 1 - i) * BT + t
+        q = _load_tile(FQ, pos, L, F, F)
+        k = _load_tile(FK, pos, L, F, F)
+        A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+        d_num = _load_tile(DY, pos, L, D, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
+        if VEC:
+            P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
+        else:
+            P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
+        dv = _dot_acc(tl.trans(P), d_num, _dot(k * _k_decay(A, a_end, VEC), dS, DT), DT)
+        _store_tile(DV, pos, L, dv + _load_tile(DV_WIN, pos, L, D, BV), D, BV)
+        dS = _dot_acc(tl.trans(q * _q_decay(A, VEC)), d_num, _decay_state(dS, a_end, VEC), DT)
+
+
+@triton.jit
+def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, DSINKS, DALPHA,
+                          L, H, HKV, window, scale,
+                          D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, M: tl.constexpr,
+                          MP: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, cdiv(L, BW)): one block of queries. d qw, delta = dy_win . y_win per token (DELTA)
+    and this block's share of d sinks and d alpha."""
+    bh = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1)
+    h = bh % H
+    kv = (bh // H) * HKV + h // (H // HKV)
+    part = bh * tl.num_programs(1) + n
+    QW += bh * L * D
+    DQW += bh * L * D
+    DY += bh * L * D
+    Y_WIN += bh * L * D
+    KW += kv * L * D
+    V += kv * L * D
+    pos = n * BW + tl.arange(0, BW)
+    inside = pos < L
+    alpha = tl.load(ALPHA + h).to(tl.float32)
+    lse = tl.load(LSE + bh * L + pos, mask=inside, other=float("inf"))  # padded rows: zero probabilities
+    dy = _load_tile(DY, pos, L, D, D)
+    dy_ywin = tl.sum(dy.to(tl.float32) * _load_tile(Y_WIN, pos, L, D, D).to(tl.float32), 1)
+    delta = alpha * dy_ywin
+    tl.store(DELTA + bh * L + pos, delta, mask=inside)
+    tl.store(DALPHA + part, tl.sum(dy_ywin, 0))
+
+    qw = _load_tile(QW, pos, L, D, D)
+    dy_win = alpha * dy
+    dqw = tl.zeros([BW, D], tl.float32)
+    for mb in range(tl.maximum(n - NWB, 0), n + 1):
+        kpos = mb * BW + tl.arange(0, BW)
+        kw = _load_tile(KW, kpos, L, D, D)
+        p = tl.exp(_window_scores(qw, kw, pos, kpos, window, scale, DT) - lse[:, None])
+        dp = _dot(dy_win, tl.trans(_load_tile(V, kpos, L, D, D)), DT)
+        dqw = _dot_acc(p * (dp - delta[:, None]), kw, dqw, DT)
+    _store_tile(DQW, pos, L, dqw * scale, D, D)
+    if M > 0:  # sinks carry no value: d t_m = -sum_i p_im delta_i
+        sinks = _sink_logits(SINKS + h * M, M, MP)
+        d_sinks = -tl.sum(tl.exp(sinks[None, :] - lse[:, None]) * delta[:, None], 0)
+        tl.store(DSINKS + part * MP + tl.arange(0, MP), d_sinks)
+
+
+@triton.jit
+def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, DKW, DV_WIN, L, H, HKV, window, scale,
+                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, cdiv(L, BW)): one block of keys, seen by the query blocks n .. n + NWB. d kw and the
+    window's d v, per query head."""
+    bh = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1)
+    h = bh % H
+    kv = (bh // H) * HKV + h // (H // HKV)
+    QW += bh * L * D
+    DY += bh * L * D
+    pos = n * BW + tl.arange(0, BW)
+    kw = _load_tile(KW + kv * L * D, pos, L, D, D)
+    v = _load_tile(V + kv * L * D, pos, L, D, D)
+    alpha = tl.load(ALPHA + h).to(tl.float32)
+
+    dkw = tl.zeros([BW, D], tl.float32)
+    dv = tl.zeros([BW, D], tl.float32)
+    for qb in range(n, tl.minimum(n + NWB, tl.num_programs(1) - 1) + 1):
+        qpos = qb * BW + tl.arange(0, BW)
+        q_in = qpos < L
+        qw = _load_tile(QW, qpos, L, D, D)
+        dy_win = alpha * _load_tile(DY, qpos, L, D, D)
+        lse = tl.load(LSE + bh * L + qpos, mask=q_in, other=float("inf"))
+        delta = tl.load(DELTA + bh * L + qpos, mask=q_in, other=0.0)
+        p = tl.exp(_window_scores(qw, kw, qpos, pos, window, scale, DT) - lse[:, None])
+        dv = _dot_acc(tl.trans(p), dy_win, dv, DT)
+        ds = p * (_dot(dy_win, tl.trans(v), DT) - delta[:, None])
+        dkw = _dot_acc(tl.trans(ds), qw, dkw, DT)
+    _store_tile(DKW + bh * L * D, pos, L, dkw * scale, D, D)
+    _store_tile(DV_WIN + bh * L * D, pos, L, dv, D, D)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch
+
+
+def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
+    """None when the kernels handle these inputs, else the reason they do not."""
+    if not (fq.is_cuda or (INTERPRET and fq.device.type == "cpu")):
+        return f"device {fq.device.type}"
+    if len({t.device for t in (fq, fk, log_g, qw, kw, v)}) != 1:
+        return "inputs on several devices"
+    if fq.dtype not in DOT_DTYPES or any(t.dtype != fq.dtype for t in (fk, qw, kw, v)):
+        return "fq, fk, qw, kw, v must share one dtype: float32, bfloat16 or float16"
+    if fq.shape[2] == 0:
+        return "empty sequence"
+    F, D = fq.shape[-1], qw.shape[-1]
+    for name, n in (("feature dim", F), ("head dim", D)):
+        if n not in (16, 32, 64, 128):
+            return f"{name} {n} not in 16/32/64/128"
+    if log_g.shape[-1] not in (1, F):
+        return "gate must be [B,H,L,1] or [B,H,L,F]"
+    if kw.shape[1] == 0 or fq.shape[1] % kw.shape[1] != 0:
+        return "query heads must be a multiple of the KV heads"
+    if window < 1:
+        return "window < 1"
+    if sinks is not None and sinks.shape[-1] > MAX_SINKS:
+        return f"more than {MAX_SINKS} sinks"
+    return None
+
+
+class LizardAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save):
+        fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
+        sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
+        B, H, L, F = fq.shape
+        D = qw.shape[-1]
+        vec = log_g.shape[-1] != 1
+        BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
+        BV = min(cfg.block_v, D)
+        M = 0 if sinks is None else sinks.shape[-1]
+        MP = max(2, triton.next_power_of_2(M))
+        y = torch.empty_like(qw)
+        # The backward splits dy between the branches with these (input dtype, as flash attention's O).
+        y_gla = torch.empty_like(qw) if save else y
+        y_win = torch.empty_like(qw) if save else y
+        den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
+        lse = torch.empty_like(den)
+        _fwd_kernel[(B * H, D // BV)](
+            fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, y, y_gla, y_win, den, lse,
+            L, H, kw.shape[1], window, scale, eps, F=F, D=D, BV=BV, BT=BT, NWB=triton.cdiv(window - 1, BT),
+            M=M, MP=MP, VEC=vec, SAVE=save, DT=DOT_DTYPES[fq.dtype], num_warps=cfg.warps, num_stages=1)
+        if save:
+            ctx.save_for_backward(fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse)
+            ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse = ctx.saved_tensors
+        cfg, window, scale = ctx.cfg, ctx.window, ctx.scale
+        dy = dy.contiguous()
+        B, H, L, F = fq.shape
+        HKV, D = kw.shape[1], kw.shape[-1]
+        group = H // HKV
+        vec = log_g.shape[-1] != 1
+        BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
+        BK, BV, BW = min(cfg.block_k, F), min(cfg.block_v, D), cfg.window_block
+        NW = triton.cdiv(L, BW)
+        M = 0 if sinks is None else sinks.shape[-1]
+        MP = max(2, triton.next_power_of_2(M))
+        dev, f32 = fq.device, torch.float32
+        state = {"BT": BT, "VEC": vec, "DT": DOT_DTYPES[fq.dtype], "num_warps": cfg.warps, "num_stages": 1}
+        win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
+               "num_warps": cfg.warps, "num_stages": 1}
+
+        dfq, dfk, dqw = torch.empty_like(fq), torch.empty_like(fk), torch.empty_like(qw)
+        # Per query head; float32 where a GQA group is summed afterwards.
+        kv_dtype = kw.dtype if group == 1 else f32
+        dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype)
+        dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype)
+        dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32)
+        # dA shares: per feature (vector gate) or partial sums over feature blocks (scalar gate).
+        da_shape = (B, H, L, F) if vec else (F // BK, B, H, L)
+        da_q, da_k = torch.empty(da_shape, device=dev, dtype=f32), torch.empty(da_shape, device=dev, dtype=f32)
+        d_den, delta = torch.empty_like(den), torch.empty_like(den)
+        d_sinks = torch.empty(B * H * NW, MP, device=dev, dtype=f32)
+        d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
+
+        _bwd_dq_kernel[(B * H, F // BK)](fq, fk, log_g, v, y_gla, den, dy, dfq, da_q, d_den, L, H, HKV,
+                                         F=F, D=D, BK=BK, **state)
+        _bwd_dk_kernel[(B * H, F // BK)](fq, fk, log_g, v, den, dy, d_den, dfk, da_k, L, H, HKV,
+                                         F=F, D=D, BK=BK, **state)
+        _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy,
+                                           dqw, delta, d_sinks, d_alpha, L, H, HKV, window, scale, M=M, MP=MP,
+                                           **win)
+        _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy, delta, dkw, dv_win, L, H, HKV, window,
+                                            scale, **win)
+        _bwd_dv_kernel[(B * H, D // BV)](fq, fk, log_g, den, dy, dv_win, dv, L, F=F, D=D, BV=BV, **state)
+
+        dA = da_q + da_k if vec else (da_q.sum(0) + da_k.sum(0))[..., None]
+        d_log_g = dA.flip(2).cumsum(2).flip(2)  # d log g_t = sum over s >= t of dA_s
+        if group > 1:
+            dkw = dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype)
+            dv = dv.view(B, HKV, group, L, D).sum(2).to(v.dtype)
+        dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
+        dalpha = d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
+        return dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha, None, None, None, None, None
+
+
+def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, config=None):
+    """The kernel path of `linearize.kernels.lizard_attention` (inputs already checked by `supports`)."""
+    tensors = (fq, fk, log_g, qw, kw, v, sinks, alpha)
+    # Keep what the backward needs only when there will be one (not under no_grad / inference).
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return LizardAttentionFunction.apply(*tensors, int(window), float(scale), float(eps),
+                                         config or Config.default(fq.dtype), save)
