@@ -16,8 +16,42 @@ from .common import exp_weights, extend_window, keep_last, repeat_kv
 from .gla_window import _combine
 
 
+def _gla_chunks_scalar(fq, fk, log_g, v, S, z, chunk):
+    """The scalar-gate case with every chunk's own terms computed at once.
+
+    Only the carry of the [F, d] state from chunk to chunk is sequential (two small ops a chunk);
+    the [C, C] decay matrices of all chunks together take B*H*L*C floats.
+    """
+    L = fq.shape[2]
+    pad = (-L) % chunk  # padded tokens have no key and no decay, so they change nothing
+    fq, fk, v, log_g = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v, log_g))
+    n = fq.shape[2] // chunk
+    q_c, k_c, v_c = (x.unflatten(2, (n, chunk)) for x in (fq, fk, v))  # [B, H, n, C, *]
+    A = log_g[..., 0].unflatten(2, (n, chunk)).cumsum(-1)  # [B, H, n, C], relative to each chunk's start
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=fq.device).tril()
+    decay = (A[..., :, None] - A[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    scores = (q_c @ k_c.transpose(-1, -2)) * decay
+    k_to_end = k_c * (A[..., -1:] - A).exp()[..., None]
+    chunk_S = k_to_end.transpose(-1, -2) @ v_c  # [B, H, n, F, d]
+    chunk_z = k_to_end.sum(-2)
+    total = A[..., -1].exp()  # [B, H, n]
+    start_S, start_z = [], []
+    for c in range(n):
+        start_S.append(S)
+        start_z.append(z)
+        S = total[:, :, c, None, None] * S + chunk_S[:, :, c]
+        z = total[:, :, c, None] * z + chunk_z[:, :, c]
+    q_from_start = q_c * A.exp()[..., None]
+    num = scores @ v_c + q_from_start @ torch.stack(start_S, 2)
+    den = scores.sum(-1) + (q_from_start * torch.stack(start_z, 2)[..., None, :]).sum(-1)
+    return num.flatten(2, 3)[:, :, :L], den.flatten(2, 3)[:, :, :L], S, z
+
+
 def _gla_chunks(fq, fk, log_g, v, S, z, chunk):
     """Numerator, denominator of the gated linear part and the final S, z, chunk by chunk."""
+    if log_g.shape[-1] == 1:
+        return _gla_chunks_scalar(fq, fk, log_g, v, S, z, chunk)
+    # A vector gate's [C, C, F] decays for all chunks at once would not fit: one chunk at a time.
     L = fq.shape[2]
     nums, dens = [], []
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=fq.device).tril()
