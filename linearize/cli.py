@@ -140,11 +140,13 @@ def cmd_demo(args) -> None:
     tokenizer = load_tokenizer(args.model)
     prompt = "Write one sentence about the sea."
     device = "cuda" if gpu else None
+    print(f"distilled with {cfg.max_tokens:,} tokens per stage at length {cfg.seq_len} (the papers use 20M)")
     for name, spec in (("teacher", args.model), ("lizard student", str(out))):
         model = load_model(spec, device=device)
         ppl = perplexity(model, tokenizer, [512], limit=4)["by_length"][0]["ppl"]
         print(f"{name}: perplexity {ppl:.2f} on held-out Moby-Dick (4 windows of 512 tokens)")
-        print(f"{name} says:", generate_text(model, tokenizer, prompt, max_new_tokens=32, chat=True))
+        answer = generate_text(model, tokenizer, prompt, max_new_tokens=32, chat=True)
+        print(f"{name} says:", answer.strip() or "(nothing: it ended its turn at once)")
 
 
 class _Parser(argparse.ArgumentParser):

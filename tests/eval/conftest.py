@@ -50,15 +50,6 @@ def sentence(rng: random.Random) -> str:
     return " ".join(words).capitalize() + rng.choice(".!?")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread than with OpenMP spinning on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_byte_tokenizer()
