@@ -171,6 +171,56 @@ def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, sc
     return (num + lin_num) / (weights.sum(-1) + lin_den + eps)[..., None]
 
 
+def _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk):
+    """Fold time of every key (salient slots first, then the combined sequence) and the final slots.
+
+    Chunk selections depend only on scores, so they all come first; then the L departures (combined
+    index i leaves after step start + i) go through `route_departure` in order. When the slots can
+    hold every token chosen in this call (always within STILL's training length), nothing is evicted
+    and the routing is computed at once instead.
+    """
+    B, Hkv, _ = scores.shape
+    L = completes.shape[1]
+    for i in completes.any(0).nonzero()[:, 0].tolist():
+        _select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
+    K = state["sal_used"].shape[-1]
+    slot_ids = torch.arange(K, device=scores.device).expand(B, Hkv, K)  # ids: slots first, then combined
+    slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
+    fold_time = torch.full((B, Hkv, K + W1 + L), NEVER, device=scores.device, dtype=torch.long)
+    departing = chosen[..., :L]
+    leave = torch.arange(start + 1, start + L + 1, device=scores.device)
+
+    if (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all():
+        fold_time[..., K : K + L] = torch.where(departing, NEVER, leave)
+        if K == 0:
+            return fold_time, slot_ids, slots
+        # The r-th chosen departure takes the r-th free slot (route_departure fills the lowest free one).
+        padded = torch.nn.functional.pad(departing, (0, max(0, K - L)), value=False)  # at least K candidates
+        pick = torch.sort((~padded).to(torch.int8), dim=-1, stable=True).indices[..., :K].clamp_max(L - 1)
+        free_first = torch.sort(state["sal_used"].to(torch.int8), dim=-1, stable=True).indices
+        take = torch.arange(K, device=scores.device) < departing.sum(-1, keepdim=True)
+
+        def fill(tensor, value):
+            return tensor.scatter(-1, free_first, torch.where(take, value, tensor.gather(-1, free_first)))
+
+        slot_ids = fill(slot_ids, K + pick)
+        slots = {"score": fill(slots["score"], scores.gather(-1, pick)),
+                 "pos": fill(slots["pos"], positions[pick]),
+                 "used": fill(slots["used"], torch.ones_like(take.expand_as(slots["used"])))}
+        return fold_time, slot_ids, slots
+
+    for i in range(L):
+        cand_pos = positions[i].expand(B, Hkv)
+        slot, victim, fold_cand, slots = route_departure(slots, scores[..., i], cand_pos, chosen[..., i])
+        index = slot.clamp_min(0)[..., None]
+        victim_id = slot_ids.gather(-1, index)
+        fold_time[..., K + i] = torch.where(fold_cand, leave[i], NEVER)
+        previous = fold_time.gather(-1, victim_id)
+        fold_time.scatter_(-1, victim_id, torch.where(victim[..., None], leave[i], previous))
+        slot_ids = slot_ids.scatter(-1, index, torch.where(slot[..., None] >= 0, K + i, victim_id))
+    return fold_time, slot_ids, slots
+
+
 def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing,
                    scale, eps=1e-6):
     """Naive parallel form over L new tokens at absolute positions start.. continuing from `state`.
@@ -184,26 +234,9 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
                                                                         eps)
     positions = torch.arange(start - W1, start + L, device=q.device)
 
-    # Replay routing: chunk selections, then one departure (combined index i) per new token.
+    fold_time, slot_ids, slots = _replay_routing(state, scores, chosen, key_valid, completes, positions, start,
+                                                 W1, chunk, per_chunk)
     K = state["sal_used"].shape[-1]
-    slot_ids = torch.arange(K, device=q.device).expand(B, k.shape[1], K)  # ids: slots first, then combined
-    slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
-    fold_time = torch.full((B, k.shape[1], K + W1 + L), NEVER, device=q.device, dtype=torch.long)
-    for i in range(L):
-        t = start + i
-        if completes[:, i].any():
-            _select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
-        if K == 0:  # budget == window: every departing token is folded
-            fold_time[..., i] = t + 1
-            continue
-        cand_pos = positions[i].expand(scores.shape[:2])
-        slot, victim, fold_cand, slots = route_departure(slots, scores[..., i], cand_pos, chosen[..., i])
-        index = slot.clamp_min(0)[..., None]
-        victim_id = slot_ids.gather(-1, index)
-        fold_time[..., K + i] = torch.where(fold_cand, t + 1, NEVER)
-        previous = fold_time.gather(-1, victim_id)
-        fold_time.scatter_(-1, victim_id, torch.where(victim[..., None], t + 1, previous))
-        slot_ids = slot_ids.scatter(-1, index, torch.where(slot[..., None] >= 0, K + i, victim_id))
 
     all_keys = torch.cat([state["sal_k"], keys], dim=2)
     all_values = torch.cat([state["sal_v"], values], dim=2)

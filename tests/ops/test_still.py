@@ -101,3 +101,19 @@ def test_saliency_score_is_high_for_self_attending_tokens():
     valid = torch.ones(1, 4, dtype=torch.bool)
     scores = still.saliency_scores(q, keys, valid, valid[:, 2:], chunk=4, scale=1.0, eps=1e-6)
     assert scores[0, 0, 1] > scores[0, 0, 0] > 0
+
+
+def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
+    """Within the budget no token is evicted: routing is computed at once, and still equals the recurrence."""
+    (q, k, v, gate), valid, phi_q, phi_k = setup(12)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
+    calls = []
+    real = still.route_departure
+    monkeypatch.setattr(still, "route_departure", lambda *a: calls.append(1) or real(*a))
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 16), phi_q, phi_k, start=0, **opts)
+    assert not calls and s_par["sal_used"].any()
+    monkeypatch.setattr(still, "route_departure", real)
+    y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 16)
+    torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
+    for name in s_par:
+        torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
