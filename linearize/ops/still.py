@@ -227,7 +227,7 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
 
     q [B,H,L,d] and k [B,H_kv,L,d] already carry RoPE; gate [B,H,L,d] or None. Returns (y, new state).
     """
-    B, H, L, _ = q.shape
+    H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
     W1 = window - 1
     keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
