@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
 from linearize.ops import gla_window
 from linearize.ops.gla_window_chunked import gla_window_chunked
-
-from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -31,7 +30,7 @@ def test_prefill_equals_decode_on_cuda(method):
 def test_chunked_equals_naive_on_cuda_at_length_2048(gate_dim):
     g = torch.Generator("cuda").manual_seed(0)
     B, H, HKV, L, D, F = 1, 4, 2, 2048, 64, 64
-    rand = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    rand = lambda *s: torch.randn(*s, device="cuda", generator=g)
     fq, fk = torch.softmax(rand(B, H, L, F), -1), torch.softmax(rand(B, H, L, F), -1)
     log_g = torch.nn.functional.logsigmoid(rand(B, H, L, gate_dim) + 4)
     qw, kw, v = rand(B, H, L, D), rand(B, HKV, L, D), rand(B, HKV, L, D)
