@@ -8,6 +8,7 @@ from torch import nn
 from ..config import LolcatsConfig
 from ..feature_maps import HedgehogFeatureMap
 from ..ops import lolcats
+from ..ops.lolcats_chunked import lolcats_chunked
 from .base import LinearizedAttention, rotate
 
 
@@ -29,4 +30,4 @@ class LolcatsAttention(LinearizedAttention):
                                        cfg.window, device=q.device)
         elif q.shape[2] == 1:
             return lolcats.lolcats_step(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)
-        return lolcats.lolcats_parallel(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)
+        return lolcats_chunked(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)

@@ -76,7 +76,7 @@ def _gla_chunks(fq, fk, log_g, v, S, z, chunk):
     return torch.cat(nums, 2), torch.cat(dens, 2), S, z
 
 
-def _window_blocks(qw, keys, values, key_valid, window, scale, sinks):
+def window_blocks(qw, keys, values, key_valid, window, scale, sinks):
     """Softmax over (i - w, i] for each new query; `keys` = w-1 carried keys followed by the L new ones."""
     H, L = qw.shape[1], qw.shape[2]
     n_rep = H // keys.shape[1]
@@ -118,7 +118,7 @@ def gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     gla_num, gla_den, S, z = _gla_chunks(fq, fk * keep, log_g * keep, repeat_kv(v, n_rep), state["S"], state["z"],
                                          chunk)
     keys, values, key_valid = extend_window(state, kw, v, valid)
-    win_num, win_den = _window_blocks(qw, keys, values, key_valid, window, scale, sinks)
+    win_num, win_den = window_blocks(qw, keys, values, key_valid, window, scale, sinks)
     y = _combine(gla_num, gla_den, win_num, win_den, alpha=alpha, beta=beta, normalize=normalize, shared=shared,
                  eps=eps)
     new_state = {
