@@ -33,6 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in backward to save memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -59,6 +60,7 @@ def config_from_args(args):
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, options=options, softmax_layers=args.softmax_layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
+                         gradient_checkpointing=args.gradient_checkpointing,
                          precision=args.precision, **lrs)
 
 

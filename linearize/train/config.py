@@ -35,6 +35,7 @@ class DistillConfig:
     eval_every: int = 100
     val_batches: int = 4
     seed: int = 0
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, more time
     device: str | None = None  # None: cuda if available
     precision: str = "auto"  # auto: bf16 autocast on cuda, float32 on cpu
 

@@ -74,6 +74,8 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
         names = {name for name, p in model.named_parameters() if "lora_" in name}
     for name, p in model.named_parameters():
         p.requires_grad_(name in names)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not names:
         raise ValueError(f"stage {stage} of {cfg.method} has nothing to train")
     return model, names

@@ -108,3 +108,26 @@ def test_bad_settings_are_rejected():
         DistillConfig(model="m", method="lizard", out="o", stage="3")
     with pytest.raises(ValueError, match="grad_accum"):
         DistillConfig(model="m", method="lizard", out="o", batch=6, grad_accum=4)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(workspace, stage):
+    from linearize.train.distillation import build_student, prepare_stage, stage_loss
+
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for checkpointing in (False, True):
+        cfg = config(workspace, workspace / "unused", gradient_checkpointing=checkpointing)
+        torch.manual_seed(0)
+        model, names = prepare_stage(build_student(cfg, None), cfg, stage)
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointing
+        model.train()
+        loss = stage_loss(model, ids, stage)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n in names}
+        results.append((loss.detach(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], msg=name)
