@@ -22,6 +22,9 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, **options)
     The model becomes the matching `Linearized*ForCausalLM`, so it saves and loads as one.
     """
     model_type = model.config.model_type
+    if getattr(model.config, "linearize", None):
+        raise UnsupportedModelError(f"the model is already linearized ({model.config.linearize['method']}); "
+                                    "convert its teacher instead")
     if model_type not in LINEARIZED_CLASSES:
         supported = ", ".join(sorted(LINEARIZED_CLASSES))
         raise UnsupportedModelError(f"cannot linearize model type {model_type!r}; supported: {supported}")

@@ -101,3 +101,9 @@ def test_hybrid_keeps_softmax_layers_and_their_kv_cache():
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
     torch.testing.assert_close(decode_token_by_token(model, ids), full, atol=1e-4, rtol=0)
+
+
+def test_converting_twice_is_refused():
+    model = linearized("lizard")
+    with pytest.raises(linearize.UnsupportedModelError, match="already linearized"):
+        linearize.convert(model, "still")
