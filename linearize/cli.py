@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
     try:
         args.func(args)
+    except KeyboardInterrupt:
+        print("linearize: interrupted", file=sys.stderr)
+        return 130
     except (CommandError, ConfigError, FileNotFoundError, PermissionError, ValueError, OSError) as e:
         if os.environ.get("LINEARIZE_DEBUG"):
             raise

@@ -92,3 +92,14 @@ def test_real_teacher_converts_to_lizard_and_generates(tmp_path):
         out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8
     assert isinstance(generate_text(model, tokenizer, "Hi", max_new_tokens=8, chat=True), str)
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    import linearize.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    code, _, err = run(capsys, "generate", "--model", "x", "--prompt", "hi")
+    assert code == 130 and err.strip() == "linearize: interrupted"
