@@ -95,7 +95,7 @@ def test_real_teacher_converts_to_lizard_and_generates(tmp_path):
 
 
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
-    import linearize.cli as cli
+    from linearize import cli
 
     def interrupted(args):
         raise KeyboardInterrupt
