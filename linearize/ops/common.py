@@ -39,3 +39,9 @@ def extend_window(state: dict, k: torch.Tensor, v: torch.Tensor, valid: torch.Te
     """The carried window (w-1 keys, values, validity) followed by the new tokens."""
     return (torch.cat([state["win_k"], k], dim=2), torch.cat([state["win_v"], v], dim=2),
             torch.cat([state["win_valid"], valid], dim=1))
+
+
+def carried_window(keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor, window: int) -> dict:
+    """The state entries for the next call: the last w-1 keys, values and their validity."""
+    return {"win_k": keep_last(keys, window - 1, dim=2), "win_v": keep_last(values, window - 1, dim=2),
+            "win_valid": keep_last(key_valid, window - 1, dim=1)}

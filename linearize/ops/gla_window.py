@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import exp_weights, extend_window, keep_last, repeat_kv, safe_divide
+from .common import carried_window, exp_weights, extend_window, repeat_kv, safe_divide
 
 
 def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, *, device, dtype=torch.float32):
@@ -90,9 +90,7 @@ def gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale
     new_state = {
         "S": total[..., None] * state["S"] + (fk * to_end).transpose(-1, -2) @ v_rep,
         "z": total * state["z"] + (fk * to_end).sum(2),
-        "win_k": keep_last(keys, window - 1, dim=2),
-        "win_v": keep_last(values, window - 1, dim=2),
-        "win_valid": keep_last(key_valid, window - 1, dim=1),
+        **carried_window(keys, values, key_valid, window),
     }
     return y, new_state
 

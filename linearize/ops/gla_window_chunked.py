@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import exp_weights, extend_window, keep_last, repeat_kv
+from .common import carried_window, exp_weights, extend_window, repeat_kv
 from .gla_window import _combine
 
 
@@ -124,8 +124,6 @@ def gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     new_state = {
         "S": S,
         "z": z,
-        "win_k": keep_last(keys, window - 1, dim=2),
-        "win_v": keep_last(values, window - 1, dim=2),
-        "win_valid": keep_last(key_valid, window - 1, dim=1),
+        **carried_window(keys, values, key_valid, window),
     }
     return y, new_state

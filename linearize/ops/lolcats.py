@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import exp_weights, extend_window, keep_last, repeat_kv
+from .common import carried_window, exp_weights, extend_window, repeat_kv
 from .gla_window import init_state  # same layout: linear state plus a w-1 window
 
 __all__ = ["init_state", "lolcats_parallel", "lolcats_step"]
@@ -51,9 +51,7 @@ def lolcats_parallel(q, k, v, valid, state, phi_q, phi_k, *, window, scale, fact
     new_state = {
         "S": state["S"] + fk_fold.transpose(-1, -2) @ v_fold,
         "z": state["z"] + fk_fold.sum(2),
-        "win_k": keep_last(keys, window - 1, dim=2),
-        "win_v": keep_last(values, window - 1, dim=2),
-        "win_valid": keep_last(key_valid, window - 1, dim=1),
+        **carried_window(keys, values, key_valid, window),
     }
     return y, new_state
 

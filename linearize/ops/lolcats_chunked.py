@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import extend_window, keep_last, repeat_kv
+from .common import carried_window, extend_window, repeat_kv
 from .gla_window_chunked import window_blocks
 from .lolcats import _mix
 
@@ -47,8 +47,6 @@ def lolcats_chunked(q, k, v, valid, state, phi_q, phi_k, *, window, scale, facto
     new_state = {
         "S": state["S"] + folded_k.transpose(-1, -2) @ folded_v,
         "z": state["z"] + folded_k.sum(2),
-        "win_k": keep_last(keys, window - 1, dim=2),
-        "win_v": keep_last(values, window - 1, dim=2),
-        "win_valid": keep_last(key_valid, window - 1, dim=1),
+        **carried_window(keys, values, key_valid, window),
     }
     return y, new_state
