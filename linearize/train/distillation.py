@@ -59,8 +59,6 @@ def new_parameter_names(model) -> set[str]:
 
 def prepare_stage(model, cfg: DistillConfig, stage: int):
     """Freeze what this stage does not train; returns (model to call, names of trained parameters)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
     for layer in linearized_layers(model):
         layer.attention_transfer = stage == 1
     if stage == 1:
