@@ -52,6 +52,10 @@ class LinearizedAttention(nn.Module):
         # and keep the MSE of our own output against it.
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
+        # Set per call for paths that need them: the projections' output dtype (bf16 under autocast),
+        # in which fused kernels take their operands, and whether a cache will store the new state.
+        self.projection_dtype = torch.float32
+        self.caching = False
 
     def new_parameters(self) -> list[nn.Parameter]:
         """Parameters this method adds on top of the teacher's projections."""
@@ -76,9 +80,11 @@ class LinearizedAttention(nn.Module):
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
+        self.projection_dtype = q.dtype
 
         cache = claim_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
         state = cache.state if cache is not None else None
+        self.caching = cache is not None
         start = cache.seen if cache is not None else 0
         # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
         # lose too much in bf16.

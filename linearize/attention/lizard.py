@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from .. import kernels
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
 from ..ops import gla_window
 from ..ops.common import repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
 from .base import LinearizedAttention, rotate
+
+
+def kernels_enabled() -> bool:
+    """LINEARIZE_KERNELS=0 keeps the PyTorch ops everywhere (for A/B timings and debugging)."""
+    return os.environ.get("LINEARIZE_KERNELS", "1") != "0"
 
 
 class LizardAttention(LinearizedAttention):
@@ -40,11 +48,32 @@ class LizardAttention(LinearizedAttention):
         fq = self.feature_map_q(q)
         fk = self.feature_map_k(repeat_kv(k, n_rep))
         qw, kw = rotate(q, k, position_embeddings) if cfg.rope_in_window else (q, k)
-        options = {"window": cfg.window, "scale": self.scaling, "sinks": self.sinks.float() if cfg.num_sinks else None,
-                       "alpha": self.alpha.float(), "beta": 1.0, "normalize": True, "shared": cfg.combine == "shared", "eps": cfg.eps}
+        log_g = self.log_gate(x)
+        sinks = self.sinks.float() if cfg.num_sinks else None
+        if self._fused_kernel_applies(fq, fk, log_g, qw, kw, v, sinks, valid, start):
+            return self._fused(fq, fk, log_g, qw, kw, v, sinks)
+        options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
+                   "beta": 1.0, "normalize": True, "shared": cfg.combine == "shared", "eps": cfg.eps}
         if state is None:
             state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
                                           cfg.window, device=q.device)
         elif q.shape[2] == 1:
-            return gla_window.gla_window_step(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options)
-        return gla_window_chunked(fq, fk, self.log_gate(x), qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)
+            return gla_window.gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, **options)
+        return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)
+
+    def _fused_kernel_applies(self, fq, fk, log_g, qw, kw, v, sinks, valid, start) -> bool:
+        """The Triton kernel covers a pass from an empty state over unpadded tokens with the alpha mix."""
+        if not (kernels_enabled() and self.cfg.combine == "alpha" and fq.shape[2] > 1 and start == 0):
+            return False
+        if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=self.cfg.window, sinks=sinks) is not None:
+            return False
+        return bool(valid.all())
+
+    def _fused(self, fq, fk, log_g, qw, kw, v, sinks):
+        # bf16 operands under autocast (the projections' dtype), float32 state inside the kernel.
+        dt = self.projection_dtype
+        y = kernels.lizard_attention(fq.to(dt), fk.to(dt), log_g, qw.to(dt), kw.to(dt), v.to(dt),
+                                     window=self.cfg.window, scale=self.scaling, sinks=sinks,
+                                     alpha=self.alpha.float(), eps=self.cfg.eps)
+        new_state = None if not self.caching else gla_window.state_after(fk, log_g, kw, v, self.cfg.window)
+        return y.float(), new_state

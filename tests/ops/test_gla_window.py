@@ -88,3 +88,17 @@ def test_window_sees_exactly_the_last_w_tokens():
     expected = torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)[:, :, i - window + 1 : i + 1]
     alpha = opts["alpha"][None, :, None, None]
     torch.testing.assert_close(y[:, :, i : i + 1], alpha * expected)
+
+
+@pytest.mark.parametrize("L", [1, 3, 40])
+@pytest.mark.parametrize("gate_dim", [1, F])
+def test_state_after_equals_the_state_of_the_parallel_form(L, gate_dim):
+    tensors, _ = inputs(L, gate_dim)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    window = 5
+    _, expected = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **options(window, None))
+    fq, fk, log_g, qw, kw, v = tensors
+    state = gla_window.state_after(fk, log_g, kw, v, window)
+    assert state.keys() == expected.keys()
+    for name in state:
+        torch.testing.assert_close(state[name], expected[name], atol=1e-12, rtol=1e-10)

@@ -1,0 +1,51 @@
+"""Lizard attention inside a model, fused kernel path vs the PyTorch ops: logits, gradients, decoding.
+
+`check(device, dtype)` returns how often the fused path ran and the worst relative errors; tests call it on CUDA directly and on CPU in a
+subprocess with TRITON_INTERPRET=1 (so the interpreter never leaks into the test process).
+"""
+
+import os
+
+import torch
+from tiny_models import perturb_new_parameters, tiny_teacher
+from transformers import DynamicCache
+
+import linearize
+from linearize.attention.lizard import LizardAttention
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _run(model, ids, kernels: bool):
+    os.environ["LINEARIZE_KERNELS"] = "1" if kernels else "0"
+    model.zero_grad()
+    logits = model(ids, use_cache=False).logits
+    logits.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        prefill = model(ids[:, :-3], past_key_values=cache).logits
+        steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(ids.shape[1] - 3, ids.shape[1])]
+    return logits.detach(), grads, torch.cat([prefill, *steps], 1)
+
+
+def check(device: str, dtype=torch.float32, length: int = 37) -> dict:
+    model = tiny_teacher()
+    linearize.convert(model, "lizard", window=8, num_sinks=2)
+    perturb_new_parameters(model)
+    model.to(device=device, dtype=dtype)
+    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
+    calls = []
+    fused_path = LizardAttention._fused
+    LizardAttention._fused = lambda self, *args: calls.append(1) or fused_path(self, *args)
+    try:
+        fused = _run(model, ids, kernels=True)
+    finally:
+        LizardAttention._fused = fused_path
+    plain = _run(model, ids, kernels=False)
+    assert len(fused[1]) == len(plain[1])
+    return {"fused_calls": len(calls), "logits": _rel(fused[0], plain[0]),
+            "grads": max(_rel(a, b) for a, b in zip(fused[1], plain[1])),
+            "cached": _rel(fused[2], plain[2])}
