@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_kernel_check import check
 from test_lizard_triton import HAS_TRITON
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
-from attention_kernel_check import check  # noqa: E402
 
 _SCRIPT = "import json, attention_kernel_check as c; print(json.dumps(c.check('cpu')))"
 

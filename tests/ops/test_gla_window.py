@@ -97,7 +97,7 @@ def test_state_after_equals_the_state_of_the_parallel_form(L, gate_dim):
     valid = torch.ones(B, L, dtype=torch.bool)
     window = 5
     _, expected = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **options(window, None))
-    fq, fk, log_g, qw, kw, v = tensors
+    _, fk, log_g, _, kw, v = tensors
     state = gla_window.state_after(fk, log_g, kw, v, window)
     assert state.keys() == expected.keys()
     for name in state:
