@@ -135,6 +135,8 @@ class Run:
                 raise ResumeError(f"cannot resume {self.out}: these settings differ from the saved run: {diff}")
         elif ckpt.exists() or saved.exists():
             raise ResumeError(f"{self.out} already holds a run; pass --resume to continue it or pick a new --out")
+        # Every rank checks before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
+        self.rt.barrier()
         if self.rt.main:
             self.out.mkdir(parents=True, exist_ok=True)
             saved.write_text(self.cfg.to_json())
@@ -169,7 +171,11 @@ class Run:
         model = build_student(cfg, self.out / STAGE1_NAME if stage == 2 else None)
         model, names = prepare_stage(model, cfg, stage)
         model.to(rt.device)
-        if rt.distributed:
+        # Stage 1's losses are taken inside each layer while the layer returns the teacher's output, so
+        # FSDP2's unshard-for-backward hooks (set on layer outputs) never fire: there, every rank keeps a
+        # whole replica and the few trained parameters' gradients are averaged by hand.
+        sharded = rt.distributed and stage == 2
+        if sharded:
             shard(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr(stage), betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -178,7 +184,7 @@ class Run:
         loader = self.make_loader(self.train_blocks, seed=cfg.seed + stage)
         step, tokens = 0, 0
         if state is not None:
-            checkpoint.restore(state, model=model, optimizer=optimizer, distributed=rt.distributed)
+            checkpoint.restore(state, model=model, optimizer=optimizer, distributed=sharded)
             scheduler.load_state_dict(state["scheduler"])
             loader.load_state_dict(state["loader"])
             step, tokens = state["step"], state["tokens"]
@@ -187,7 +193,7 @@ class Run:
             meta = {"stage": stage, "step": step, "tokens": tokens, "scheduler": scheduler.state_dict(),
                     "loader": snapshot["loader"], "rng": snapshot["rng"], "stage_done": done}
             checkpoint.save(ckpt_path, model=model, optimizer=optimizer, names=names, meta=meta,
-                            distributed=rt.distributed, main=rt.main)
+                            distributed=sharded, main=rt.main)
 
         snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
         if step == 0:
@@ -205,6 +211,8 @@ class Run:
                         loss = stage_loss(model, ids, stage)
                     (loss / cfg.grad_accum).backward()
                     loss_sum += loss.item() / cfg.grad_accum
+                if rt.distributed and not sharded:
+                    rt.average_gradients(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
                 if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                     grad_norm = grad_norm.full_tensor()
@@ -234,11 +242,11 @@ class Run:
                 print(f"\ninterrupted: checkpoint at step {step} saved in {ckpt_path}; rerun with --resume")
             raise
         bar.close()
-        self.finish_stage(model, stage, names)
+        self.finish_stage(model, stage, names, sharded)
         save(done=True)
 
-    def finish_stage(self, model, stage: int, names: set[str]) -> None:
-        tensors = checkpoint.trained_tensors(model, names, self.rt.distributed)
+    def finish_stage(self, model, stage: int, names: set[str], sharded: bool) -> None:
+        tensors = checkpoint.trained_tensors(model, names, sharded)
         if not self.rt.main:
             return
         if stage == 1:

@@ -29,11 +29,14 @@ class Runtime:
     def start(cls, device: str | None, precision: str) -> Runtime:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        if world_size > 1:
+        if world_size > 1 and device != "cpu" and torch.cuda.is_available():
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl")
             target = torch.device("cuda", local_rank)
+        elif world_size > 1:  # CPU ranks (gloo): slow, but how the multi-rank path is tested without GPUs
+            dist.init_process_group("gloo")
+            target = torch.device("cpu")
         else:
             target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         bf16 = precision == "bf16" or (precision == "auto" and target.type == "cuda")
@@ -48,6 +51,17 @@ class Runtime:
         t = torch.tensor([value], device=self.device, dtype=torch.float64)
         dist.all_reduce(t)
         return t.item() / self.world_size
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Mean of each gradient over the ranks, in one all-reduce (for replicated, unsharded models)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.distributed or not grads:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     def barrier(self) -> None:
         if self.distributed:

@@ -1,26 +1,14 @@
 """Distillation on tiny models: losses fall, only the intended tensors move, resume is exact."""
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_tiny_teacher
 
 from linearize.loading import load_model
 from linearize.train import DistillConfig, ResumeError, distill
 from linearize.train import distillation as distill_module
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distill")
-    save_tiny_teacher(root / "teacher")
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "and", "then", "came", "back", "home"]
-    (root / "data.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(120)) for _ in range(40)))
-    return root
 
 
 def config(workspace, out, **overrides):
