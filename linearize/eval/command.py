@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 from linearize.eval import api
 from linearize.eval.longcontext import DEFAULT_SAMPLES
-from linearize.eval.report import write_report
+from linearize.eval.report import write_json, write_report
 
 TASK_HELP = (
     "comma-separated tasks: ppl, piqa, arc_easy, arc_challenge, hellaswag, winogrande, mmlu, lambada, "
@@ -65,6 +66,7 @@ def run(args) -> int:
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
+        on_progress=partial(write_json, out=args.out),
     )
     for path in write_report(results, args.out):
         print(f"wrote {path}")

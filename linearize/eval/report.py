@@ -10,11 +10,19 @@ from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with A
 from linearize.eval.harness import AVERAGE_METRIC
 
 
-def write_report(results: dict, out: str | Path) -> list[Path]:
-    """Write the JSON, the Markdown summary and the plots; returns the paths written."""
+def write_json(results: dict, out: str | Path) -> Path:
+    """The results as JSON at `out`, replaced atomically (a partial file is never half written)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def write_report(results: dict, out: str | Path) -> list[Path]:
+    """Write the JSON, the Markdown summary and the plots; returns the paths written."""
+    out = write_json(results, out)
     plots = write_plots(results, out)
     md = out.with_suffix(".md")
     md.write_text(markdown(results, plots), encoding="utf-8")

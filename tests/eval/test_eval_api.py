@@ -94,6 +94,15 @@ def test_long_context_is_deterministic_by_seed(model, tokenizer):
     assert first["tasks"]["passkey"]["samples"] != other["tasks"]["passkey"]["samples"]
 
 
+def test_progress_gets_the_finished_tasks_after_each_one(model, tokenizer, ppl_text):
+    seen = []
+    final = evaluate(model, tokenizer, "ppl,passkey", lengths="1k", depths="50", samples=1, text=str(ppl_text),
+                     ppl_max_tokens=2048, on_progress=seen.append)
+    assert [list(r["tasks"]) for r in seen] == [["ppl"]]
+    assert seen[0]["provenance"]["partial"] is True and "partial" not in final["provenance"]
+    assert seen[0]["tasks"]["ppl"] == final["tasks"]["ppl"]
+
+
 def test_write_report(results, tmp_path):
     out = tmp_path / "run" / "eval.json"
     paths = write_report(results, out)
