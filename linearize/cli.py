@@ -190,11 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.command import register as register_bench
     from .eval.command import register as register_eval
     from .eval.command import run as run_eval
+    from .recipes import register as register_recipe
     from .train.command import register as register_distill
 
     register_distill(sub)
     register_eval(sub).set_defaults(func=run_eval)
     register_bench(sub)
+    register_recipe(sub)
     return parser
 
 

@@ -1,0 +1,215 @@
+"""Recipes: one JSON file per results row, run by one command, gathered into one table.
+
+    linearize recipe run recipes/lizard.json [more.json ...] --out runs/ [--model SPEC]
+    linearize recipe table runs/ [--into docs/results.md]
+
+A recipe names its row and holds the `distill` settings (`DistillConfig` fields without `out`; absent
+for the teacher's own row) and the `eval` settings (`linearize.eval.evaluate` arguments). A run keeps
+everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and `run.json`
+(the recipe, the wall times, the training tokens). Rerunning continues where it stopped: a finished
+model is not trained again, an interrupted one resumes from its checkpoint, a finished eval is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+
+from .eval.harness import AVERAGE_METRIC, ZEROSHOT
+from .eval.report import length_label
+
+EVAL_KEYS = {"tasks", "limit", "lengths", "depths", "samples", "batch", "seed"}
+TABLE_START, TABLE_END = "<!-- recipe table -->", "<!-- end of recipe table -->"
+
+
+class RecipeError(ValueError):
+    """A recipe file that cannot be run as written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    row: str  # the row's label in the results table
+    distill: dict | None  # DistillConfig fields except `out`; None: evaluate the model as it is
+    eval: dict
+    model: str = "smollm2"
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recipe:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe {path} is not a file")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"recipe {path} is not valid JSON: {e}") from None
+        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown or "eval" not in raw:
+            raise RecipeError(f"recipe {path}: needs 'eval' and takes name/row/distill/eval/model, got {sorted(raw)}")
+        bad_eval = set(raw["eval"]) - EVAL_KEYS
+        if bad_eval:
+            raise RecipeError(f"recipe {path}: unknown eval settings {sorted(bad_eval)} (known: {sorted(EVAL_KEYS)})")
+        if raw.get("distill") is not None and "out" in raw["distill"]:
+            raise RecipeError(f"recipe {path}: 'distill' must not set 'out' (the run directory decides it)")
+        name = raw.get("name", path.stem)
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise RecipeError(f"recipe {path}: name {name!r} must be letters, digits, '.', '_' or '-'")
+        return cls(name=name, row=raw.get("row", name), distill=raw.get("distill"), eval=raw["eval"],
+                   model=raw.get("model", "smollm2"))
+
+    def distill_config(self, out: Path, model: str | None = None):
+        from .train import DistillConfig
+
+        return DistillConfig(**{**self.distill, "model": model or self.model, "out": str(out)})
+
+
+def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, device: str | None = None,
+        progress: bool = True) -> Path:
+    """Distil (unless the recipe is a teacher row) and evaluate; returns OUT/<name>."""
+    import torch
+
+    from .eval.api import evaluate
+    from .eval.report import write_json, write_report
+    from .loading import load_model, load_tokenizer
+    from .train import distill
+
+    out = Path(out_root) / recipe.name
+    out.mkdir(parents=True, exist_ok=True)
+    record_path = out / "run.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record["recipe"] = dataclasses.asdict(recipe)
+    teacher = model or recipe.model
+
+    subject = teacher
+    if recipe.distill is not None:
+        cfg = recipe.distill_config(out / "model", teacher)
+        if not (out / "model" / "config.json").exists():
+            started = time.perf_counter()
+            resume = (out / "model" / "distill_config.json").exists()
+            distill(cfg, resume=resume, progress=progress)
+            record["distill_wall_s"] = record.get("distill_wall_s", 0.0) + time.perf_counter() - started
+        record["training_tokens"] = cfg.max_tokens * len(cfg.stages)
+        subject = str(out / "model")
+    record_path.write_text(json.dumps(record, indent=2))
+
+    eval_path = out / "eval.json"
+    if eval_path.exists() and not json.loads(eval_path.read_text())["provenance"].get("partial"):
+        return out
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(subject)
+    results = evaluate(load_model(subject, device=device), tokenizer, **recipe.eval, model_spec=subject,
+                       on_progress=lambda partial: write_json(partial, eval_path))
+    write_report(results, eval_path)
+    record["eval_wall_s"] = time.perf_counter() - started
+    record_path.write_text(json.dumps(record, indent=2))
+    return out
+
+
+def _percent(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}"
+
+
+def _row_cells(run_dir: Path) -> dict[str, str]:
+    """Column name -> cell text for one finished run directory."""
+    record = json.loads((run_dir / "run.json").read_text())
+    results = json.loads((run_dir / "eval.json").read_text())
+    tasks = results["tasks"]
+    recipe = record["recipe"]
+    cells = {"row": recipe["row"], "recipe": f"`recipes/{recipe['name']}.json`"}
+    tokens = record.get("training_tokens")
+    cells["train tokens"] = "–" if tokens is None else f"{tokens / 1e6:g}M" if tokens >= 100_000 else f"{tokens:,}"
+    wall = record.get("distill_wall_s")
+    cells["train min"] = "–" if wall is None else f"{wall / 60:.1f}"
+    for task in ZEROSHOT:
+        if task in tasks:
+            cells[task] = _percent(tasks[task].get(AVERAGE_METRIC[task]))
+    if "zeroshot_average" in results:
+        cells["0-shot avg"] = _percent(results["zeroshot_average"]["value"])
+    if "mmlu" in tasks:
+        cells["mmlu"] = _percent(tasks["mmlu"].get("acc"))
+    if "ppl" in tasks:
+        for r in tasks["ppl"]["by_length"]:
+            cells[f"ppl {length_label(r['length'])}"] = f"{r['ppl']:.1f}"
+    for name, result in tasks.items():
+        for r in result.get("by_length", []) if "grid" in result else []:
+            cells[f"{name} {length_label(r['length'])}"] = _percent(r["score"])
+    if results["provenance"].get("partial"):
+        cells["row"] += " (partial)"
+    return cells
+
+
+def table(run_dirs: list[Path]) -> str:
+    """A Markdown table with a row per run directory and the union of their columns, in first-seen order."""
+    rows = [_row_cells(d) for d in run_dirs]
+    if not rows:
+        raise RecipeError("no finished runs (directories with run.json and eval.json) to tabulate")
+    columns: list[str] = []
+    for cells in rows:
+        columns += [c for c in cells if c not in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cells.get(c, "–") for c in columns) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
+def finished_runs(roots: list[Path]) -> list[Path]:
+    """Run directories under `roots` (or the roots themselves) that hold both run.json and eval.json."""
+    found = []
+    for root in roots:
+        candidates = [root] if (root / "run.json").exists() else sorted(p for p in root.iterdir() if p.is_dir())
+        found += [d for d in candidates if (d / "run.json").exists() and (d / "eval.json").exists()]
+    return found
+
+
+def write_into(markdown_path: Path, text: str) -> None:
+    """Replace the section between the table markers of `markdown_path` (appended if it has none)."""
+    block = f"{TABLE_START}\n{text}{TABLE_END}\n"
+    page = markdown_path.read_text() if markdown_path.exists() else ""
+    if TABLE_START in page and TABLE_END in page:
+        before, rest = page.split(TABLE_START, 1)
+        after = rest.split(TABLE_END, 1)[1].lstrip("\n")
+        page = before + block + after
+    else:
+        page = page + ("\n" if page and not page.endswith("\n") else "") + block
+    markdown_path.write_text(page)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("recipe", help="run results recipes and tabulate them")
+    sub = p.add_subparsers(dest="recipe_command", required=True)
+    r = sub.add_parser("run", help="distil and evaluate each recipe into OUT/<name>")
+    r.add_argument("recipes", nargs="+", help="recipe JSON files")
+    r.add_argument("--out", required=True, help="folder of run directories")
+    r.add_argument("--model", help="teacher to use instead of each recipe's own (e.g. a local copy)")
+    r.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    r.set_defaults(func=_run_command)
+    t = sub.add_parser("table", help="a Markdown table of finished runs")
+    t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
+    t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
+    t.set_defaults(func=_table_command)
+
+
+def _run_command(args) -> int:
+    recipes = [Recipe.load(path) for path in args.recipes]  # every file checked before any work starts
+    names = [r.name for r in recipes]
+    if len(set(names)) != len(names):
+        raise RecipeError(f"two recipes share a name: {names}")
+    for recipe in recipes:
+        print(f"recipe {recipe.name}: {run(recipe, args.out, model=args.model, device=args.device)}")
+    return 0
+
+
+def _table_command(args) -> int:
+    for path in args.runs:
+        if not path.is_dir():
+            raise RecipeError(f"{path} is not a directory")
+    text = table(finished_runs(args.runs))
+    if args.into:
+        write_into(args.into, text)
+        print(f"wrote {args.into}")
+    else:
+        print(text, end="")
+    return 0

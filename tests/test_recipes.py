@@ -1,0 +1,119 @@
+"""Recipes: every shipped file is valid, a run distils + evaluates + resumes, the table gathers the runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_teacher
+
+from linearize.cli import main
+from linearize.config import make_method_config
+from linearize.recipes import TABLE_END, TABLE_START, Recipe, RecipeError, finished_runs, run, table, write_into
+from linearize.train import DistillConfig
+
+SHIPPED = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_recipes_are_valid(path, tmp_path):
+    recipe = Recipe.load(path)
+    assert recipe.name == path.stem
+    if recipe.distill is not None:
+        cfg = recipe.distill_config(tmp_path / "model")
+        assert isinstance(cfg, DistillConfig)
+        make_method_config(cfg.method, **cfg.options)
+        assert all(0 <= i < 30 for i in cfg.softmax_layers)  # the teacher has 30 layers
+
+
+def test_the_main_rows_share_data_budget_and_seed():
+    main_rows = [Recipe.load(p) for p in SHIPPED if p.stem in ("lizard", "still", "lolcats", "liger")]
+    assert len(main_rows) == 4
+    keys = ("data", "max_tokens", "seq_len", "batch", "seed")
+    budgets = {tuple(r.distill_config(Path("x")).__dict__[k] for k in keys) for r in main_rows}
+    assert len(budgets) == 1
+    assert {r.name: r.distill.get("stage", "both") for r in main_rows}["liger"] == "2"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is not a file"),
+    ("{", "not valid JSON"),
+    ('{"eval": {}, "colour": 1}', "needs 'eval'"),
+    ('{"distill": {}}', "needs 'eval'"),
+    ('{"eval": {"text": "x"}}', "unknown eval settings"),
+    ('{"eval": {}, "distill": {"out": "x"}}', "must not set 'out'"),
+    ('{"name": "a/b", "eval": {}}', "must be letters"),
+])
+def test_bad_recipes_are_clear_errors(content, message, tmp_path):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(RecipeError, match=message):
+        Recipe.load(path)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher") / "tiny"
+    save_tiny_teacher(path)
+    return str(path)
+
+
+def tiny_recipe(tmp_path, name, distill):
+    recipe = {"name": name, "row": name.upper(), "eval": {"tasks": "passkey", "lengths": "1k", "depths": "50",
+                                                        "samples": 1, "batch": 2}}
+    if distill:
+        recipe["distill"] = {"method": "lizard", "data": distill, "max_tokens": 2 * 4 * 32, "seq_len": 32,
+                             "batch": 4, "options": {"window": 8, "num_sinks": 2}, "save_every": 1}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspace_text):
+    runs = tmp_path / "runs"
+    student = Recipe.load(tiny_recipe(tmp_path, "student", str(workspace_text)))
+    out = run(student, runs, model=teacher, device="cpu", progress=False)
+    record = json.loads((out / "run.json").read_text())
+    assert record["training_tokens"] == 2 * 2 * 4 * 32 and record["distill_wall_s"] > 0
+    assert (out / "model" / "config.json").exists()
+    results = json.loads((out / "eval.json").read_text())
+    assert results["provenance"]["model"] == str(out / "model")
+    assert results["provenance"]["method_config"]["method"] == "lizard"
+
+    first_eval = (out / "eval.json").stat().st_mtime_ns
+    run(student, runs, model=teacher, device="cpu", progress=False)  # finished: nothing is redone
+    assert json.loads((out / "run.json").read_text())["distill_wall_s"] == record["distill_wall_s"]
+    assert (out / "eval.json").stat().st_mtime_ns == first_eval
+
+    run(Recipe.load(tiny_recipe(tmp_path, "teacher", None)), runs, model=teacher, device="cpu", progress=False)
+    text = table(finished_runs([runs]))
+    header, _, *rows = text.splitlines()
+    assert header.startswith("| row | recipe | train tokens | train min | passkey 1K |")
+    assert [row.split(" | ")[0] for row in rows] == ["| STUDENT", "| TEACHER"]
+    assert rows[0].split(" | ")[2] == "512"
+    assert rows[1].split(" | ")[2:4] == ["–", "–"]
+
+
+def test_write_into_replaces_only_its_section(tmp_path):
+    page = tmp_path / "results.md"
+    page.write_text("# Results\n\nintro\n")
+    write_into(page, "| a |\n")
+    write_into(page, "| b |\n")
+    text = page.read_text()
+    assert text.startswith("# Results\n\nintro\n") and text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
+    assert "| b |" in text and "| a |" not in text
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["recipe", "run", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert main(["recipe", "table", str(tmp_path)]) == 2
+    assert "no finished runs" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def workspace_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "data.txt"
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "and", "then", "came", "back", "home"]
+    path.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(120)) for i in range(40)))
+    return path
