@@ -28,9 +28,12 @@ def test_shipped_recipes_are_valid(path, tmp_path):
 def test_the_main_rows_share_data_budget_and_seed():
     main_rows = [Recipe.load(p) for p in SHIPPED if p.stem in ("lizard", "still", "lolcats", "liger")]
     assert len(main_rows) == 4
-    keys = ("data", "max_tokens", "seq_len", "batch", "seed")
+    keys = ("data", "max_tokens", "seed")
     budgets = {tuple(r.distill_config(Path("x")).__dict__[k] for k in keys) for r in main_rows}
     assert len(budgets) == 1
+    # STILL trains at its paper's 1024 tokens a sequence (where its slots never overflow), on as many tokens a step.
+    steps = {r.name: (r.distill["seq_len"], r.distill["batch"]) for r in main_rows}
+    assert steps.pop("still") == (1024, 16) and set(steps.values()) == {(2048, 8)}
     assert {r.name: r.distill.get("stage", "both") for r in main_rows}["liger"] == "2"
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..config import StillConfig
 from ..feature_maps import HedgehogFeatureMap, NormPreservingFeatureMap
 from ..ops import still
 from .base import LinearizedAttention, rotate
+
+
+MAX_PARALLEL = 2048  # tokens per parallel call
 
 
 class StillAttention(LinearizedAttention):
@@ -36,4 +40,13 @@ class StillAttention(LinearizedAttention):
                                      device=q.device)
         elif L == 1:
             return still.still_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
-        return still.still_parallel(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
+        # The parallel form holds [L, K + W + L] scores per head: long inputs go through it in blocks,
+        # each continuing from the state the previous one left (the same results, bounded memory).
+        outputs = []
+        for lo in range(0, L, MAX_PARALLEL):
+            part = slice(lo, lo + MAX_PARALLEL)
+            y, state = still.still_parallel(q[:, :, part], k[:, :, part], v[:, :, part], valid[:, part],
+                                            None if gate is None else gate[:, :, part], state, self.feature_map_q,
+                                            self.feature_map_k, **{**options, "start": start + lo})
+            outputs.append(y)
+        return torch.cat(outputs, 2), state

@@ -175,9 +175,9 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
     """Fold time of every key (salient slots first, then the combined sequence) and the final slots.
 
     Chunk selections depend only on scores, so they all come first; then the L departures (combined
-    index i leaves after step start + i) go through `route_departure` in order. When the slots can
-    hold every token chosen in this call (always within STILL's training length), nothing is evicted
-    and the routing is computed at once instead.
+    index i leaves after step start + i) are routed as `route_departure` would route them one by one:
+    directly when the slots can hold every token chosen in this call (always within STILL's training
+    length of 1024), through `_replay_with_eviction` otherwise.
     """
     B, Hkv, _ = scores.shape
     L = completes.shape[1]
@@ -209,15 +209,67 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
                  "used": fill(slots["used"], torch.ones_like(take.expand_as(slots["used"])))}
         return fold_time, slot_ids, slots
 
-    for i in range(L):
-        cand_pos = positions[i].expand(B, Hkv)
-        slot, victim, fold_cand, slots = route_departure(slots, scores[..., i], cand_pos, chosen[..., i])
-        index = slot.clamp_min(0)[..., None]
-        victim_id = slot_ids.gather(-1, index)
-        fold_time[..., K + i] = torch.where(fold_cand, leave[i], NEVER)
-        previous = fold_time.gather(-1, victim_id)
-        fold_time.scatter_(-1, victim_id, torch.where(victim[..., None], leave[i], previous))
-        slot_ids = slot_ids.scatter(-1, index, torch.where(slot[..., None] >= 0, K + i, victim_id))
+    return _replay_with_eviction(state, scores, chosen, positions, start, L)
+
+
+def _replay_with_eviction(state, scores, chosen, positions, start, L, block=512):
+    """`route_departure` over L departures at once, for calls where the slots overflow.
+
+    Departing one by one, the slots always hold the top K, by (score, position), of every salient
+    token seen so far (the K slot holders and the chosen departures up to then): an overflow drops
+    the lowest, the newest winning ties. So a token folds at the first departure after which K tokens
+    ranked above it have been seen, or at its own departure if that already holds. The slot a newcomer
+    takes is its victim's, followed back to a slot held before this call or filled while free.
+    Elements: the K slot holders (ids 0..K-1), then the L departures (ids K + i).
+    """
+    B, Hkv, K = state["sal_used"].shape
+    device = scores.device
+    leave = torch.arange(start + 1, start + L + 1, device=device)
+    el_score = torch.cat([state["sal_score"], scores[..., :L]], -1)
+    el_pos = torch.cat([state["sal_pos"], positions[:L].expand(B, Hkv, L)], -1)
+    el_in = torch.cat([state["sal_used"], chosen[..., :L]], -1)
+    el_time = torch.cat([torch.full((K,), start, device=device), leave]).expand(B, Hkv, K + L)
+
+    # K-th earliest time at which a higher-ranked element was seen (NEVER when fewer than K exist).
+    kth = torch.empty(B, Hkv, K + L, dtype=torch.long, device=device)
+    for lo in range(0, K + L, block):
+        e = slice(lo, lo + block)
+        s_e, p_e = el_score[..., e, None], el_pos[..., e, None]
+        above = el_in[..., None, :] & ((el_score[..., None, :] > s_e) | ((el_score[..., None, :] == s_e)
+                                                                        & (el_pos[..., None, :] > p_e)))
+        times = torch.where(above, el_time[..., None, :], NEVER)
+        kth[..., e] = times.kthvalue(K, dim=-1).values
+    fold = torch.where(el_in & (kth != NEVER), torch.maximum(kth, el_time), NEVER)
+    departing = torch.arange(K + L, device=device) >= K
+    fold = torch.where(departing & ~el_in, el_time, fold)  # unchosen departures fold at once
+
+    # Slots: the r-th chosen departure fills the r-th free slot while any is free; later ones that
+    # stay take their victim's slot (pointer jumping resolves chains of victims within the call).
+    ids = torch.arange(K + L, device=device).expand(B, Hkv, K + L)
+    rank = el_in[..., K:].long().cumsum(-1) - 1
+    free_order = torch.sort(state["sal_used"].to(torch.int8), dim=-1, stable=True).indices  # free slots first
+    n_free = (~state["sal_used"]).sum(-1, keepdim=True)
+    fills_free = el_in[..., K:] & (rank < n_free)
+    root_slot = torch.cat([torch.arange(K, device=device).expand(B, Hkv, K),
+                           torch.where(fills_free, free_order.gather(-1, rank.clamp(0, K - 1)), -1)], -1)
+    evicted = (fold != NEVER) & (fold > el_time) & el_in
+    event = torch.where(evicted, fold - start - 1 + K, K + L)  # the departure whose arrival evicts it
+    victim_of = torch.full((B, Hkv, K + L + 1), -1, dtype=torch.long, device=device)
+    victim_of = victim_of.scatter(-1, event, ids)[..., : K + L]
+    filled_free = torch.cat([torch.zeros_like(el_in[..., :K]), fills_free], -1)
+    takes_victim = el_in & departing & (fold > el_time) & ~filled_free
+    parent = torch.where(takes_victim, victim_of, ids)
+    for _ in range(max(1, (K + L).bit_length())):
+        parent = parent.gather(-1, parent)
+    slot_of = root_slot.gather(-1, parent)
+
+    in_set = el_in & (fold == NEVER)
+    slot_ids = torch.arange(K + 1, device=device).expand(B, Hkv, K + 1)
+    slot_ids = slot_ids.scatter(-1, torch.where(in_set, slot_of, K), ids)[..., :K]  # column K: a discard
+    slots = {"score": el_score.gather(-1, slot_ids), "pos": el_pos.gather(-1, slot_ids),
+             "used": in_set.gather(-1, slot_ids)}
+    fold_time = torch.full((B, Hkv, K + state["win_k"].shape[2] + L), NEVER, device=device, dtype=torch.long)
+    fold_time[..., : K + L] = fold
     return fold_time, slot_ids, slots
 
 

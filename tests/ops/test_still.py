@@ -117,3 +117,41 @@ def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
     for name in s_par:
         torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
+
+
+def route_one_by_one(state, scores, chosen, positions, start, L):
+    """The routing as `still_step` does it: `route_departure` once per departing token."""
+    B, Hkv, K = state["sal_used"].shape
+    slot_ids = torch.arange(K).expand(B, Hkv, K)
+    slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
+    fold_time = torch.full((B, Hkv, K + L), still.NEVER, dtype=torch.long)
+    for i in range(L):
+        slot, victim, fold_cand, slots = still.route_departure(slots, scores[..., i], positions[i].expand(B, Hkv),
+                                                               chosen[..., i])
+        index = slot.clamp_min(0)[..., None]
+        victim_id = slot_ids.gather(-1, index)
+        fold_time[..., K + i] = torch.where(fold_cand, start + i + 1, still.NEVER)
+        previous = fold_time.gather(-1, victim_id)
+        fold_time.scatter_(-1, victim_id, torch.where(victim[..., None], start + i + 1, previous))
+        slot_ids = slot_ids.scatter(-1, index, torch.where(slot[..., None] >= 0, K + i, victim_id))
+    return fold_time, slot_ids, slots
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_replay_equals_routing_one_by_one(seed):
+    """Ties in score, slots partly free at the start, chains of victims: all as `route_departure` does."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, K, W1, L, start = 2, 3, 5, 3, 40, 17
+    state = {"sal_used": torch.rand(B, Hkv, K, generator=g) < 0.6,
+             "sal_score": torch.randint(0, 4, (B, Hkv, K), generator=g).double(),
+             "sal_pos": torch.stack([torch.randperm(start - W1, generator=g)[:K] for _ in range(B * Hkv)]).view(B, Hkv, K),
+             "win_k": torch.zeros(B, Hkv, W1, 1)}
+    scores = torch.randint(0, 4, (B, Hkv, W1 + L), generator=g).double()
+    chosen = torch.rand(B, Hkv, W1 + L, generator=g) < 0.5
+    positions = torch.arange(start - W1, start + L)
+    fold, ids, slots = still._replay_with_eviction(state, scores, chosen, positions, start, L, block=7)
+    ref_fold, ref_ids, ref_slots = route_one_by_one(state, scores, chosen, positions, start, L)
+    assert torch.equal(fold[..., : K + L], ref_fold) and (fold[..., K + L :] == still.NEVER).all()
+    assert torch.equal(ids, ref_ids)
+    for name in ref_slots:
+        assert torch.equal(slots[name], ref_slots[name]), name
