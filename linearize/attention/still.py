@@ -10,7 +10,6 @@ from ..feature_maps import HedgehogFeatureMap, NormPreservingFeatureMap
 from ..ops import still
 from .base import LinearizedAttention, rotate
 
-
 MAX_PARALLEL = 2048  # tokens per parallel call
 
 
