@@ -30,6 +30,13 @@ class LinearizeCacheLayer(CacheLayerMixin):
         super().__init__()
         self.state: dict[str, torch.Tensor] | None = None
         self.seen = 0
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """From now on `store` writes into the current state's tensors (fixed addresses, for CUDA graphs)."""
+        if self.state is None:
+            raise ValueError("freeze() needs a state: run the prefill first")
+        self.frozen = True
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         return None
@@ -38,7 +45,14 @@ class LinearizeCacheLayer(CacheLayerMixin):
         raise TypeError("a linearized attention layer stores its state with `store`, not key/value `update`")
 
     def store(self, state: dict[str, torch.Tensor], new_tokens: int) -> None:
-        self.state = state
+        if self.frozen:
+            for name, tensor in self.state.items():
+                if state[name].shape != tensor.shape:
+                    raise ValueError(f"a frozen cache layer cannot change shape ({name}: {tuple(tensor.shape)} -> "
+                                     f"{tuple(state[name].shape)})")
+                tensor.copy_(state[name])
+        else:
+            self.state = state
         self.seen += new_tokens
         self.is_initialized = True
 
@@ -55,12 +69,14 @@ class LinearizeCacheLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in (self.state or {}).values())
 
     def _map(self, fn) -> None:
+        self.frozen = False  # new tensors: whatever captured the old addresses no longer applies
         if self.state is not None:
             self.state = {name: fn(t) for name, t in self.state.items()}
 
     def reset(self) -> None:
         self.state = None
         self.seen = 0
+        self.frozen = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))

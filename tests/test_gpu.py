@@ -64,3 +64,17 @@ def test_real_teacher_bf16_training_step_and_generate(method):
     with torch.no_grad():
         out = model.generate(ids[:, :16], max_new_tokens=8, do_sample=False)
     assert out.shape == (2, 24)
+
+
+@pytest.mark.parametrize("method", ["lizard", "liger", "lolcats", "still"])
+def test_cuda_graph_decode_equals_eager(method):
+    from linearize.decode import greedy_decode
+
+    model = tiny_teacher()
+    linearize.convert(model, method, **TINY_OPTIONS[method])
+    perturb_new_parameters(model)
+    model.cuda()
+    ids = torch.randint(3, 128, (3, 21), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    graphed = greedy_decode(model, ids, 24, cuda_graph=True)  # STILL falls back to eager steps
+    eager = greedy_decode(model, ids, 24, cuda_graph=False)
+    assert torch.equal(graphed, eager)

@@ -1,7 +1,8 @@
 """`linearize bench model`: prefill latency, decode speed and GPU memory of linearized models vs softmax (SDPA).
 
 A point (batch b, context c) prefills c random tokens with use_cache=True, then runs single-token decode steps
-continuing from that cache (median ms per step). The softmax teacher prefills in one forward, as HF does; a linear
+continuing from that cache (median ms per step; a linear model steps through `linearize.decode.StaticDecoder`,
+a CUDA graph per step on a GPU). The softmax teacher prefills in one forward, as HF does; a linear
 model prefills in calls of `prefill_chunk` tokens that continue the same cache, so its memory stays bounded at any
 context. Peak memory is torch.cuda.max_memory_allocated, reset before the prefill and again before the decode;
 `cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill. Each model gets two sweeps: batch at
@@ -24,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..cache import cache_nbytes
 from ..convert import convert
+from ..decode import StaticDecoder
 from .common import (
     GIB,
     cell,
@@ -108,14 +110,24 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
              "prefill_calls": -(-context // chunk), "prefill_peak_bytes": peak_bytes(device),
              "cache_bytes": cache_nbytes(last["cache"])}
 
-    def step():
-        out = model(input_ids=last["token"], past_key_values=last["cache"], use_cache=True, logits_to_keep=1)
-        last["token"] = out.logits[:, -1:].argmax(-1)
+    if getattr(model.config, "linearize", None):
+        # A linear model decodes on its fixed-shape cache: a CUDA graph per step where the method allows.
+        decoder = StaticDecoder(model, last["cache"], batch=batch)
 
+        def step():
+            last["token"] = decoder.step(last["token"])[:, -1:].argmax(-1)
+
+        path = "cuda graph" if decoder.graphed else "eager"
+    else:
+        def step():
+            out = model(input_ids=last["token"], past_key_values=last["cache"], use_cache=True, logits_to_keep=1)
+            last["token"] = out.logits[:, -1:].argmax(-1)
+
+        path = "eager"
     reset_peak(device)
     step_ms = time_ms(step, device, warmup=settings["decode_warmup"], iters=settings["decode_steps"])
     return dict(point, decode_ms=step_ms, decode_tokens_per_s=batch * 1e3 / step_ms,
-                decode_peak_bytes=peak_bytes(device))
+                decode_peak_bytes=peak_bytes(device), decode_path=path)
 
 
 def sweep(model, variant: str, name: str, points: list[tuple[int, int]], settings: dict, device, deadline: float,

@@ -1,0 +1,106 @@
+"""Decoding with a fixed-shape cache: one token per step, optionally replayed as a CUDA graph.
+
+A fully linearized model's cache never changes shape, so a decode step can write its new state into
+the same tensors every time (`LinearizeCacheLayer.freeze`). With the step's inputs in fixed buffers
+too (token, position), the whole step — 30 layers of small kernels, which in eager mode cost far more
+in Python and launch overhead than in arithmetic — is captured once as a CUDA graph and replayed.
+Without a GPU the same step runs eagerly, so the path is testable anywhere.
+
+    decoder = StaticDecoder(model, cache, batch=B, cuda_graph=True)   # cache: after the prefill
+    logits = decoder.step(next_tokens)                                # [B, 1, vocab]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import LinearizeCacheLayer
+
+# STILL reads the absolute position (chunk completion, routing order) as a Python int in its step,
+# which a captured graph would freeze; those models step eagerly.
+GRAPH_METHODS = ("lizard", "liger", "lolcats")
+
+
+class StaticDecoder:
+    def __init__(self, model, cache, *, batch: int, cuda_graph: bool | None = None):
+        layers = list(getattr(cache, "layers", []))
+        if not layers or not all(isinstance(layer, LinearizeCacheLayer) and layer.state is not None
+                                 for layer in layers):
+            raise ValueError("StaticDecoder needs the prefilled cache of a fully linearized model "
+                             "(every layer linear: no softmax layers, whose caches grow)")
+        method = (getattr(model.config, "linearize", None) or {}).get("method")
+        self.model, self.cache, self.layers = model, cache, layers
+        self.device = next(model.parameters()).device
+        wanted = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if wanted and self.device.type != "cuda":
+            raise ValueError("cuda_graph=True needs the model on a CUDA device")
+        self.graphed = wanted and method in GRAPH_METHODS
+        for layer in layers:
+            layer.freeze()
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def seen(self) -> int:
+        return self.layers[0].seen
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self.tokens, past_key_values=self.cache, use_cache=True,
+                         cache_position=self.position, position_ids=self.position[None].expand(self.tokens.shape[0], 1),
+                         logits_to_keep=1)
+        return out.logits
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row ([B, 1]); returns the logits [B, 1, vocab] (a buffer reused by the next step)."""
+        self.tokens.copy_(tokens)
+        self.position.fill_(self.seen)
+        if not self.graphed:
+            return self._forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        for layer in self.layers:  # the replay skipped the Python side of `store`
+            layer.seen += 1
+        return self.logits
+
+    def _capture(self) -> None:
+        # Warm-up and capture both run the step: keep the state and the token count to put them back.
+        saved = [({name: t.clone() for name, t in layer.state.items()}, layer.seen) for layer in self.layers]
+
+        def restore():
+            for layer, (state, seen) in zip(self.layers, saved):
+                for name, t in layer.state.items():
+                    t.copy_(state[name])
+                layer.seen = seen
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        restore()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        restore()
+
+
+@torch.no_grad()
+def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None):
+    """Greedy continuation of unpadded `input_ids` [B, L] by a fully linearized model: [B, max_new_tokens]."""
+    from transformers import DynamicCache
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1:].argmax(-1)
+    generated = [token]
+    decoder = StaticDecoder(model, cache, batch=input_ids.shape[0], cuda_graph=cuda_graph)
+    for _ in range(max_new_tokens - 1):
+        token = decoder.step(token)[:, -1:].argmax(-1)
+        generated.append(token)
+    return torch.cat(generated, 1)

@@ -1,0 +1,61 @@
+"""The fixed-shape decoder: the same tokens as the uncached model, state written in place."""
+
+import pytest
+import torch
+from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+
+import linearize
+from linearize.decode import StaticDecoder, greedy_decode
+
+
+def student(method, **extra):
+    model = tiny_teacher()
+    linearize.convert(model, method, **TINY_OPTIONS[method], **extra)
+    perturb_new_parameters(model)
+    return model
+
+
+def uncached_greedy(model, ids, n):
+    seq = ids
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    return seq[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_decode_equals_the_uncached_model(method):
+    model = student(method)
+    ids = torch.randint(3, 128, (2, 19), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy_decode(model, ids, 14, cuda_graph=False), uncached_greedy(model, ids, 14))
+
+
+def test_steps_write_the_state_in_place():
+    from transformers import DynamicCache
+
+    model = student("lizard")
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    decoder = StaticDecoder(model, cache, batch=1, cuda_graph=False)
+    addresses = {name: t.data_ptr() for name, t in cache.layers[0].state.items()}
+    before = cache.layers[0].state["S"].clone()
+    decoder.step(torch.tensor([[5]]))
+    assert {name: t.data_ptr() for name, t in cache.layers[0].state.items()} == addresses
+    assert not torch.equal(cache.layers[0].state["S"], before) and decoder.seen == 10
+
+
+def test_refuses_what_it_cannot_decode():
+    from transformers import DynamicCache
+
+    hybrid = student("lizard", softmax_layers=[1])
+    cache = DynamicCache(config=hybrid.config)
+    with torch.no_grad():
+        hybrid(torch.randint(3, 128, (1, 5)), past_key_values=cache)
+    with pytest.raises(ValueError, match="fully linearized"):
+        StaticDecoder(hybrid, cache, batch=1)
+    with pytest.raises(ValueError, match="CUDA"):
+        greedy_decode(student("lizard"), torch.randint(3, 128, (1, 5)), 2, cuda_graph=True)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        greedy_decode(student("lizard"), torch.randint(3, 128, (1, 5)), 0)
