@@ -31,6 +31,9 @@ class DistillConfig:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     options: dict = field(default_factory=dict)  # method options (see linearize.config)
     softmax_layers: list[int] = field(default_factory=list)
+    # After stage 1, this many more layers — those it left with the highest error — go back to
+    # softmax for stage 2 and the final model (the hybrid selection rule; see docs/training.md).
+    softmax_by_error: int = 0
     save_every: int = 100  # optimizer steps between checkpoints
     eval_every: int = 100
     val_batches: int = 4
@@ -47,6 +50,10 @@ class DistillConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.batch % self.grad_accum:
             raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
+        if self.softmax_by_error < 0:
+            raise ValueError(f"softmax_by_error must be >= 0, got {self.softmax_by_error}")
+        if self.softmax_by_error and self.stage != "both":
+            raise ValueError("softmax_by_error picks layers by their stage-1 error: it needs both stages")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         self.betas = tuple(self.betas)

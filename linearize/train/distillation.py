@@ -26,6 +26,7 @@ from .runtime import Runtime, shard
 LOG_NAME = "train_log.jsonl"
 CONFIG_NAME = "distill_config.json"
 STAGE1_NAME = "stage1_attention.pt"
+LAYER_ERRORS_NAME = "stage1_layer_errors.json"
 CHECKPOINT_NAME = "checkpoint"
 
 
@@ -39,14 +40,22 @@ def linearized_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, LinearizedAttention)]
 
 
-def build_student(cfg: DistillConfig, stage1_path: Path | None):
-    """Teacher -> linearized student (float32 master weights), with stage-1 modules if they exist."""
+def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None):
+    """Teacher -> linearized student (float32 master weights), with stage-1 modules if they exist.
+
+    `softmax_layers` (default: the config's) may hold more layers than stage 1 had; their stage-1
+    modules are then left out.
+    """
     from ..convert import convert
     from ..loading import load_model
 
-    model = convert(load_model(cfg.model), cfg.method, softmax_layers=cfg.softmax_layers, **cfg.options)
+    softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
+    model = convert(load_model(cfg.model), cfg.method, softmax_layers=softmax_layers, **cfg.options)
     if stage1_path is not None and stage1_path.exists():
-        unexpected = model.load_state_dict(torch.load(stage1_path, map_location="cpu"), strict=False).unexpected_keys
+        reverted = tuple(f".layers.{i}." for i in set(softmax_layers) - set(cfg.softmax_layers))
+        tensors = {name: t for name, t in torch.load(stage1_path, map_location="cpu").items()
+                   if not any(r in f".{name}" for r in reverted)}
+        unexpected = model.load_state_dict(tensors, strict=False).unexpected_keys
         if unexpected:
             raise ResumeError(f"{stage1_path} does not match this model: unexpected {unexpected[:3]}")
     return model
@@ -168,7 +177,10 @@ class Run:
             return  # finished in an earlier invocation
         state = state if state is not None and state["stage"] == stage else None
 
-        model = build_student(cfg, self.out / STAGE1_NAME if stage == 2 else None)
+        if stage == 2:
+            model = build_student(cfg, self.out / STAGE1_NAME, self.softmax_layers())
+        else:
+            model = build_student(cfg, None)
         model, names = prepare_stage(model, cfg, stage)
         model.to(rt.device)
         # Stage 1's losses are taken inside each layer while the layer returns the teacher's output, so
@@ -243,7 +255,37 @@ class Run:
             raise
         bar.close()
         self.finish_stage(model, stage, names, sharded)
+        if stage == 1:
+            self.write_layer_errors(model)
         save(done=True)
+
+    def write_layer_errors(self, model) -> None:
+        """Each linearized layer's stage-1 validation MSE, and the layers `softmax_by_error` picks by it."""
+        layers = linearized_layers(model)
+        totals, count = torch.zeros(len(layers), dtype=torch.float64), 0
+        model.eval()
+        with torch.no_grad(), self.rt.autocast():
+            for ids in self.make_loader(self.val_blocks, seed=0):
+                if count == self.cfg.val_batches:
+                    break
+                stage_loss(model, ids.to(self.rt.device), 1)
+                totals += torch.stack([layer.transfer_loss.detach().double().cpu() for layer in layers])
+                count += 1
+        model.train()
+        errors = {layer.layer_idx: self.rt.mean(float(total) / max(1, count)) for layer, total in zip(layers, totals)}
+        ranked = sorted(errors, key=errors.get, reverse=True)
+        record = {"mse": {str(k): v for k, v in sorted(errors.items())},
+                  "softmax_by_error": sorted(ranked[: self.cfg.softmax_by_error])}
+        if self.rt.main:
+            (self.out / LAYER_ERRORS_NAME).write_text(json.dumps(record, indent=2))
+        self.rt.barrier()
+
+    def softmax_layers(self) -> list[int]:
+        """The config's softmax layers plus, with `softmax_by_error`, those picked after stage 1."""
+        if not self.cfg.softmax_by_error:
+            return list(self.cfg.softmax_layers)
+        picked = json.loads((self.out / LAYER_ERRORS_NAME).read_text())["softmax_by_error"]
+        return sorted(set(self.cfg.softmax_layers) | set(picked))
 
     def finish_stage(self, model, stage: int, names: set[str], sharded: bool) -> None:
         tensors = checkpoint.trained_tensors(model, names, sharded)
@@ -258,7 +300,7 @@ class Run:
         """Write the final model (LoRA merged) as a loadable directory, on the main rank."""
         if not self.rt.main:
             return
-        model = build_student(self.cfg, self.out / STAGE1_NAME)
+        model = build_student(self.cfg, self.out / STAGE1_NAME, self.softmax_layers())
         lora_path = self.out / "stage2_lora.pt"
         if lora_path.exists() and 2 in self.cfg.stages:
             model, _ = prepare_stage(model, self.cfg, 2)

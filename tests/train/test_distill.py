@@ -119,3 +119,20 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(workspace, sta
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], msg=name)
+
+
+def test_softmax_by_error_reverts_the_worst_stage1_layer(workspace, tmp_path):
+    out = distill(config(workspace, tmp_path / "run", softmax_by_error=1), progress=False)
+    record = json.loads((out / "stage1_layer_errors.json").read_text())
+    errors = {int(k): v for k, v in record["mse"].items()}
+    assert set(errors) == {0, 1} and all(v > 0 for v in errors.values())
+    assert record["softmax_by_error"] == [max(errors, key=errors.get)]
+    model = load_model(out)
+    assert model.config.linearize["softmax_layers"] == record["softmax_by_error"]
+    linear = [type(layer.self_attn).__name__ for layer in model.model.layers]
+    assert linear.count("LizardAttention") == 1
+
+
+def test_softmax_by_error_needs_stage_one(workspace, tmp_path):
+    with pytest.raises(ValueError, match="needs both stages"):
+        config(workspace, tmp_path / "run", softmax_by_error=1, stage="2")
