@@ -12,12 +12,16 @@ from linearize.ops.gla_window_chunked import gla_window_chunked
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_prefill_equals_decode_on_cuda(method):
+def cuda_student(method):
     model = tiny_teacher()
     linearize.convert(model, method, **TINY_OPTIONS[method])
     perturb_new_parameters(model)
-    model.cuda()
+    return model.cuda()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefill_equals_decode_on_cuda(method):
+    model = cuda_student(method)
     ids = torch.randint(3, 128, (2, 45), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -70,10 +74,7 @@ def test_real_teacher_bf16_training_step_and_generate(method):
 def test_cuda_graph_decode_equals_eager(method):
     from linearize.decode import greedy_decode
 
-    model = tiny_teacher()
-    linearize.convert(model, method, **TINY_OPTIONS[method])
-    perturb_new_parameters(model)
-    model.cuda()
+    model = cuda_student(method)
     ids = torch.randint(3, 128, (3, 21), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     graphed = greedy_decode(model, ids, 24, cuda_graph=True)  # STILL falls back to eager steps
     eager = greedy_decode(model, ids, 24, cuda_graph=False)

@@ -31,18 +31,8 @@ def methods(text: str) -> list[str]:
     return names
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def register(subparsers) -> None:
-    from ..cli import positive_int
+    from ..cli import positive_float, positive_int
 
     bench = subparsers.add_parser("bench", help="measure kernel, model and training speed and memory",
                                   description="Each writes DIR/<name>.json, DIR/<name>.md and PNG plots into --out.")
