@@ -45,6 +45,9 @@ class Config:
     block_k: int = 64  # state rows (features) per program: dq and dk passes
     window_block: int = 64  # query/key rows per program in the backward window kernels
     warps: int = 8
+    # Forward in two passes (every chunk's starting state, then all chunks' outputs in parallel, as
+    # fla does) instead of one sequential pass: more parallelism, one [NT, F, D] state per chunk stored.
+    split_forward: bool = False
 
     @staticmethod
     def default(dtype: torch.dtype) -> Config:
@@ -187,12 +190,81 @@ def _sink_logits(SINKS, M: tl.constexpr, MP: tl.constexpr):
 
 
 @triton.jit
+def _sink_start(SINKS, h, M: tl.constexpr, MP: tl.constexpr):
+    """Running softmax max and sum before any key: the sinks add mass to the denominator only."""
+    if M > 0:
+        sinks = _sink_logits(SINKS + h * M, M, MP)
+        m0 = tl.max(sinks, 0)
+        l0 = tl.sum(tl.exp(sinks - m0), 0)
+    else:
+        m0 = -1e30  # finite, so exp(m_old - m_new) never sees inf - inf
+        l0 = 0.0
+    return m0, l0
+
+
+@triton.jit
+def _advance_state(S, z, k, v, A, a_end, VEC: tl.constexpr, DT: tl.constexpr):
+    """S, z carried over one chunk: decayed across it, plus its keys decayed to its end."""
+    k_dec = k * _k_decay(A, a_end, VEC)
+    S = _dot_acc(tl.trans(k_dec), v, _decay_state(S, a_end, VEC), DT)
+    z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
+    return S, z
+
+
+@triton.jit
+def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
+                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
+                   DT: tl.constexpr):
+    """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
+    window part with its softmax max and sum."""
+    pos = n * BT + t
+    # Gated linear part: intra-chunk scores P, then the state carried from earlier chunks.
+    if VEC:
+        P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
+    else:
+        P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
+    q_dec = q * _q_decay(A, VEC)
+    num = _dot_acc(P, v, _dot(q_dec, S, DT), DT)
+    den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps  # the "ones column" of V
+    y_gla = num / den[:, None]
+
+    # Anchor window: online softmax over the key chunks that overlap (pos - w, pos].
+    qw = _load_tile(QW, pos, L, D, D)
+    m_i = tl.zeros([BT], tl.float32) + m0
+    l_i = tl.zeros([BT], tl.float32) + l0
+    acc = tl.zeros([BT, BV], tl.float32)
+    for mb in range(tl.maximum(n - NWB, 0), n + 1):
+        kpos = mb * BT + t
+        s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        corr = tl.exp(m_i - m_new)
+        l_i = l_i * corr + tl.sum(p, 1)
+        acc = _dot_acc(p, _load_tile(VB, kpos, L, D, BV), acc * corr[:, None], DT)
+        m_i = m_new
+    return y_gla, acc / l_i[:, None], den, m_i, l_i
+
+
+@triton.jit
+def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, out, stat, pos, L, y_gla, y_win, alpha, den, m_i, l_i, first,
+                   D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr):
+    _store_tile(Y + out, pos, L, y_gla + alpha * y_win, D, BV)
+    if SAVE:
+        _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
+        _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
+        if first:
+            tl.store(DEN + stat + pos, den, mask=pos < L)
+            tl.store(LSE + stat + pos, m_i + tl.log(l_i), mask=pos < L)
+
+
+@triton.jit
 def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
                 L, H, HKV, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, D/BV): output columns [iv*BV, (iv+1)*BV) and that block of the state. The scores
-    (over F for the linear part, over D for the window) are recomputed by each column block."""
+    """Grid (B*H, D/BV): output columns [iv*BV, (iv+1)*BV) and that block of the state, chunk after
+    chunk. The scores (over F for the linear part, over D for the window) are recomputed by each
+    column block."""
     bh = tl.program_id(0).to(tl.int64)
     iv = tl.program_id(1)
     h = bh % H
@@ -203,17 +275,9 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
     QW += bh * L * D
     KW += kv * L * D
     VB = V + kv * L * D + iv * BV  # this program's value columns
-    out = bh * L * D + iv * BV
     t = tl.arange(0, BT)
     alpha = tl.load(ALPHA + h).to(tl.float32)
-    # The running softmax max/sum start from the sinks: they add mass to the denominator only.
-    if M > 0:
-        sinks = _sink_logits(SINKS + h * M, M, MP)
-        m0 = tl.max(sinks, 0)
-        l0 = tl.sum(tl.exp(sinks - m0), 0)
-    else:
-        m0 = -1e30  # finite, so exp(m_old - m_new) never sees inf - inf
-        l0 = 0.0
+    m0, l0 = _sink_start(SINKS, h, M, MP)
 
     S = tl.zeros([F, BV], tl.float32)
     z = tl.zeros([F], tl.float32)
@@ -223,43 +287,70 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+        y_gla, y_win, den, m_i, l_i = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps,
+                                                     m0, l0, D, BV, BT, NWB, VEC, DT)
+        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win, alpha, den,
+                       m_i, l_i, iv == 0, D, BV, SAVE)
+        S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
-        # Gated linear part: intra-chunk scores P, then the state carried from earlier chunks.
-        if VEC:
-            P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
-        else:
-            P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
-        q_dec = q * _q_decay(A, VEC)
-        num = _dot_acc(P, v, _dot(q_dec, S, DT), DT)
-        den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps  # the "ones column" of V
-        y_gla = num / den[:, None]
-        k_dec = k * _k_decay(A, a_end, VEC)
-        S = _dot_acc(tl.trans(k_dec), v, _decay_state(S, a_end, VEC), DT)
-        z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
 
-        # Anchor window: online softmax over the key chunks that overlap (pos - w, pos].
-        qw = _load_tile(QW, pos, L, D, D)
-        m_i = tl.zeros([BT], tl.float32) + m0
-        l_i = tl.zeros([BT], tl.float32) + l0
-        acc = tl.zeros([BT, BV], tl.float32)
-        for mb in range(tl.maximum(n - NWB, 0), n + 1):
-            kpos = mb * BT + t
-            s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            corr = tl.exp(m_i - m_new)
-            l_i = l_i * corr + tl.sum(p, 1)
-            acc = _dot_acc(p, _load_tile(VB, kpos, L, D, BV), acc * corr[:, None], DT)
-            m_i = m_new
-        y_win = acc / l_i[:, None]
+@triton.jit
+def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
+                       F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
+                       DT: tl.constexpr):
+    """Split forward, pass 1 of 2. Grid (B*H, D/BV): the state at the start of every chunk, HS
+    [B*H, NT, F, D] in the inputs' dtype (the output GEMM takes it so anyway) and HZ [B*H, NT, F]."""
+    bh = tl.program_id(0).to(tl.int64)
+    iv = tl.program_id(1)
+    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
+    FK += bh * L * F
+    LG += bh * L * (F if VEC else 1)
+    VB = V + kv * L * D + iv * BV
+    HS += bh * NT * F * D + iv * BV
+    HZ += bh * NT * F
+    t = tl.arange(0, BT)
+    rows = tl.arange(0, F)
+    S = tl.zeros([F, BV], tl.float32)
+    z = tl.zeros([F], tl.float32)
+    for n in range(NT):
+        _store_tile(HS + n * F * D, rows, F, S, D, BV)
+        if iv == 0:
+            tl.store(HZ + n * F + rows, z)
+        pos = n * BT + t
+        A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, F), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
 
-        _store_tile(Y + out, pos, L, y_gla + alpha * y_win, D, BV)
-        if SAVE:
-            _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
-            _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
-            if iv == 0:
-                tl.store(DEN + bh * L + pos, den, mask=pos < L)
-                tl.store(LSE + bh * L + pos, m_i + tl.log(l_i), mask=pos < L)
+
+@triton.jit
+def _fwd_output_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE,
+                       L, H, HKV, NT, window, scale, eps,
+                       F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
+                       M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, DT: tl.constexpr):
+    """Split forward, pass 2 of 2. Grid (B*H, NT, D/BV): every chunk's outputs at once, from the
+    state `_fwd_states_kernel` left at its start."""
+    bh = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1)
+    iv = tl.program_id(2)
+    h = bh % H
+    kv = (bh // H) * HKV + h // (H // HKV)
+    FQ += bh * L * F
+    FK += bh * L * F
+    LG += bh * L * (F if VEC else 1)
+    QW += bh * L * D
+    KW += kv * L * D
+    VB = V + kv * L * D + iv * BV
+    t = tl.arange(0, BT)
+    rows = tl.arange(0, F)
+    pos = n * BT + t
+    S = _load_tile(HS + (bh * NT + n) * F * D + iv * BV, rows, F, D, BV)
+    z = tl.load(HZ + (bh * NT + n) * F + rows)
+    A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+    m0, l0 = _sink_start(SINKS, h, M, MP)
+    y_gla, y_win, den, m_i, l_i = _chunk_outputs(_load_tile(FQ, pos, L, F, F), _load_tile(FK, pos, L, F, F),
+                                                 _load_tile(VB, pos, L, D, BV), A, S, z, QW, KW, VB, n, t, L,
+                                                 window, scale, eps, m0, l0, D, BV, BT, NWB, VEC, DT)
+    _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win,
+                   tl.load(ALPHA + h).to(tl.float32), den, m_i, l_i, iv == 0, D, BV, SAVE)
 
 
 @triton.jit
@@ -547,10 +638,20 @@ class LizardAttentionFunction(torch.autograd.Function):
         y_win = torch.empty_like(qw) if save else y
         den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
         lse = torch.empty_like(den)
-        _fwd_kernel[(B * H, D // BV)](
-            fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, y, y_gla, y_win, den, lse,
-            L, H, kw.shape[1], window, scale, eps, F=F, D=D, BV=BV, BT=BT, NWB=triton.cdiv(window - 1, BT),
-            M=M, MP=MP, VEC=vec, SAVE=save, DT=DOT_DTYPES[fq.dtype], num_warps=cfg.warps, num_stages=1)
+        HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
+        shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
+        outputs = {"NWB": triton.cdiv(window - 1, BT), "M": M, "MP": MP, "SAVE": save, **shapes}
+        sinks_ptr = alpha if sinks is None else sinks
+        if cfg.split_forward:
+            NT = triton.cdiv(L, BT)
+            hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=fq.dtype)
+            hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
+            _fwd_states_kernel[(B * H, D // BV)](fk, log_g, v, hs, hz, L, H, HKV, NT, **shapes)
+            _fwd_output_kernel[(B * H, NT, D // BV)](fq, fk, log_g, qw, kw, v, sinks_ptr, alpha, hs, hz, y, y_gla,
+                                                     y_win, den, lse, L, H, HKV, NT, window, scale, eps, **outputs)
+        else:
+            _fwd_kernel[(B * H, D // BV)](fq, fk, log_g, qw, kw, v, sinks_ptr, alpha, y, y_gla, y_win, den, lse,
+                                          L, H, HKV, window, scale, eps, **outputs)
         if save:
             ctx.save_for_backward(fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse)
             ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
