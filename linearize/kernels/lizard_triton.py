@@ -344,7 +344,7 @@ def _fwd_output_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_
     pos = n * BT + t
     S = _load_tile(HS + (bh * NT + n) * F * D + iv * BV, rows, F, D, BV)
     z = tl.load(HZ + (bh * NT + n) * F + rows)
-    A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+    A, _ = _load_gate(LG, pos, L, F, F, VEC)
     m0, l0 = _sink_start(SINKS, h, M, MP)
     y_gla, y_win, den, m_i, l_i = _chunk_outputs(_load_tile(FQ, pos, L, F, F), _load_tile(FK, pos, L, F, F),
                                                  _load_tile(VB, pos, L, D, BV), A, S, z, QW, KW, VB, n, t, L,
