@@ -35,7 +35,7 @@ class Case:
     F: int = 64
     D: int = 64
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
-    split_forward: bool = False  # the kernel's two-pass forward (lizard_triton.Config.split_forward)
+    split: bool = False  # the kernel's chunk-parallel passes (lizard_triton.Config.split)
 
 
 def make_inputs(case: Case, device, seed=0):
@@ -60,10 +60,10 @@ def _run(case, tensors, dy, dtype):
     leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha}
-    if dtype is None and case.split_forward:
+    if dtype is None and case.split:
         from .lizard_triton import Config, lizard_attention_triton
 
-        config = dataclasses.replace(Config.default(fq.dtype), split_forward=True)
+        config = dataclasses.replace(Config.default(fq.dtype), split=True)
         y = lizard_attention_triton(fq, fk, log_g, qw, kw, v, **opts, config=config)
     elif dtype is None:
         y = lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
@@ -107,8 +107,8 @@ CHECK_CASES = [
     Case(L=257, dtype=torch.bfloat16, window=64), Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128),
     Case(L=600, dtype=torch.bfloat16, window=128, F=128, D=128, gate="vector"),
     Case(L=517, dtype=torch.float16, window=32, sinks=0),
-    Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128, split_forward=True),
-    Case(L=600, window=256, sinks=8, F=128, D=128, gate="vector", split_forward=True),
+    Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128, split=True),
+    Case(L=600, window=256, sinks=8, F=128, D=128, gate="vector", split=True),
 ]
 
 
@@ -118,7 +118,7 @@ def run_checks(device):
         out = compare(case, device)
         worst = max(out["errors"], key=lambda n: out["errors"][n][0])
         label = (f"L={case.L} {case.gate} {str(case.dtype)[6:]} w={case.window} M={case.sinks} "
-                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}" + (" split" if case.split_forward else ""))
+                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}" + (" split" if case.split else ""))
         path = "kernel" if out["path"] == "kernel" else "fallback"
         print(f"{label:<58} {path:<8} {worst:<6} {out['errors'][worst][0]:>11.2e}  "
               f"{within_tolerance(case, out['errors'])}")
@@ -185,11 +185,11 @@ def _bench_sdpa(B, H, L, D):
 def run_bench(lengths, B=16, H=32, D=128):
     from .lizard_triton import Config
 
-    split = dataclasses.replace(Config.default(torch.bfloat16), split_forward=True)
+    split = dataclasses.replace(Config.default(torch.bfloat16), split=True)
     rows = [("lizard scalar gate (w=128, M=4)", lambda L: _bench_ours(B, H, L, D, "scalar")),
-            ("lizard scalar gate, split forward", lambda L: _bench_ours(B, H, L, D, "scalar", split)),
+            ("lizard scalar gate, split", lambda L: _bench_ours(B, H, L, D, "scalar", split)),
             ("lizard vector gate (w=128, M=4)", lambda L: _bench_ours(B, H, L, D, "vector")),
-            ("lizard vector gate, split forward", lambda L: _bench_ours(B, H, L, D, "vector", split)),
+            ("lizard vector gate, split", lambda L: _bench_ours(B, H, L, D, "vector", split)),
             ("fla chunk_gla", lambda L: _bench_fla(B, H, L, D, "chunk_gla")),
             ("fla chunk_simple_gla", lambda L: _bench_fla(B, H, L, D, "chunk_simple_gla")),
             ("SDPA causal", lambda L: _bench_sdpa(B, H, L, D))]
@@ -213,7 +213,7 @@ def run_sweep(L, B=16, H=32, D=128):
 
     print(f"\nconfig sweep, bf16 scalar gate, B={B} H={H} D={D} L={L}: forward / forward+backward ms")
     for chunk, block_v, warps, split in itertools.product((32, 64), (64, 128), (4, 8), (False, True)):
-        cfg = Config(chunk=chunk, block_v=block_v, window_block=chunk, warps=warps, split_forward=split)
+        cfg = Config(chunk=chunk, block_v=block_v, window_block=chunk, warps=warps, split=split)
         try:
             fwd, both = _bench_ours(B, H, L, D, "scalar", cfg)
             print(f"{cfg}: {fwd:8.2f} / {both:8.2f}", flush=True)

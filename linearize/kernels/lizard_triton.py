@@ -45,14 +45,19 @@ class Config:
     block_k: int = 64  # state rows (features) per program: dq and dk passes
     window_block: int = 64  # query/key rows per program in the backward window kernels
     warps: int = 8
-    # Forward in two passes (every chunk's starting state, then all chunks' outputs in parallel, as
-    # fla does) instead of one sequential pass: more parallelism, one [NT, F, D] state per chunk stored.
-    split_forward: bool = False
+    # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
+    # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
+    # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
+    split: bool = False
 
     @staticmethod
     def default(dtype: torch.dtype) -> Config:
+        # LINEARIZE_KERNEL_SPLIT=1 picks the chunk-parallel kernels, for A/B timings until they are measured.
+        split = os.environ.get("LINEARIZE_KERNEL_SPLIT") == "1"
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones.
-        return Config(chunk=32, window_block=32) if dtype == torch.float32 else Config(chunk=64)
+        if dtype == torch.float32:
+            return Config(chunk=32, window_block=32, split=split)
+        return Config(chunk=64, split=split)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,13 +263,26 @@ def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, out, stat, pos, L, y_gla, y_win, a
 
 
 @triton.jit
-def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
-                L, H, HKV, window, scale, eps,
+def _chunks(NT, SPLIT: tl.constexpr):
+    """The chunks this program covers: all, in order, or (split) only the one on grid axis 2."""
+    if SPLIT:
+        first = tl.program_id(2)
+        last = first + 1
+    else:
+        first = 0
+        last = NT
+    return first, last
+
+
+@triton.jit
+def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE,
+                L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
-                M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, D/BV): output columns [iv*BV, (iv+1)*BV) and that block of the state, chunk after
-    chunk. The scores (over F for the linear part, over D for the window) are recomputed by each
-    column block."""
+                M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
+                DT: tl.constexpr):
+    """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
+    that block of the state; split, each program takes one chunk and its starting state from HS, HZ
+    (`_fwd_states_kernel`). The scores are recomputed by each column block."""
     bh = tl.program_id(0).to(tl.int64)
     iv = tl.program_id(1)
     h = bh % H
@@ -275,14 +293,21 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
     QW += bh * L * D
     KW += kv * L * D
     VB = V + kv * L * D + iv * BV  # this program's value columns
+    HS += bh * NT * F * D + iv * BV
+    HZ += bh * NT * F
     t = tl.arange(0, BT)
+    rows = tl.arange(0, F)
     alpha = tl.load(ALPHA + h).to(tl.float32)
     m0, l0 = _sink_start(SINKS, h, M, MP)
 
     S = tl.zeros([F, BV], tl.float32)
     z = tl.zeros([F], tl.float32)
-    for n in range(tl.cdiv(L, BT)):
+    first, last = _chunks(NT, SPLIT)
+    for n in range(first, last):
         pos = n * BT + t
+        if SPLIT:
+            S = _load_tile(HS + n * F * D, rows, F, D, BV).to(tl.float32)
+            z = tl.load(HZ + n * F + rows)
         q = _load_tile(FQ, pos, L, F, F)
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
@@ -291,15 +316,16 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, Y, Y_GLA, Y_WIN, DEN, LSE,
                                                      m0, l0, D, BV, BT, NWB, VEC, DT)
         _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win, alpha, den,
                        m_i, l_i, iv == 0, D, BV, SAVE)
-        S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
+        if not SPLIT:
+            S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
 
 @triton.jit
 def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
                        DT: tl.constexpr):
-    """Split forward, pass 1 of 2. Grid (B*H, D/BV): the state at the start of every chunk, HS
-    [B*H, NT, F, D] in the inputs' dtype (the output GEMM takes it so anyway) and HZ [B*H, NT, F]."""
+    """Grid (B*H, D/BV), for the split kernels: the state at the start of every chunk, HS [B*H, NT, F, D]
+    in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F] in float32."""
     bh = tl.program_id(0).to(tl.int64)
     iv = tl.program_id(1)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
@@ -322,43 +348,52 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
 
 
 @triton.jit
-def _fwd_output_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE,
-                       L, H, HKV, NT, window, scale, eps,
-                       F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
-                       M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, DT: tl.constexpr):
-    """Split forward, pass 2 of 2. Grid (B*H, NT, D/BV): every chunk's outputs at once, from the
-    state `_fwd_states_kernel` left at its start."""
+def _bwd_states_kernel(FQ, LG, DEN, DY, DDEN, HDS, HDZ, L, NT,
+                       F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
+                       DT: tl.constexpr):
+    """Grid (B*H, D/BV), for the split kernels: dS, dz (gradients w.r.t. the state after each chunk,
+    from the later chunks' queries), backward over the chunks into HDS [B*H, NT, F, D], HDZ [B*H, NT, F]."""
     bh = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1)
-    iv = tl.program_id(2)
-    h = bh % H
-    kv = (bh // H) * HKV + h // (H // HKV)
+    iv = tl.program_id(1)
     FQ += bh * L * F
-    FK += bh * L * F
     LG += bh * L * (F if VEC else 1)
-    QW += bh * L * D
-    KW += kv * L * D
-    VB = V + kv * L * D + iv * BV
+    DY += bh * L * D + iv * BV
+    DEN += bh * L
+    DDEN += bh * L
+    HDS += bh * NT * F * D + iv * BV
+    HDZ += bh * NT * F
     t = tl.arange(0, BT)
     rows = tl.arange(0, F)
-    pos = n * BT + t
-    S = _load_tile(HS + (bh * NT + n) * F * D + iv * BV, rows, F, D, BV)
-    z = tl.load(HZ + (bh * NT + n) * F + rows)
-    A, _ = _load_gate(LG, pos, L, F, F, VEC)
-    m0, l0 = _sink_start(SINKS, h, M, MP)
-    y_gla, y_win, den, m_i, l_i = _chunk_outputs(_load_tile(FQ, pos, L, F, F), _load_tile(FK, pos, L, F, F),
-                                                 _load_tile(VB, pos, L, D, BV), A, S, z, QW, KW, VB, n, t, L,
-                                                 window, scale, eps, m0, l0, D, BV, BT, NWB, VEC, DT)
-    _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win,
-                   tl.load(ALPHA + h).to(tl.float32), den, m_i, l_i, iv == 0, D, BV, SAVE)
+    dS = tl.zeros([F, BV], tl.float32)
+    dz = tl.zeros([F], tl.float32)
+    for i in range(NT):
+        n = NT - 1 - i
+        _store_tile(HDS + n * F * D, rows, F, dS, D, BV)
+        if iv == 0:
+            tl.store(HDZ + n * F + rows, dz)
+        pos = n * BT + t
+        A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+        d_num = _load_tile(DY, pos, L, D, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
+        d_den = tl.load(DDEN + pos, mask=pos < L, other=0.0)
+        dS, dz = _retreat_state_grad(dS, dz, _load_tile(FQ, pos, L, F, F), A, a_end, d_num, d_den, VEC, DT)
 
 
 @triton.jit
-def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, DFQ, DA_Q, DDEN, L, H, HKV,
+def _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC: tl.constexpr, DT: tl.constexpr):
+    """dS, dz carried back over one chunk: decayed across it, plus its queries' gradients."""
+    q_dec = q * _q_decay(A, VEC)
+    dS = _dot_acc(tl.trans(q_dec), d_num, _decay_state(dS, a_end, VEC), DT)
+    dz = dz * tl.exp(a_end) + tl.sum(q_dec * d_den[:, None], 0)
+    return dS, dz
+
+
+@triton.jit
+def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   VEC: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, F/BK), forward over the chunks with state rows [fo, fo+BK): d fq of those features,
-    their share of dA = fq.dfq (DA_Q) and, from the first block, d den per token (DDEN)."""
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK[, NT]), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
+    its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from the
+    first block, d den per token (DDEN)."""
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
     fo = ik * BK
@@ -377,13 +412,20 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, DFQ, DA_Q, DDEN, L, H, HKV,
     DY += bh * L * D
     DEN += bh * L
     DDEN += bh * L
+    HS += bh * NT * F * D + fo * D
+    HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
+    rows = tl.arange(0, BK)
 
     S = tl.zeros([BK, D], tl.float32)
     z = tl.zeros([BK], tl.float32)
-    for n in range(tl.cdiv(L, BT)):
+    first, last = _chunks(NT, SPLIT)
+    for n in range(first, last):
         pos = n * BT + t
         inside = pos < L
+        if SPLIT:
+            S = _load_tile(HS + n * F * D, rows, BK, D, D).to(tl.float32)
+            z = tl.load(HZ + n * F + rows)
         q = _load_tile(FQ, pos, L, F, BK)
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
@@ -412,18 +454,17 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, DFQ, DA_Q, DDEN, L, H, HKV,
             _store_tile(DA_Q, pos, L, q * dq, F, BK)
         else:
             tl.store(DA_Q + pos, tl.sum(q * dq, 1), mask=inside)
-
-        k_dec = k * _k_decay(A, a_end, VEC)
-        S = _dot_acc(tl.trans(k_dec), v, _decay_state(S, a_end, VEC), DT)
-        z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
+        if not SPLIT:
+            S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
 
 @triton.jit
-def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, DFK, DA_K, L, H, HKV,
+def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   VEC: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, F/BK), backward over the chunks with rows [fo, fo+BK) of dS, the gradient w.r.t. the
-    state after each chunk: d fk of those features and their share of dA = -fk.dfk (DA_K)."""
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK[, NT]), backward over the chunks with rows [fo, fo+BK) of dS, the gradient
+    w.r.t. the state after each chunk (split: one chunk, its dS, dz from HDS, HDZ): d fk of those
+    features and their share of dA = -fk.dfk (DA_K)."""
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
     fo = ik * BK
@@ -441,14 +482,21 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, DFK, DA_K, L, H, HKV,
     DY += bh * L * D
     DEN += bh * L
     DDEN += bh * L
+    HDS += bh * NT * F * D + fo * D
+    HDZ += bh * NT * F + fo
     t = tl.arange(0, BT)
+    rows = tl.arange(0, BK)
 
-    NT = tl.cdiv(L, BT)
     dS = tl.zeros([BK, D], tl.float32)
     dz = tl.zeros([BK], tl.float32)
-    for i in range(NT):
-        pos = (NT - 1 - i) * BT + t
+    first, last = _chunks(NT, SPLIT)
+    for i in range(first, last):
+        n = i if SPLIT else NT - 1 - i
+        pos = n * BT + t
         inside = pos < L
+        if SPLIT:
+            dS = _load_tile(HDS + n * F * D, rows, BK, D, D).to(tl.float32)
+            dz = tl.load(HDZ + n * F + rows)
         q = _load_tile(FQ, pos, L, F, BK)
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
@@ -474,18 +522,16 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, DFK, DA_K, L, H, HKV,
             _store_tile(DA_K, pos, L, -(k * dk), F, BK)
         else:
             tl.store(DA_K + pos, -tl.sum(k * dk, 1), mask=inside)
-
-        q_dec = q * _q_decay(A, VEC)
-        dS = _dot_acc(tl.trans(q_dec), d_num, _decay_state(dS, a_end, VEC), DT)
-        dz = dz * tl.exp(a_end) + tl.sum(q_dec * d_den[:, None], 0)
+        if not SPLIT:
+            dS, dz = _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC, DT)
 
 
 @triton.jit
-def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, DV, L,
+def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
                    F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   VEC: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, D/BV), backward over the chunks with columns [vo, vo+BV) of dS: d v of the linear
-    part plus the window's (DV_WIN), per query head."""
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, D/BV[, NT]), backward over the chunks with columns [vo, vo+BV) of dS (split: one
+    chunk, its dS from HDS): d v of the linear part plus the window's (DV_WIN), per query head."""
     bh = tl.program_id(0).to(tl.int64)
     vo = tl.program_id(1) * BV
     FQ += bh * L * F
@@ -495,12 +541,17 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, DV, L,
     DV_WIN += bh * L * D + vo
     DV += bh * L * D + vo
     DEN += bh * L
+    HDS += bh * NT * F * D + vo
     t = tl.arange(0, BT)
+    rows = tl.arange(0, F)
 
-    NT = tl.cdiv(L, BT)
     dS = tl.zeros([F, BV], tl.float32)
-    for i in range(NT):
-        pos = (NT - 1 - i) * BT + t
+    first, last = _chunks(NT, SPLIT)
+    for i in range(first, last):
+        n = i if SPLIT else NT - 1 - i
+        pos = n * BT + t
+        if SPLIT:
+            dS = _load_tile(HDS + n * F * D, rows, F, D, BV).to(tl.float32)
         q = _load_tile(FQ, pos, L, F, F)
         k = _load_tile(FK, pos, L, F, F)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
@@ -511,7 +562,8 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, DV, L,
             P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
         dv = _dot_acc(tl.trans(P), d_num, _dot(k * _k_decay(A, a_end, VEC), dS, DT), DT)
         _store_tile(DV, pos, L, dv + _load_tile(DV_WIN, pos, L, D, BV), D, BV)
-        dS = _dot_acc(tl.trans(q * _q_decay(A, VEC)), d_num, _decay_state(dS, a_end, VEC), DT)
+        if not SPLIT:
+            dS = _dot_acc(tl.trans(q * _q_decay(A, VEC)), d_num, _decay_state(dS, a_end, VEC), DT)
 
 
 @triton.jit
@@ -639,27 +691,27 @@ class LizardAttentionFunction(torch.autograd.Function):
         den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
         lse = torch.empty_like(den)
         HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
+        NT = triton.cdiv(L, BT)
         shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
-        outputs = {"NWB": triton.cdiv(window - 1, BT), "M": M, "MP": MP, "SAVE": save, **shapes}
-        sinks_ptr = alpha if sinks is None else sinks
-        if cfg.split_forward:
-            NT = triton.cdiv(L, BT)
+        if cfg.split:
             hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=fq.dtype)
             hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
             _fwd_states_kernel[(B * H, D // BV)](fk, log_g, v, hs, hz, L, H, HKV, NT, **shapes)
-            _fwd_output_kernel[(B * H, NT, D // BV)](fq, fk, log_g, qw, kw, v, sinks_ptr, alpha, hs, hz, y, y_gla,
-                                                     y_win, den, lse, L, H, HKV, NT, window, scale, eps, **outputs)
         else:
-            _fwd_kernel[(B * H, D // BV)](fq, fk, log_g, qw, kw, v, sinks_ptr, alpha, y, y_gla, y_win, den, lse,
-                                          L, H, HKV, window, scale, eps, **outputs)
+            hs = hz = den  # unread
+        _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
+            fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse,
+            L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+            SPLIT=cfg.split, **shapes)
         if save:
-            ctx.save_for_backward(fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse)
+            ctx.save_for_backward(fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse,
+                                  *((hs, hz) if cfg.split else ()))
             ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse = ctx.saved_tensors
+        fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *states = ctx.saved_tensors
         cfg, window, scale = ctx.cfg, ctx.window, ctx.scale
         dy = dy.contiguous()
         B, H, L, F = fq.shape
@@ -672,7 +724,11 @@ class LizardAttentionFunction(torch.autograd.Function):
         M = 0 if sinks is None else sinks.shape[-1]
         MP = max(2, triton.next_power_of_2(M))
         dev, f32 = fq.device, torch.float32
-        state = {"BT": BT, "VEC": vec, "DT": DOT_DTYPES[fq.dtype], "num_warps": cfg.warps, "num_stages": 1}
+        NT = triton.cdiv(L, BT)
+        split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[fq.dtype], "num_warps": cfg.warps,
+                 "num_stages": 1}
+        state = {key: value for key, value in split.items() if key != "SPLIT"}
+        chunk_axis = (NT,) if cfg.split else ()
         win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
                "num_warps": cfg.warps, "num_stages": 1}
 
@@ -689,16 +745,25 @@ class LizardAttentionFunction(torch.autograd.Function):
         d_sinks = torch.empty(B * H * NW, MP, device=dev, dtype=f32)
         d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
-        _bwd_dq_kernel[(B * H, F // BK)](fq, fk, log_g, v, y_gla, den, dy, dfq, da_q, d_den, L, H, HKV,
-                                         F=F, D=D, BK=BK, **state)
-        _bwd_dk_kernel[(B * H, F // BK)](fq, fk, log_g, v, den, dy, d_den, dfk, da_k, L, H, HKV,
-                                         F=F, D=D, BK=BK, **state)
+        hs, hz = states if cfg.split else (den, den)  # unread unless split
+        _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy, hs, hz, dfq, da_q, d_den,
+                                                      L, H, HKV, NT, F=F, D=D, BK=BK, **split)
+        if cfg.split:
+            hds = torch.empty(B * H, NT, F, D, device=dev, dtype=fq.dtype)
+            hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
+            _bwd_states_kernel[(B * H, D // BV)](fq, log_g, den, dy, d_den, hds, hdz, L, NT, F=F, D=D, BV=BV,
+                                                 **state)
+        else:
+            hds = hdz = den
+        _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy, d_den, hds, hdz, dfk, da_k,
+                                                      L, H, HKV, NT, F=F, D=D, BK=BK, **split)
         _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy,
                                            dqw, delta, d_sinks, d_alpha, L, H, HKV, window, scale, M=M, MP=MP,
                                            **win)
         _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy, delta, dkw, dv_win, L, H, HKV, window,
                                             scale, **win)
-        _bwd_dv_kernel[(B * H, D // BV)](fq, fk, log_g, den, dy, dv_win, dv, L, F=F, D=D, BV=BV, **state)
+        _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy, dv_win, hds, dv, L, NT, F=F, D=D,
+                                                      BV=BV, **split)
 
         dA = da_q + da_k if vec else (da_q.sum(0) + da_k.sum(0))[..., None]
         d_log_g = dA.flip(2).cumsum(2).flip(2)  # d log g_t = sum over s >= t of dA_s

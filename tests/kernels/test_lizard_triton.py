@@ -35,9 +35,9 @@ INTERPRETER_CASES = {
     "L37-vector-nosinks": Case(L=37, gate="vector", sinks=0),
     "L20-vector-w64-bf16": Case(L=20, gate="vector", window=64, dtype=bf16),
     "fallback-F48": Case(L=50, F=48),
-    "split-L100-gqa-w32-sinks4": Case(L=100, split_forward=True),
-    "split-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split_forward=True),
-    "split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split_forward=True),
+    "split-L100-gqa-w32-sinks4": Case(L=100, split=True),
+    "split-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True),
+    "split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=True),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -45,8 +45,8 @@ SLOW_INTERPRETER_CASES = {
     "L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128),
     "L100-vector-bf16": Case(L=100, gate="vector", dtype=bf16),
     "L63-vector-strong-decay": Case(L=63, gate="vector", gate_bias=-4.0),
-    "split-L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128, split_forward=True),
-    "split-L100-strong-decay": Case(L=100, gate_bias=-4.0, split_forward=True),
+    "split-L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128, split=True),
+    "split-L100-strong-decay": Case(L=100, gate_bias=-4.0, split=True),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
