@@ -321,6 +321,15 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
 
 
 @triton.jit
+def _store_chunk_state(HS, HZ, n, S, z, write_z, F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
+    """Chunk n's entry of a stored state: its [F, BV] block of S and, from one program, z."""
+    rows = tl.arange(0, F)
+    _store_tile(HS + n * F * D, rows, F, S, D, BV)
+    if write_z:
+        tl.store(HZ + n * F + rows, z)
+
+
+@triton.jit
 def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
                        DT: tl.constexpr):
@@ -335,13 +344,10 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
     HS += bh * NT * F * D + iv * BV
     HZ += bh * NT * F
     t = tl.arange(0, BT)
-    rows = tl.arange(0, F)
     S = tl.zeros([F, BV], tl.float32)
     z = tl.zeros([F], tl.float32)
     for n in range(NT):
-        _store_tile(HS + n * F * D, rows, F, S, D, BV)
-        if iv == 0:
-            tl.store(HZ + n * F + rows, z)
+        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, F), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
@@ -363,14 +369,11 @@ def _bwd_states_kernel(FQ, LG, DEN, DY, DDEN, HDS, HDZ, L, NT,
     HDS += bh * NT * F * D + iv * BV
     HDZ += bh * NT * F
     t = tl.arange(0, BT)
-    rows = tl.arange(0, F)
     dS = tl.zeros([F, BV], tl.float32)
     dz = tl.zeros([F], tl.float32)
     for i in range(NT):
         n = NT - 1 - i
-        _store_tile(HDS + n * F * D, rows, F, dS, D, BV)
-        if iv == 0:
-            tl.store(HDZ + n * F + rows, dz)
+        _store_chunk_state(HDS, HDZ, n, dS, dz, iv == 0, F, D, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         d_num = _load_tile(DY, pos, L, D, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
