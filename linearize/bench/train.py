@@ -72,7 +72,8 @@ def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: b
     """Time the three modes; `overrides` (seq_len, batch, steps) replace entries of FULL / QUICK."""
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
     rt = Runtime.start(None, "auto")
-    settings.update(model=model, method=method, precision="bf16 autocast" if rt.bf16 else "float32", quick=quick)
+    settings.update(model=model, method=method, precision="bf16 autocast" if rt.bf16 else "float32", quick=quick,
+                    attention=attention_path(method, rt.device))
     cfg = DistillConfig(model=model, method=method, out=str(out), seq_len=settings["seq_len"], batch=settings["batch"])
     results = new_results("train", f"Training throughput: {model}, {method}", rt.device, settings)
     results["rows"] = []
@@ -90,11 +91,24 @@ def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: b
     return write_outputs(results, out, tables, plots)
 
 
+def attention_path(method: str, device: torch.device) -> str:
+    """Which attention code the student runs here, for the record (the kernels' switches are env vars)."""
+    from .. import kernels
+    from ..attention.lizard import kernels_enabled
+
+    if method != "lizard" or device.type != "cuda" or not kernels_enabled() or not kernels.available():
+        return "PyTorch ops"
+    from ..kernels.lizard_triton import Config
+
+    return "Triton kernel, " + ("chunk-parallel (split)" if Config.default(torch.bfloat16).split else "one pass")
+
+
 def tables(results: dict) -> list[str]:
     s = results["settings"]
+    attention = f" Student attention: {s['attention']}." if "attention" in s else ""
     lines = [
         (f"Batch {s['batch']} × {s['seq_len']} tokens, {s['precision']}, AdamW; median of {s['steps']} optimizer "
-         f"steps after {s['warmup']} warm-up steps."),
+         f"steps after {s['warmup']} warm-up steps.{attention}"),
         "",
         "| mode | trained parameters | tokens/s | ms per step | peak GiB |",
         "|---|---|---|---|---|",

@@ -78,6 +78,7 @@ def test_train_times_both_stages_and_the_full_fine_tune(outputs):
     full = rows.pop("full fine-tune (teacher)")["trained_parameters"]
     assert [r["stage"] for r in rows.values()] == [1, 2]
     assert all(0 < r["trained_parameters"] < full for r in rows.values())
+    assert results["settings"]["attention"] == "PyTorch ops"  # no GPU here: what the record must say
 
 
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
