@@ -21,7 +21,7 @@ from pathlib import Path
 from .eval.harness import AVERAGE_METRIC, ZEROSHOT
 from .eval.report import length_label
 
-EVAL_KEYS = {"tasks", "limit", "lengths", "depths", "samples", "batch", "seed"}
+EVAL_KEYS = {"tasks", "limit", "task_limits", "lengths", "depths", "samples", "batch", "seed"}
 TABLE_START, TABLE_END = "<!-- recipe table -->", "<!-- end of recipe table -->"
 
 

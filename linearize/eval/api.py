@@ -84,6 +84,16 @@ def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int]
         longcontext.check_length(name, tokenizer, min(lengths), haystack_essay(name, essay))
 
 
+def check_task_limits(names: Sequence[str], task_limits: dict[str, int]) -> None:
+    """Per-task caps may only name lm-eval tasks of this run, with positive integers."""
+    for task, cap in task_limits.items():
+        if task not in names or task == "ppl" or task in LONGCONTEXT:
+            raise ValueError(f"a task limit names {task!r}, which is not an lm-eval task of this run "
+                             f"({', '.join(names)})")
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+            raise ValueError(f"the limit of {task} must be a positive integer, got {cap!r}")
+
+
 def evaluate(
     model,
     tokenizer,
@@ -102,11 +112,13 @@ def evaluate(
     data_dir: str | None = None,
     model_spec: str | None = None,
     on_progress: Callable[[dict], None] | None = None,
+    task_limits: dict[str, int] | None = None,
 ) -> dict:
     """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
 
     `limit` caps examples everywhere: lm-eval documents per task, perplexity windows per length,
-    long-context samples per (length, depth) cell (`samples` otherwise). `lengths` serve both the
+    long-context samples per (length, depth) cell (`samples` otherwise). `task_limits` {task: cap}
+    overrides it for single lm-eval tasks (e.g. {"mmlu": 20}: 20 questions per subject). `lengths` serve both the
     perplexity and the long-context sweeps. `batch` is sequences per forward pass, fewer for long
     sequences: `max_batch_tokens` caps a generate call. `text` is the perplexity .txt (default Moby-Dick),
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
@@ -115,6 +127,8 @@ def evaluate(
     short can still keep what it finished.
     """
     names = parse_tasks(tasks)
+    task_limits = dict(task_limits or {})
+    check_task_limits(names, task_limits)
     lengths, depths = parse_lengths(lengths), parse_depths(depths)
     samples = samples if limit is None else min(samples, limit)
     model.eval()
@@ -125,7 +139,7 @@ def evaluate(
     def assemble(results: dict, complete: bool) -> dict:
         out = {
             "format": FORMAT,
-            "provenance": provenance(model, model_spec, names, limit, lengths, depths, samples, batch, seed),
+            "provenance": provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed),
             "tasks": {name: results[name] for name in names if name in results},
         }
         if (average := harness.zeroshot_average(results)) is not None:
@@ -159,7 +173,8 @@ def evaluate(
             )
         else:
             results |= harness.run_harness(
-                model, tokenizer, harness_tasks, limit=limit, batch=batch, seed=seed, data_dir=data_dir
+                model, tokenizer, harness_tasks, limit=limit, task_limits=task_limits, batch=batch, seed=seed,
+                data_dir=data_dir,
             )
         if name in LONGCONTEXT or name == "ppl":
             results[name]["wall_time_s"] = time.perf_counter() - start
@@ -182,7 +197,7 @@ def device_name(model) -> str:
     return str(device)
 
 
-def provenance(model, model_spec, names, limit, lengths, depths, samples, batch, seed) -> dict:
+def provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed) -> dict:
     method = getattr(model.config, "linearize", None)
     return {
         "model": model_spec or getattr(model.config, "_name_or_path", None) or type(model).__name__,
@@ -192,6 +207,7 @@ def provenance(model, model_spec, names, limit, lengths, depths, samples, batch,
         "device": device_name(model),
         "tasks": names,
         "limit": limit,
+        "task_limits": task_limits,
         "lengths": lengths,
         "depths": depths,
         "samples_per_cell": samples,

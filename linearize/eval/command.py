@@ -28,6 +28,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="results JSON path; FILE.md and FILE.*.png are written next to it")
     parser.add_argument("--limit", type=int, help="cap per task: lm-eval documents, ppl windows per length, "
                         "long-context samples per (length, depth) cell")
+    parser.add_argument("--task-limit", action="append", default=[], metavar="TASK=N",
+                        help="cap one lm-eval task's documents (per subtask for groups), e.g. mmlu=20; repeatable")
     parser.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k",
                         help="context lengths in tokens for ppl and long-context tasks, e.g. 1k,2k,512,32K")
     parser.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
@@ -48,6 +50,8 @@ def run(args) -> int:
     # Check every input before the (slow) model load, so a mistake fails at once.
     tasks = api.parse_tasks(args.tasks)
     lengths, depths = api.parse_lengths(args.lengths), api.parse_depths(args.depths)
+    task_limits = parse_task_limits(args.task_limit)
+    api.check_task_limits(tasks, task_limits)
     for flag in ("limit", "samples", "batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be a positive integer, got {getattr(args, flag)}.")
@@ -66,12 +70,23 @@ def run(args) -> int:
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
-        on_progress=partial(write_json, out=args.out),
+        on_progress=partial(write_json, out=args.out), task_limits=task_limits,
     )
     for path in write_report(results, args.out):
         print(f"wrote {path}")
     print(summary_line(results))
     return 0
+
+
+def parse_task_limits(items: list[str]) -> dict[str, int]:
+    """["mmlu=20", ...] -> {"mmlu": 20}."""
+    limits = {}
+    for item in items:
+        task, _, value = item.partition("=")
+        if not task or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--task-limit takes TASK=N with N a positive integer, got {item!r}")
+        limits[task.strip()] = int(value)
+    return limits
 
 
 def summary_line(results: dict) -> str:

@@ -75,11 +75,12 @@ def is_lm_eval_task(name: str) -> bool:
     return name in lm_eval_names()
 
 
-def run_harness(model, tokenizer, tasks: list[str], *, limit=None, batch=8, seed=0, data_dir=None) -> dict:
+def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=None, batch=8, seed=0,
+                data_dir=None) -> dict:
     """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
 
     `tasks` are our names (see HARNESS_TASKS) or any lm-eval task name. `limit` caps the documents
-    per task (per subtask for groups), as lm-eval's --limit does.
+    per task (per subtask for groups), as lm-eval's --limit does; `task_limits` {task: cap} overrides it.
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -98,7 +99,7 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, batch=8, seed
             model=lm,
             tasks=[lm_name],
             num_fewshot=NUM_FEWSHOT.get(task),
-            limit=limit,
+            limit=(task_limits or {}).get(task, limit),
             task_manager=manager,
             bootstrap_iters=100_000 if task in CLOSED_FORM_STDERR else 0,
             log_samples=False,

@@ -14,7 +14,7 @@ for step in $steps; do
     zeroshot) run --tasks zeroshot --batch 64 --out "$out/zeroshot.json" ;;
     # lm-eval tokenizes MMLU's 56K requests at ~110/s on that machine's CPU: 20 questions per subject
     # (1,140 of 14,042) keep it inside one 10-minute call.
-    mmlu) run --tasks mmlu --limit 20 --batch 64 --out "$out/mmlu.json" ;;
+    mmlu) run --tasks mmlu --task-limit mmlu=20 --batch 64 --out "$out/mmlu.json" ;;
     ppl) run --tasks ppl --lengths 512,2k,8k,32k --batch 8 --out "$out/ppl.json" ;;
     longcontext) run --tasks passkey,niah_single --lengths 1k,2k,4k,8k,16k,32k --samples 2 --batch 16 \
                    --out "$out/longcontext.json" ;;

@@ -166,6 +166,10 @@ def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
     (["--tasks", "ppl", "--limit", "0"], "--limit must be a positive integer"),
     (["--tasks", "passkey", "--lengths", "64"], "Length 64 is too short for a passkey prompt"),
     (["--tasks", "ppl", "--text", "/no/such/book.txt"], "--text /no/such/book.txt is not a file"),
+    (["--tasks", "piqa", "--task-limit", "mmlu=20"], "names 'mmlu', which is not an lm-eval task of this run"),
+    (["--tasks", "ppl,piqa", "--task-limit", "ppl=3"], "names 'ppl'"),
+    (["--tasks", "mmlu", "--task-limit", "mmlu=0"], "TASK=N with N a positive integer"),
+    (["--tasks", "mmlu", "--task-limit", "mmlu"], "TASK=N with N a positive integer"),
 ])
 def test_cli_bad_input_fails_before_loading(flags, message, fake_loading, tmp_path):
     args = parser().parse_args(["eval", "--model", "m", "--out", str(tmp_path / "x.json"), *flags])
