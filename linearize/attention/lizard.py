@@ -51,7 +51,7 @@ class LizardAttention(LinearizedAttention):
         log_g = self.log_gate(x)
         sinks = self.sinks.float() if cfg.num_sinks else None
         if self._fused_kernel_applies(fq, fk, log_g, qw, kw, v, sinks, valid, start):
-            return self._fused(fq, fk, log_g, qw, kw, v, sinks)
+            return self._fused(fq, fk, log_g, qw, kw, v, sinks, state if start else None)
         options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
                    "beta": 1.0, "normalize": True, "shared": cfg.combine == "shared", "eps": cfg.eps}
         if state is None:
@@ -62,18 +62,25 @@ class LizardAttention(LinearizedAttention):
         return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)
 
     def _fused_kernel_applies(self, fq, fk, log_g, qw, kw, v, sinks, valid, start) -> bool:
-        """The Triton kernel covers a pass from an empty state over unpadded tokens with the alpha mix."""
-        if not (kernels_enabled() and self.cfg.combine == "alpha" and fq.shape[2] > 1 and start == 0):
+        """The Triton kernel covers passes over unpadded tokens with the alpha mix: from an empty state
+        (training, a first prefill), or continuing a carried one when no gradient is needed."""
+        if not (kernels_enabled() and self.cfg.combine == "alpha" and fq.shape[2] > 1):
+            return False
+        if start > 0 and torch.is_grad_enabled():
             return False
         if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=self.cfg.window, sinks=sinks) is not None:
             return False
         return bool(valid.all())
 
-    def _fused(self, fq, fk, log_g, qw, kw, v, sinks):
+    def _fused(self, fq, fk, log_g, qw, kw, v, sinks, carried):
         # bf16 operands under autocast (the projections' dtype), float32 state inside the kernel.
         dt = self.projection_dtype
-        y = kernels.lizard_attention(fq.to(dt), fk.to(dt), log_g, qw.to(dt), kw.to(dt), v.to(dt),
-                                     window=self.cfg.window, scale=self.scaling, sinks=sinks,
-                                     alpha=self.alpha.float(), eps=self.cfg.eps)
+        operands = (fq.to(dt), fk.to(dt), log_g, qw.to(dt), kw.to(dt), v.to(dt))
+        options = {"window": self.cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
+                   "eps": self.cfg.eps}
+        if carried is not None:
+            y, new_state = kernels.lizard_attention_continued(*operands, carried, **options)
+            return y.float(), new_state
+        y = kernels.lizard_attention(*operands, **options)
         new_state = None if not self.caching else gla_window.state_after(fk, log_g, kw, v, self.cfg.window)
         return y.float(), new_state

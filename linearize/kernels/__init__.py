@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..ops import gla_window
+from ..ops.common import carried_window, extend_window, repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
 
 
@@ -58,6 +59,49 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
         return lizard_attention_triton(fq, fk, log_g, qw, kw, v, window=window, scale=scale, sinks=sinks,
                                        alpha=alpha, eps=eps)
     return _chunked(fq, fk, log_g, qw, kw, v, window=window, scale=scale, sinks=sinks, alpha=alpha, eps=eps)
+
+
+@torch.no_grad()
+def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale, sinks, alpha, eps=1e-6):
+    """`lizard_attention` continuing from a carried state (a prefill after earlier ones): (y, new state).
+
+    The kernel computes the call's own part; the carried state then adds, per query i, its decayed
+    linear terms (q_i e^{A_i}) S_0 and (q_i e^{A_i}) . z_0 to the numerator and denominator, and the
+    carried window keys to the softmax of the first w - 1 queries (merged through the kernel's
+    log-sum-exp). Same contract as `gla_window_parallel` with all new tokens valid, beta = 1,
+    normalize=True, shared=False; no gradients (prefill only). The kernel must apply to the inputs.
+    """
+    from .lizard_triton import lizard_attention_parts
+
+    y_gla, y_win, den, lse = lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=window, scale=scale,
+                                                    sinks=sinks, alpha=alpha, eps=eps)
+    n_rep = fq.shape[1] // kw.shape[1]
+    A = log_g.float().cumsum(2)
+    q_dec = fq.float() * A.exp()
+    num = y_gla.float() * den[..., None] + q_dec @ state["S"]
+    y_gla = num / (den + (q_dec * state["z"][:, :, None, :]).sum(-1))[..., None]
+
+    # Query i of this call sees carried key j (of w - 1, oldest first) when j >= i.
+    P = min(fq.shape[2], window - 1)
+    if P > 0:
+        keys, values = repeat_kv(state["win_k"], n_rep).float(), repeat_kv(state["win_v"], n_rep).float()
+        scores = (qw[:, :, :P].float() @ keys.transpose(-1, -2)) * scale
+        i, j = torch.arange(P, device=fq.device)[:, None], torch.arange(window - 1, device=fq.device)[None, :]
+        seen = (j >= i)[None, None] & state["win_valid"][:, None, None, :]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        m = torch.maximum(lse[:, :, :P], scores.amax(-1))
+        old, new = (lse[:, :, :P] - m).exp(), (scores - m[..., None]).exp()
+        head = (old[..., None] * y_win[:, :, :P].float() + new @ values) / (old + new.sum(-1))[..., None]
+        y_win = torch.cat([head, y_win[:, :, P:].float()], 2)
+    y = y_gla + alpha.float()[None, :, None, None] * y_win.float()
+
+    within = gla_window.state_after(fk.float(), log_g.float(), kw.float(), v.float(), window)
+    total = A[:, :, -1].exp()[..., None]  # decay of the carried state over the whole call
+    valid = torch.ones(fq.shape[0], fq.shape[2], dtype=torch.bool, device=fq.device)
+    keys, values, key_valid = extend_window(state, kw.to(state["win_k"].dtype), v.to(state["win_v"].dtype), valid)
+    new_state = {"S": total * state["S"] + within["S"], "z": total[..., 0] * state["z"] + within["z"],
+                 **carried_window(keys, values, key_valid, window)}
+    return y.to(qw.dtype), new_state
 
 
 def _chunked(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps):

@@ -675,40 +675,46 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
     return None
 
 
+def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save):
+    """Launch the forward; returns the inputs made contiguous, the output and what the backward needs."""
+    fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
+    sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
+    B, H, L, F = fq.shape
+    D = qw.shape[-1]
+    vec = log_g.shape[-1] != 1
+    BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
+    BV = min(cfg.block_v, D)
+    M = 0 if sinks is None else sinks.shape[-1]
+    MP = max(2, triton.next_power_of_2(M))
+    y = torch.empty_like(qw)
+    # The backward splits dy between the branches with these (input dtype, as flash attention's O).
+    y_gla = torch.empty_like(qw) if save else y
+    y_win = torch.empty_like(qw) if save else y
+    den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
+    lse = torch.empty_like(den)
+    HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
+    NT = triton.cdiv(L, BT)
+    shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
+    if cfg.split:
+        hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=fq.dtype)
+        hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
+        _fwd_states_kernel[(B * H, D // BV)](fk, log_g, v, hs, hz, L, H, HKV, NT, **shapes)
+    else:
+        hs = hz = den  # unread
+    _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
+        fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse,
+        L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+        SPLIT=cfg.split, **shapes)
+    inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
+    return inputs, y, (y_gla, y_win, den, lse), ((hs, hz) if cfg.split else ())
+
+
 class LizardAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save):
-        fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
-        sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
-        B, H, L, F = fq.shape
-        D = qw.shape[-1]
-        vec = log_g.shape[-1] != 1
-        BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
-        BV = min(cfg.block_v, D)
-        M = 0 if sinks is None else sinks.shape[-1]
-        MP = max(2, triton.next_power_of_2(M))
-        y = torch.empty_like(qw)
-        # The backward splits dy between the branches with these (input dtype, as flash attention's O).
-        y_gla = torch.empty_like(qw) if save else y
-        y_win = torch.empty_like(qw) if save else y
-        den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
-        lse = torch.empty_like(den)
-        HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
-        NT = triton.cdiv(L, BT)
-        shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
-        if cfg.split:
-            hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=fq.dtype)
-            hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
-            _fwd_states_kernel[(B * H, D // BV)](fk, log_g, v, hs, hz, L, H, HKV, NT, **shapes)
-        else:
-            hs = hz = den  # unread
-        _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
-            fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse,
-            L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-            SPLIT=cfg.split, **shapes)
+        inputs, y, parts, states = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save)
         if save:
-            ctx.save_for_backward(fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse,
-                                  *((hs, hz) if cfg.split else ()))
+            ctx.save_for_backward(*inputs, *parts, *states)
             ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
         return y
 
@@ -785,3 +791,12 @@ def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, a
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     return LizardAttentionFunction.apply(*tensors, int(window), float(scale), float(eps),
                                          config or Config.default(fq.dtype), save)
+
+
+@torch.no_grad()
+def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, config=None):
+    """The forward's branches before they are mixed: y_gla, y_win (inputs' dtype), the linear part's
+    denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L]."""
+    _, _, parts, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps),
+                              config or Config.default(fq.dtype), True)
+    return parts

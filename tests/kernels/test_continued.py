@@ -1,0 +1,50 @@
+"""A prefill continuing from a carried state through the kernel equals the reference op."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from continued_check import check
+from test_lizard_triton import HAS_TRITON
+
+CASES = {
+    "scalar-w32": {},
+    "vector-w64-longer-than-call": {"gate": "vector", "window": 64},  # w - 1 > the call: old keys stay
+    "bf16-nosinks": {"dtype": "torch.bfloat16", "sinks": 0},
+}
+TOLERANCE = {"torch.bfloat16": 2e-2}
+_SCRIPT = """
+import json, sys, torch
+from continued_check import check
+cases = json.loads(sys.argv[1])
+print(json.dumps({name: check("cpu", **{k: eval(v) if k == "dtype" else v for k, v in case.items()})
+                  for name, case in cases.items()}))
+"""
+
+
+def _assert_close(name, errors):
+    tol = TOLERANCE.get(CASES[name].get("dtype"), 1e-4)
+    assert max(errors.values()) < tol, (name, errors)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_continued_prefill_in_the_interpreter():
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name, errors in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        _assert_close(name, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", CASES)
+def test_continued_prefill_on_cuda(name):
+    case = {k: eval(v) if k == "dtype" else v for k, v in CASES[name].items()}
+    _assert_close(name, check("cuda", first=300, then=700, **case))
