@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
+#   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
+# PART: tests | kernels | train | fsdp (2 GPUs) | model | rows NAME... (recipes/NAME.json; two fit in a
+# call) | teacher. Logs land in $OUT as they are, results as one $OUT/PART.tgz (at most 8 files come back).
+set -uo pipefail
+source scripts/gpu/step.sh
+part=${1:?part}
+shift
+res=/tmp/res/$part
+mkdir -p "$res"
+case $part in
+  tests)
+    step tests 420 python -m pytest -q -m gpu tests/test_gpu.py tests/kernels -p no:cacheprovider ;;
+  kernels)
+    step check 300 python -m linearize.kernels.check --no-check
+    step sweep 240 python -m linearize.kernels.check --no-check --no-bench --sweep --lengths 2048 ;;
+  train)
+    step train 200 python -m linearize.cli bench train --model smollm2 --out "$res/train"
+    step train_split 200 env LINEARIZE_KERNEL_SPLIT=1 python -m linearize.cli bench train --model smollm2 \
+      --out "$res/train-split" ;;
+  fsdp)
+    step fsdp 540 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --out "$res/fsdp" ;;
+  model)
+    step model_smollm2 270 python -m linearize.cli bench model --time-limit 240 --out "$res/model-smollm2"
+    step model_8b 300 python -m linearize.cli bench model --shape llama3-8b --time-limit 270 \
+      --out "$res/model-llama3-8b" ;;
+  rows)
+    recipes=()
+    for name in "$@"; do recipes+=("recipes/$name.json"); done
+    step rows 570 python -m linearize.cli recipe run "${recipes[@]}" --out /tmp/runs
+    cp -r /tmp/runs "$res/" ;;
+  teacher)
+    step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
+  *)
+    echo "unknown part $part" >&2
+    exit 2 ;;
+esac
+tar czf "$OUT/$part.tgz" --exclude=model -C /tmp/res "$part"
