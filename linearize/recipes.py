@@ -101,7 +101,9 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     tokenizer = load_tokenizer(subject)
-    results = evaluate(load_model(subject, device=device), tokenizer, **recipe.eval, model_spec=subject,
+    # bf16 on a GPU, as scripts/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
+    model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None)
+    results = evaluate(model, tokenizer, **recipe.eval, model_spec=subject,
                        on_progress=lambda partial: write_json(partial, eval_path))
     write_report(results, eval_path)
     record["eval_wall_s"] = time.perf_counter() - started
