@@ -2,7 +2,8 @@
 
 `lizard_attention` runs the fused Lizard kernel when it can (triton importable, CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1; supported shapes and dtypes) and the chunked PyTorch op otherwise,
-with the same results. Design and limits: docs/kernels.md.
+with the same results. `lizard_attention_continued` continues a carried state around the kernel
+(prefill only, no gradients). Design and limits: docs/kernels.md.
 """
 
 from __future__ import annotations
