@@ -51,3 +51,36 @@ def check(device: str, dtype=torch.float32, length: int = 37) -> dict:
     return {"fused_calls": len(calls), "logits": _rel(fused[0], plain[0]),
             "grads": max(_rel(a, b) for a, b in zip(fused[1], plain[1])),
             "cached": _rel(fused[2], plain[2])}
+
+
+def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 5) -> dict:
+    """A left-padded batch (row 1 starts with `pad` padding tokens), uncached and cached, at the real tokens."""
+    model = tiny_teacher()
+    linearize.convert(model, "lizard", window=8, num_sinks=2)
+    perturb_new_parameters(model)
+    model.to(device=device, dtype=dtype)
+    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+
+    def run(kernels: bool):
+        os.environ["LINEARIZE_KERNELS"] = "1" if kernels else "0"
+        with torch.no_grad():
+            full = model(ids, attention_mask=mask, use_cache=False).logits
+            cache = DynamicCache(config=model.config)
+            first = model(ids[:, :-3], attention_mask=mask[:, :-3], past_key_values=cache).logits
+            steps = [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits
+                     for t in range(length - 3, length)]
+        return full, torch.cat([first, *steps], 1)
+
+    calls = []
+    fused_path = LizardAttention._fused
+    LizardAttention._fused = lambda self, *args: calls.append(1) or fused_path(self, *args)
+    try:
+        fused = run(kernels=True)
+    finally:
+        LizardAttention._fused = fused_path
+    plain = run(kernels=False)
+    real = mask.bool()
+    return {"fused_calls": len(calls), "logits": _rel(fused[0][real], plain[0][real]),
+            "cached": _rel(fused[1][real], plain[1][real])}

@@ -31,15 +31,19 @@ def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, *,
     }
 
 
-def state_after(fk, log_g, kw, v, window):
-    """The state after L valid tokens from an empty one, for paths that compute only the outputs."""
+def state_after(fk, log_g, kw, v, window, valid=None):
+    """The state after L tokens from an empty one (`valid` [B, L], default all), for paths that
+    compute only the outputs."""
     n_rep = fk.shape[1] // kw.shape[1]
+    B, H_kv, L, d = kw.shape
+    if valid is None:
+        valid = torch.ones(B, L, dtype=torch.bool, device=fk.device)
+    keep = valid[:, None, :, None].to(fk.dtype)
+    fk, log_g = fk * keep, log_g * keep
     # Decay from each token to the end as a reverse cumsum: exact at any length, unlike A_L - A_j.
     to_end = (log_g.flip(2).cumsum(2).flip(2) - log_g).exp()
     k_to_end = fk * to_end
-    B, H_kv, L, d = kw.shape
     empty = init_state(B, fk.shape[1], H_kv, fk.shape[-1], d, window, device=fk.device, dtype=v.dtype)
-    valid = torch.ones(B, L, dtype=torch.bool, device=fk.device)
     return {"S": k_to_end.transpose(-1, -2) @ repeat_kv(v, n_rep), "z": k_to_end.sum(2),
             **carried_window(*extend_window(empty, kw, v, valid), window)}
 

@@ -92,13 +92,15 @@ def test_window_sees_exactly_the_last_w_tokens():
 
 @pytest.mark.parametrize("L", [1, 3, 40])
 @pytest.mark.parametrize("gate_dim", [1, F])
-def test_state_after_equals_the_state_of_the_parallel_form(L, gate_dim):
-    tensors, _ = inputs(L, gate_dim)
-    valid = torch.ones(B, L, dtype=torch.bool)
+@pytest.mark.parametrize("padded", [False, True])
+def test_state_after_equals_the_state_of_the_parallel_form(L, gate_dim, padded):
+    tensors, valid = inputs(L, gate_dim, pad=min(3, L))
+    if not padded:
+        valid = torch.ones(B, L, dtype=torch.bool)
     window = 5
     _, expected = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **options(window, None))
     _, fk, log_g, _, kw, v = tensors
-    state = gla_window.state_after(fk, log_g, kw, v, window)
+    state = gla_window.state_after(fk, log_g, kw, v, window, valid if padded else None)
     assert state.keys() == expected.keys()
     for name in state:
         torch.testing.assert_close(state[name], expected[name], atol=1e-12, rtol=1e-10)
