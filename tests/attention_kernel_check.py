@@ -1,25 +1,49 @@
-"""Lizard attention inside a model, fused kernel path vs the PyTorch ops: logits, gradients, decoding.
+"""Lizard and Liger inside a model, fused kernel path vs the PyTorch ops: logits, gradients, decoding.
 
-`check(device, dtype)` returns how often the fused path ran and the worst relative errors; tests call it on CUDA directly and on CPU in a
-subprocess with TRITON_INTERPRET=1 (so the interpreter never leaks into the test process).
+`check(device, ...)` and `check_padded(device, ...)` return how often a kernel path ran and the worst
+relative errors; tests call them on CUDA directly and on CPU in a subprocess with TRITON_INTERPRET=1
+(so the interpreter never leaks into the test process).
 """
 
 import os
+from contextlib import contextmanager
 
 import torch
 from tiny_models import perturb_new_parameters, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
-from linearize.attention.lizard import LizardAttention
+from linearize import kernels
+from linearize.attention import fused
+
+OPTIONS = {"lizard": {"window": 8, "num_sinks": 2}, "liger": {"window": 8}}
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _run(model, ids, kernels: bool):
-    os.environ["LINEARIZE_KERNELS"] = "1" if kernels else "0"
+def _student(method, device, dtype):
+    model = tiny_teacher()
+    linearize.convert(model, method, **OPTIONS[method])
+    perturb_new_parameters(model)
+    return model.to(device=device, dtype=dtype)
+
+
+@contextmanager
+def counting_kernel_calls(calls: list):
+    """Count the passes that take a kernel path (a first pass, or a continued prefill)."""
+    first_pass, continued = fused.first_pass, kernels.lizard_attention_continued
+    fused.first_pass = lambda *a, **k: calls.append(1) or first_pass(*a, **k)
+    kernels.lizard_attention_continued = lambda *a, **k: calls.append(1) or continued(*a, **k)
+    try:
+        yield
+    finally:
+        fused.first_pass, kernels.lizard_attention_continued = first_pass, continued
+
+
+def _run(model, ids, kernels_on: bool):
+    os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
     model.zero_grad()
     logits = model(ids, use_cache=False).logits
     logits.float().square().mean().backward()
@@ -33,38 +57,27 @@ def _run(model, ids, kernels: bool):
     return logits.detach(), grads, torch.cat([first, second, *steps], 1)
 
 
-def check(device: str, dtype=torch.float32, length: int = 37) -> dict:
-    model = tiny_teacher()
-    linearize.convert(model, "lizard", window=8, num_sinks=2)
-    perturb_new_parameters(model)
-    model.to(device=device, dtype=dtype)
+def check(device: str, dtype=torch.float32, length: int = 37, method: str = "lizard") -> dict:
+    model = _student(method, device, dtype)
     ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
     calls = []
-    fused_path = LizardAttention._fused
-    LizardAttention._fused = lambda self, *args: calls.append(1) or fused_path(self, *args)
-    try:
-        fused = _run(model, ids, kernels=True)
-    finally:
-        LizardAttention._fused = fused_path
-    plain = _run(model, ids, kernels=False)
-    assert len(fused[1]) == len(plain[1])
-    return {"fused_calls": len(calls), "logits": _rel(fused[0], plain[0]),
-            "grads": max(_rel(a, b) for a, b in zip(fused[1], plain[1])),
-            "cached": _rel(fused[2], plain[2])}
+    with counting_kernel_calls(calls):
+        on = _run(model, ids, kernels_on=True)
+    off = _run(model, ids, kernels_on=False)
+    assert len(on[1]) == len(off[1])
+    return {"kernel_calls": len(calls), "logits": _rel(on[0], off[0]),
+            "grads": max(_rel(a, b) for a, b in zip(on[1], off[1])), "cached": _rel(on[2], off[2])}
 
 
-def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 5) -> dict:
+def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 5, method: str = "lizard") -> dict:
     """A left-padded batch (row 1 starts with `pad` padding tokens), uncached and cached, at the real tokens."""
-    model = tiny_teacher()
-    linearize.convert(model, "lizard", window=8, num_sinks=2)
-    perturb_new_parameters(model)
-    model.to(device=device, dtype=dtype)
+    model = _student(method, device, dtype)
     ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :pad] = 0
 
-    def run(kernels: bool):
-        os.environ["LINEARIZE_KERNELS"] = "1" if kernels else "0"
+    def run(kernels_on: bool):
+        os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
         with torch.no_grad():
             full = model(ids, attention_mask=mask, use_cache=False).logits
             cache = DynamicCache(config=model.config)
@@ -74,13 +87,9 @@ def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 
         return full, torch.cat([first, *steps], 1)
 
     calls = []
-    fused_path = LizardAttention._fused
-    LizardAttention._fused = lambda self, *args: calls.append(1) or fused_path(self, *args)
-    try:
-        fused = run(kernels=True)
-    finally:
-        LizardAttention._fused = fused_path
-    plain = run(kernels=False)
+    with counting_kernel_calls(calls):
+        on = run(kernels_on=True)
+    off = run(kernels_on=False)
     real = mask.bool()
-    return {"fused_calls": len(calls), "logits": _rel(fused[0][real], plain[0][real]),
-            "cached": _rel(fused[1][real], plain[1][real])}
+    return {"kernel_calls": len(calls), "logits": _rel(on[0][real], off[0][real]),
+            "cached": _rel(on[1][real], off[1][real])}

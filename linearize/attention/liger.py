@@ -13,6 +13,7 @@ from ..feature_maps import SoftmaxFeatureMap
 from ..ops import gla_window
 from ..ops.common import repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
+from . import fused
 from .base import LinearizedAttention, rotate
 
 
@@ -29,8 +30,15 @@ class LigerAttention(LinearizedAttention):
         fq, fk = self.feature_map(q), self.feature_map(repeat_kv(k, n_rep))
         qw, kw = rotate(q, k, position_embeddings)
         mix = torch.full((self.num_heads,), cfg.mix, device=q.device)
+        if start == 0 and fused.kernel_applies(fq, fk, log_g, qw, kw, v, window=cfg.window, sinks=None, valid=valid,
+                                               start=start, can_continue=False):
+            # The kernel's linear part is unnormalised here; its weight 1 - mix goes into the queries.
+            dt = self.projection_dtype
+            operands = ((fq * (1.0 - cfg.mix)).to(dt), fk.to(dt), log_g, qw.to(dt), kw.to(dt), v.to(dt))
+            return fused.first_pass(operands, valid, caching=self.caching, state_inputs=(fk, log_g, kw, v),
+                                    window=cfg.window, scale=self.scaling, sinks=None, alpha=mix, normalize=False)
         options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix, "beta": 1.0 - cfg.mix,
-                       "normalize": False, "shared": False}
+                   "normalize": False, "shared": False}
         if state is None:
             state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim,
                                           cfg.window, device=q.device)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -13,12 +11,8 @@ from ..feature_maps import HedgehogFeatureMap
 from ..ops import gla_window
 from ..ops.common import repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
+from . import fused
 from .base import LinearizedAttention, rotate
-
-
-def kernels_enabled() -> bool:
-    """LINEARIZE_KERNELS=0 keeps the PyTorch ops everywhere (for A/B timings and debugging)."""
-    return os.environ.get("LINEARIZE_KERNELS", "1") != "0"
 
 
 class LizardAttention(LinearizedAttention):
@@ -50,7 +44,8 @@ class LizardAttention(LinearizedAttention):
         qw, kw = rotate(q, k, position_embeddings) if cfg.rope_in_window else (q, k)
         log_g = self.log_gate(x)
         sinks = self.sinks.float() if cfg.num_sinks else None
-        if self._fused_kernel_applies(fq, fk, log_g, qw, kw, v, sinks, valid, start):
+        if cfg.combine == "alpha" and fused.kernel_applies(fq, fk, log_g, qw, kw, v, window=cfg.window, sinks=sinks,
+                                                           valid=valid, start=start, can_continue=True):
             return self._fused(fq, fk, log_g, qw, kw, v, sinks, valid, state if start else None)
         options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
                    "beta": 1.0, "normalize": True, "shared": cfg.combine == "shared", "eps": cfg.eps}
@@ -61,20 +56,6 @@ class LizardAttention(LinearizedAttention):
             return gla_window.gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, **options)
         return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)
 
-    def _fused_kernel_applies(self, fq, fk, log_g, qw, kw, v, sinks, valid, start) -> bool:
-        """The Triton kernel covers multi-token passes with the alpha mix: from an empty state (training,
-        a first prefill; each row's tokens one contiguous run, so left or right padding), or continuing
-        a carried state over unpadded tokens when no gradient is needed."""
-        if not (kernels_enabled() and self.cfg.combine == "alpha" and fq.shape[2] > 1):
-            return False
-        if start > 0 and torch.is_grad_enabled():
-            return False
-        if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=self.cfg.window, sinks=sinks) is not None:
-            return False
-        if start > 0:
-            return bool(valid.all())
-        return contiguous(valid)
-
     def _fused(self, fq, fk, log_g, qw, kw, v, sinks, valid, carried):
         # bf16 operands under autocast (the projections' dtype), float32 state inside the kernel.
         dt = self.projection_dtype
@@ -84,26 +65,4 @@ class LizardAttention(LinearizedAttention):
         if carried is not None:
             y, new_state = kernels.lizard_attention_continued(*operands, carried, **options)
             return y.float(), new_state
-        # Leading padding is rotated to the end of its row: every real token then sees only real tokens
-        # before it (padding after them never reaches them), and the outputs are rotated back.
-        lead = (~valid).int().argmin(1) * valid.any(1)  # leading padding per row
-        if bool(lead.any()):
-            shift = torch.remainder(torch.arange(fq.shape[2], device=fq.device) + lead[:, None], fq.shape[2])
-            y = kernels.lizard_attention(*(rotate_rows(t, shift) for t in operands), **options)
-            y = rotate_rows(y, torch.argsort(shift, dim=1))
-        else:
-            y = kernels.lizard_attention(*operands, **options)
-        if not self.caching:
-            return y.float(), None
-        return y.float(), gla_window.state_after(fk, log_g, kw, v, self.cfg.window, valid)
-
-
-def contiguous(valid: torch.Tensor) -> bool:
-    """Whether each row's valid tokens form one run (left padding, right padding or none)."""
-    starts = valid[:, :1].int() + (valid[:, 1:] & ~valid[:, :-1]).sum(1, keepdim=True)
-    return bool((starts <= 1).all())
-
-
-def rotate_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, H, L, ...] with each row's positions taken in the order `index` [B, L] gives."""
-    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+        return fused.first_pass(operands, valid, caching=self.caching, state_inputs=(fk, log_g, kw, v), **options)

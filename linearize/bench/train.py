@@ -94,9 +94,9 @@ def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: b
 def attention_path(method: str, device: torch.device) -> str:
     """Which attention code the student runs here, for the record (the kernels' switches are env vars)."""
     from .. import kernels
-    from ..attention.lizard import kernels_enabled
+    from ..attention.fused import kernels_enabled
 
-    if method != "lizard" or device.type != "cuda" or not kernels_enabled() or not kernels.available():
+    if method not in ("lizard", "liger") or device.type != "cuda" or not kernels_enabled() or not kernels.available():
         return "PyTorch ops"
     from ..kernels.lizard_triton import Config
 

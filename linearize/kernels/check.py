@@ -36,6 +36,7 @@ class Case:
     D: int = 64
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
     split: bool = False  # the kernel's chunk-parallel passes (lizard_triton.Config.split)
+    normalize: bool = True  # False: Liger's unnormalised linear part
 
 
 def make_inputs(case: Case, device, seed=0):
@@ -59,7 +60,8 @@ def _run(case, tensors, dy, dtype):
     """Output and gradients, through the kernel (dtype None) or the reference op in `dtype`."""
     leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
-    opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha}
+    opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
+            "normalize": case.normalize}
     if dtype is None and case.split:
         from .lizard_triton import Config, lizard_attention_triton
 
@@ -109,6 +111,7 @@ CHECK_CASES = [
     Case(L=517, dtype=torch.float16, window=32, sinks=0),
     Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128, split=True),
     Case(L=600, window=256, sinks=8, F=128, D=128, gate="vector", split=True),
+    Case(L=1000, dtype=torch.bfloat16, window=64, sinks=0, F=64, D=64, normalize=False),
 ]
 
 
@@ -118,7 +121,8 @@ def run_checks(device):
         out = compare(case, device)
         worst = max(out["errors"], key=lambda n: out["errors"][n][0])
         label = (f"L={case.L} {case.gate} {str(case.dtype)[6:]} w={case.window} M={case.sinks} "
-                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}" + (" split" if case.split else ""))
+                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}" + (" split" if case.split else "")
+                 + ("" if case.normalize else " unnormalised"))
         path = "kernel" if out["path"] == "kernel" else "fallback"
         print(f"{label:<58} {path:<8} {worst:<6} {out['errors'][worst][0]:>11.2e}  "
               f"{within_tolerance(case, out['errors'])}")

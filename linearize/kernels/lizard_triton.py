@@ -219,7 +219,7 @@ def _advance_state(S, z, k, v, A, a_end, VEC: tl.constexpr, DT: tl.constexpr):
 @triton.jit
 def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
                    D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
-                   DT: tl.constexpr):
+                   NORM: tl.constexpr, DT: tl.constexpr):
     """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
     window part with its softmax max and sum."""
     pos = n * BT + t
@@ -230,8 +230,12 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
         P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
     q_dec = q * _q_decay(A, VEC)
     num = _dot_acc(P, v, _dot(q_dec, S, DT), DT)
-    den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps  # the "ones column" of V
-    y_gla = num / den[:, None]
+    if NORM:
+        den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps  # the "ones column" of V
+        y_gla = num / den[:, None]
+    else:  # unnormalised (Liger): a denominator of 1 keeps the backward's formulas
+        den = tl.zeros([BT], tl.float32) + 1.0
+        y_gla = num
 
     # Anchor window: online softmax over the key chunks that overlap (pos - w, pos].
     qw = _load_tile(QW, pos, L, D, D)
@@ -279,7 +283,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                DT: tl.constexpr):
+                NORM: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
     that block of the state; split, each program takes one chunk and its starting state from HS, HZ
     (`_fwd_states_kernel`). The scores are recomputed by each column block."""
@@ -313,7 +317,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         y_gla, y_win, den, m_i, l_i = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps,
-                                                     m0, l0, D, BV, BT, NWB, VEC, DT)
+                                                     m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
         _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win, alpha, den,
                        m_i, l_i, iv == 0, D, BV, SAVE)
         if not SPLIT:
@@ -393,7 +397,7 @@ def _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC: tl.constexpr, DT
 @triton.jit
 def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, F/BK[, NT]), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
     its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from the
     first block, d den per token (DDEN)."""
@@ -436,7 +440,10 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H,
         dy = _load_tile(DY, pos, L, D, D)
         den = tl.load(DEN + pos, mask=inside, other=1.0)
         d_num = dy / den[:, None]
-        d_den = -tl.sum(dy.to(tl.float32) * _load_tile(Y_GLA, pos, L, D, D).to(tl.float32), 1) / den
+        if NORM:
+            d_den = -tl.sum(dy.to(tl.float32) * _load_tile(Y_GLA, pos, L, D, D).to(tl.float32), 1) / den
+        else:
+            d_den = tl.zeros([BT], tl.float32)
         if ik == 0:
             tl.store(DDEN + pos, d_den, mask=inside)
 
@@ -675,7 +682,7 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
     return None
 
 
-def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save):
+def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save):
     """Launch the forward; returns the inputs made contiguous, the output and what the backward needs."""
     fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
     sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
@@ -704,18 +711,19 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, sa
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse,
         L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, **shapes)
+        SPLIT=cfg.split, NORM=normalize, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     return inputs, y, (y_gla, y_win, den, lse), ((hs, hz) if cfg.split else ())
 
 
 class LizardAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save):
-        inputs, y, parts, states = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, cfg, save)
+    def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save):
+        inputs, y, parts, states = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize,
+                                            cfg, save)
         if save:
             ctx.save_for_backward(*inputs, *parts, *states)
-            ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
+            ctx.window, ctx.scale, ctx.normalize, ctx.cfg = window, scale, normalize, cfg
         return y
 
     @staticmethod
@@ -756,7 +764,7 @@ class LizardAttentionFunction(torch.autograd.Function):
 
         hs, hz = states if cfg.split else (den, den)  # unread unless split
         _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy, hs, hz, dfq, da_q, d_den,
-                                                      L, H, HKV, NT, F=F, D=D, BK=BK, **split)
+                                                      L, H, HKV, NT, F=F, D=D, BK=BK, NORM=ctx.normalize, **split)
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=fq.dtype)
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
@@ -781,15 +789,16 @@ class LizardAttentionFunction(torch.autograd.Function):
             dv = dv.view(B, HKV, group, L, D).sum(2).to(v.dtype)
         dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
         dalpha = d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
-        return dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha, None, None, None, None, None
+        return dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha, None, None, None, None, None, None
 
 
-def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, config=None):
+def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
+                            config=None):
     """The kernel path of `linearize.kernels.lizard_attention` (inputs already checked by `supports`)."""
     tensors = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     # Keep what the backward needs only when there will be one (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    return LizardAttentionFunction.apply(*tensors, int(window), float(scale), float(eps),
+    return LizardAttentionFunction.apply(*tensors, int(window), float(scale), float(eps), bool(normalize),
                                          config or Config.default(fq.dtype), save)
 
 
@@ -797,6 +806,6 @@ def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, a
 def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, config=None):
     """The forward's branches before they are mixed: y_gla, y_win (inputs' dtype), the linear part's
     denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L]."""
-    _, _, parts, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps),
+    _, _, parts, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps), True,
                               config or Config.default(fq.dtype), True)
     return parts

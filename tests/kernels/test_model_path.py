@@ -12,9 +12,12 @@ from attention_kernel_check import check, check_padded
 from test_lizard_triton import HAS_TRITON
 
 TESTS = Path(__file__).resolve().parents[1]
-
+# Kernel passes with 2 layers: the uncached forward and the first prefill, plus (Lizard only) the
+# continued prefill; single-token steps never take it.
+CALLS = {"lizard": 6, "liger": 4}
 _SCRIPT = ("import json, attention_kernel_check as c; "
-           "print(json.dumps({'plain': c.check('cpu'), 'padded': c.check_padded('cpu')}))")
+           "print(json.dumps({m: {'plain': c.check('cpu', method=m), 'padded': c.check_padded('cpu', method=m)} "
+           "for m in ('lizard', 'liger')}))")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -23,23 +26,21 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    errors, padded = results["plain"], results["padded"]
-    # Two layers: the uncached forward and both cached prefills take the kernel, the decode steps don't.
-    assert errors.pop("fused_calls") == 6
-    assert max(errors.values()) < 1e-4, errors
-    # Left padding: the uncached forward and the first prefill take the kernel.
-    assert padded.pop("fused_calls") == 4
-    assert max(padded.values()) < 1e-4, padded
+    for method, results in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        plain, padded = results["plain"], results["padded"]
+        assert plain.pop("kernel_calls") == CALLS[method], method
+        assert padded.pop("kernel_calls") == 4, method  # uncached forward and first prefill
+        assert max(plain.values()) < 1e-4 and max(padded.values()) < 1e-4, (method, plain, padded)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("method", ["lizard", "liger"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_through_the_kernel_on_cuda_equals_the_pytorch_ops(dtype):
-    errors = check("cuda", dtype, length=300)
-    assert errors.pop("fused_calls") == 6
-    padded = check_padded("cuda", dtype, length=300, pad=37)
-    assert padded.pop("fused_calls") == 4
+def test_model_through_the_kernel_on_cuda_equals_the_pytorch_ops(method, dtype):
+    errors = check("cuda", dtype, length=300, method=method)
+    assert errors.pop("kernel_calls") == CALLS[method]
+    padded = check_padded("cuda", dtype, length=300, pad=37, method=method)
+    assert padded.pop("kernel_calls") == 4
     errors |= {f"padded {name}": value for name, value in padded.items()}
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
