@@ -41,6 +41,14 @@ class StaticDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_error: str | None = None  # why capture failed, when it did
+
+    @property
+    def path(self) -> str:
+        """How the steps run, for the record."""
+        if self.graphed:
+            return "cuda graph"
+        return f"eager (graph capture failed: {self.graph_error})" if self.graph_error else "eager"
 
     @property
     def seen(self) -> int:
@@ -57,10 +65,13 @@ class StaticDecoder:
         """Feed one token per row ([B, 1]); returns the logits [B, 1, vocab] (a buffer reused by the next step)."""
         self.tokens.copy_(tokens)
         self.position.fill_(self.seen)
+        if self.graph is None and self.graphed:
+            try:
+                self._capture()
+            except RuntimeError as e:  # something in the step cannot be captured: step eagerly instead
+                self.graphed, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
         if not self.graphed:
             return self._forward()
-        if self.graph is None:
-            self._capture()
         self.graph.replay()
         for layer in self.layers:  # the replay skipped the Python side of `store`
             layer.seen += 1
@@ -76,16 +87,19 @@ class StaticDecoder:
                     t.copy_(state[name])
                 layer.seen = seen
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        restore()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
-        restore()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            restore()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._forward()
+            self.graph = graph
+        finally:
+            restore()
 
 
 @torch.no_grad()

@@ -59,3 +59,24 @@ def test_refuses_what_it_cannot_decode():
         greedy_decode(student("lizard"), torch.randint(3, 128, (1, 5)), 2, cuda_graph=True)
     with pytest.raises(ValueError, match="max_new_tokens"):
         greedy_decode(student("lizard"), torch.randint(3, 128, (1, 5)), 0)
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch):
+    from transformers import DynamicCache
+
+    model = student("lizard")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+    decoder = StaticDecoder(model, cache, batch=1, cuda_graph=False)
+    decoder.graphed = True  # as on a GPU, where capturing then fails
+
+    def fail():
+        raise RuntimeError("operation not permitted when stream is capturing\ndetails")
+
+    monkeypatch.setattr(decoder, "_capture", fail)
+    logits = decoder.step(token)
+    assert decoder.path == "eager (graph capture failed: RuntimeError: operation not permitted when stream is capturing)"
+    expected = model(torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)

@@ -110,24 +110,22 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
              "prefill_calls": -(-context // chunk), "prefill_peak_bytes": peak_bytes(device),
              "cache_bytes": cache_nbytes(last["cache"])}
 
+    decoder = None
     if getattr(model.config, "linearize", None):
         # A linear model decodes on its fixed-shape cache: a CUDA graph per step where the method allows.
         decoder = StaticDecoder(model, last["cache"], batch=batch)
 
         def step():
             last["token"] = decoder.step(last["token"])[:, -1:].argmax(-1)
-
-        path = "cuda graph" if decoder.graphed else "eager"
     else:
         def step():
             out = model(input_ids=last["token"], past_key_values=last["cache"], use_cache=True, logits_to_keep=1)
             last["token"] = out.logits[:, -1:].argmax(-1)
 
-        path = "eager"
     reset_peak(device)
     step_ms = time_ms(step, device, warmup=settings["decode_warmup"], iters=settings["decode_steps"])
     return dict(point, decode_ms=step_ms, decode_tokens_per_s=batch * 1e3 / step_ms,
-                decode_peak_bytes=peak_bytes(device), decode_path=path)
+                decode_peak_bytes=peak_bytes(device), decode_path="eager" if decoder is None else decoder.path)
 
 
 def sweep(model, variant: str, name: str, points: list[tuple[int, int]], settings: dict, device, deadline: float,
