@@ -1,4 +1,4 @@
-"""When and how Lizard-family attention (Lizard, Liger) runs on the fused Triton kernel."""
+"""Lizard-family attention (Lizard, Liger) on the fused Triton kernel, where the kernel applies."""
 
 from __future__ import annotations
 
@@ -15,40 +15,49 @@ def kernels_enabled() -> bool:
     return os.environ.get("LINEARIZE_KERNELS", "1") != "0"
 
 
-def kernel_applies(fq, fk, log_g, qw, kw, v, *, window, sinks, valid, start, can_continue) -> bool:
-    """A multi-token pass from an empty state whose rows are each one run of tokens (left or right
-    padding), or, with `can_continue` and no gradient needed, an unpadded pass continuing a state."""
+def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_continue, query_scale=1.0,
+        **options):
+    """(y float32, new state or None) through the kernel, or None where it does not apply.
+
+    It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
+    or right padding), and, with `can_continue` and no gradient needed, to unpadded passes continuing
+    `state` (`kernels.lizard_attention_continued`). Operands go in `dtype` (the projections' dtype:
+    bf16 under autocast); `query_scale` multiplies fq there only. `options` are
+    `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize).
+    """
     if not (kernels_enabled() and fq.shape[2] > 1):
-        return False
-    if start > 0 and not (can_continue and not torch.is_grad_enabled()):
-        return False
-    if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks) is not None:
-        return False
-    return bool(valid.all()) if start > 0 else contiguous(valid)
-
-
-def first_pass(operands, valid, *, caching: bool, state_inputs, **options):
-    """`kernels.lizard_attention` over a pass from an empty state, padding handled: (y float32, new state
-    or None). `state_inputs` = (fk, log_g, kw, v) in float32, for the state a cache keeps."""
+        return None
+    if start > 0 and (not can_continue or torch.is_grad_enabled()):
+        return None
+    if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"]):
+        return None
+    one_run, all_valid, lead = row_layout(valid)
+    if not (all_valid if start > 0 else one_run):
+        return None
+    operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype), kw.to(dtype), v.to(dtype))
+    if start > 0:
+        y, new_state = kernels.lizard_attention_continued(*operands, state, **options)
+        return y.float(), new_state
     # Leading padding is rotated to the end of its row: every real token then sees only real tokens
     # before it (padding after them never reaches them), and the outputs are rotated back.
-    lead = (~valid).int().argmin(1) * valid.any(1)
-    if bool(lead.any()):
+    if lead is None:
+        y = kernels.lizard_attention(*operands, **options)
+    else:
         L = valid.shape[1]
         shift = torch.remainder(torch.arange(L, device=valid.device) + lead[:, None], L)
         y = kernels.lizard_attention(*(rotate_rows(t, shift) for t in operands), **options)
         y = rotate_rows(y, torch.argsort(shift, dim=1))
-    else:
-        y = kernels.lizard_attention(*operands, **options)
-    if not caching:
-        return y.float(), None
-    return y.float(), gla_window.state_after(*state_inputs, options["window"], valid)
+    new_state = gla_window.state_after(fk, log_g, kw, v, options["window"], valid) if caching else None
+    return y.float(), new_state
 
 
-def contiguous(valid: torch.Tensor) -> bool:
-    """Whether each row's valid tokens form one run (left padding, right padding or none)."""
-    starts = valid[:, :1].int() + (valid[:, 1:] & ~valid[:, :-1]).sum(1, keepdim=True)
-    return bool((starts <= 1).all())
+def row_layout(valid: torch.Tensor) -> tuple[bool, bool, torch.Tensor | None]:
+    """(each row's valid tokens form one run, all tokens valid, each row's leading padding or None
+    when no row has any), read back from the device in one transfer."""
+    runs = valid[:, :1].int() + (valid[:, 1:] & ~valid[:, :-1]).sum(1, keepdim=True)
+    lead = (~valid).int().argmin(1) * valid.any(1)
+    one_run, all_valid, padded = torch.stack([(runs <= 1).all(), valid.all(), lead.any()]).tolist()
+    return one_run, all_valid, lead if padded else None
 
 
 def rotate_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,8 @@ from torch import nn
 
 from ..config import LigerConfig
 from ..feature_maps import SoftmaxFeatureMap
-from ..ops import gla_window
 from ..ops.common import repeat_kv
-from ..ops.gla_window_chunked import gla_window_chunked
+from ..ops.gla_window_chunked import gla_window_call
 from . import fused
 from .base import LinearizedAttention, rotate
 
@@ -30,18 +29,12 @@ class LigerAttention(LinearizedAttention):
         fq, fk = self.feature_map(q), self.feature_map(repeat_kv(k, n_rep))
         qw, kw = rotate(q, k, position_embeddings)
         mix = torch.full((self.num_heads,), cfg.mix, device=q.device)
-        if start == 0 and fused.kernel_applies(fq, fk, log_g, qw, kw, v, window=cfg.window, sinks=None, valid=valid,
-                                               start=start, can_continue=False):
-            # The kernel's linear part is unnormalised here; its weight 1 - mix goes into the queries.
-            dt = self.projection_dtype
-            operands = ((fq * (1.0 - cfg.mix)).to(dt), fk.to(dt), log_g, qw.to(dt), kw.to(dt), v.to(dt))
-            return fused.first_pass(operands, valid, caching=self.caching, state_inputs=(fk, log_g, kw, v),
-                                    window=cfg.window, scale=self.scaling, sinks=None, alpha=mix, normalize=False)
-        options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix, "beta": 1.0 - cfg.mix,
-                   "normalize": False, "shared": False}
-        if state is None:
-            state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim,
-                                          cfg.window, device=q.device)
-        elif q.shape[2] == 1:
-            return gla_window.gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, **options)
-        return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)
+        options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix}
+        # The kernel's linear part is unnormalised here; its weight 1 - mix goes into the queries.
+        out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
+                        dtype=self.projection_dtype, can_continue=False, query_scale=1.0 - cfg.mix, normalize=False,
+                        **options)
+        if out is not None:
+            return out
+        return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0 - cfg.mix,
+                               normalize=False, shared=False, **options)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import kernels
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
-from ..ops import gla_window
 from ..ops.common import repeat_kv
-from ..ops.gla_window_chunked import gla_window_chunked
+from ..ops.gla_window_chunked import gla_window_call
 from . import fused
 from .base import LinearizedAttention, rotate
 
@@ -44,25 +42,12 @@ class LizardAttention(LinearizedAttention):
         qw, kw = rotate(q, k, position_embeddings) if cfg.rope_in_window else (q, k)
         log_g = self.log_gate(x)
         sinks = self.sinks.float() if cfg.num_sinks else None
-        if cfg.combine == "alpha" and fused.kernel_applies(fq, fk, log_g, qw, kw, v, window=cfg.window, sinks=sinks,
-                                                           valid=valid, start=start, can_continue=True):
-            return self._fused(fq, fk, log_g, qw, kw, v, sinks, valid, state if start else None)
         options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
-                   "beta": 1.0, "normalize": True, "shared": cfg.combine == "shared", "eps": cfg.eps}
-        if state is None:
-            state = gla_window.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
-                                          cfg.window, device=q.device)
-        elif q.shape[2] == 1:
-            return gla_window.gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, **options)
-        return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=cfg.chunk_size)
-
-    def _fused(self, fq, fk, log_g, qw, kw, v, sinks, valid, carried):
-        # bf16 operands under autocast (the projections' dtype), float32 state inside the kernel.
-        dt = self.projection_dtype
-        operands = (fq.to(dt), fk.to(dt), log_g, qw.to(dt), kw.to(dt), v.to(dt))
-        options = {"window": self.cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
-                   "eps": self.cfg.eps}
-        if carried is not None:
-            y, new_state = kernels.lizard_attention_continued(*operands, carried, **options)
-            return y.float(), new_state
-        return fused.first_pass(operands, valid, caching=self.caching, state_inputs=(fk, log_g, kw, v), **options)
+                   "eps": cfg.eps}
+        if cfg.combine == "alpha":
+            out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
+                            dtype=self.projection_dtype, can_continue=True, **options)
+            if out is not None:
+                return out
+        return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0, normalize=True,
+                               shared=cfg.combine == "shared", **options)
