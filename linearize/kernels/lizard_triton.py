@@ -310,8 +310,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     for n in range(first, last):
         pos = n * BT + t
         if SPLIT:
-            S = _load_tile(HS + n * F * D, rows, F, D, BV).to(tl.float32)
-            z = tl.load(HZ + n * F + rows)
+            S, z = _load_chunk_state(HS, HZ, n, rows, F, D, BV)
         q = _load_tile(FQ, pos, L, F, F)
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
@@ -331,6 +330,21 @@ def _store_chunk_state(HS, HZ, n, S, z, write_z, F: tl.constexpr, D: tl.constexp
     _store_tile(HS + n * F * D, rows, F, S, D, BV)
     if write_z:
         tl.store(HZ + n * F + rows, z)
+
+
+@triton.jit
+def _load_chunk_state(HS, HZ, n, rows, F: tl.constexpr, D: tl.constexpr, BW: tl.constexpr):
+    """Chunk n's entry of a stored state: rows `rows` (columns 0..BW) of S, in float32, and of z."""
+    return _load_tile(HS + n * F * D, rows, F, D, BW).to(tl.float32), tl.load(HZ + n * F + rows)
+
+
+@triton.jit
+def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+    """A [chunk, BK] share of dA: per feature for a vector gate, summed over the block for a scalar one."""
+    if VEC:
+        _store_tile(DA, pos, L, share, F, BK)
+    else:
+        tl.store(DA + pos, tl.sum(share, 1), mask=pos < L)
 
 
 @triton.jit
@@ -395,6 +409,25 @@ def _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC: tl.constexpr, DT
 
 
 @triton.jit
+def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT,
+                     F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+    """The dq and dk kernels' pointers for head bh and state rows [ik*BK, (ik+1)*BK): fq, fk and the
+    gradient being written (DF) at those features, the gate, the dA share (per feature for a vector
+    gate, else [F/BK, B*H, L] partial sums over feature blocks), v, dy, the per-token statistics, and
+    the per-chunk state (or state gradient) rows HS, HZ of the split kernels."""
+    fo = ik * BK
+    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
+    if VEC:
+        LG += bh * L * F + fo
+        DA += bh * L * F + fo
+    else:
+        LG += bh * L
+        DA += (ik * tl.num_programs(0) + bh) * L
+    return (FQ + bh * L * F + fo, FK + bh * L * F + fo, DF + bh * L * F + fo, LG, DA, V + kv * L * D,
+            DY + bh * L * D, DEN + bh * L, DDEN + bh * L, HS + bh * NT * F * D + fo * D, HZ + bh * NT * F + fo)
+
+
+@triton.jit
 def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                    VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
@@ -403,24 +436,9 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H,
     first block, d den per token (DDEN)."""
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
-    fo = ik * BK
-    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
-    FQ += bh * L * F + fo
-    FK += bh * L * F + fo
-    DFQ += bh * L * F + fo
-    if VEC:
-        LG += bh * L * F + fo
-        DA_Q += bh * L * F + fo
-    else:
-        LG += bh * L
-        DA_Q += (ik * tl.num_programs(0) + bh) * L  # [F/BK, B*H, L] partial sums over features
-    V += kv * L * D
+    FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ = _state_rows_ptrs(
+        FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
     Y_GLA += bh * L * D
-    DY += bh * L * D
-    DEN += bh * L
-    DDEN += bh * L
-    HS += bh * NT * F * D + fo * D
-    HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
@@ -431,8 +449,7 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H,
         pos = n * BT + t
         inside = pos < L
         if SPLIT:
-            S = _load_tile(HS + n * F * D, rows, BK, D, D).to(tl.float32)
-            z = tl.load(HZ + n * F + rows)
+            S, z = _load_chunk_state(HS, HZ, n, rows, F, D, D)
         q = _load_tile(FQ, pos, L, F, BK)
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
@@ -460,10 +477,7 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H,
         dq += _q_decay(A, VEC) * (_dot(d_num, tl.trans(S), DT) + d_den[:, None] * z[None, :])
         _store_tile(DFQ, pos, L, dq, F, BK)
         # d A_t = fq_t . dfq_t - fk_t . dfk_t: phi and log g enter only as phi e^{+-A}.
-        if VEC:
-            _store_tile(DA_Q, pos, L, q * dq, F, BK)
-        else:
-            tl.store(DA_Q + pos, tl.sum(q * dq, 1), mask=inside)
+        _store_da_share(DA_Q, pos, L, q * dq, F, BK, VEC)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -477,23 +491,8 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV,
     features and their share of dA = -fk.dfk (DA_K)."""
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
-    fo = ik * BK
-    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
-    FQ += bh * L * F + fo
-    FK += bh * L * F + fo
-    DFK += bh * L * F + fo
-    if VEC:
-        LG += bh * L * F + fo
-        DA_K += bh * L * F + fo
-    else:
-        LG += bh * L
-        DA_K += (ik * tl.num_programs(0) + bh) * L
-    V += kv * L * D
-    DY += bh * L * D
-    DEN += bh * L
-    DDEN += bh * L
-    HDS += bh * NT * F * D + fo * D
-    HDZ += bh * NT * F + fo
+    FQ, FK, DFK, LG, DA_K, V, DY, DEN, DDEN, HDS, HDZ = _state_rows_ptrs(
+        FQ, FK, DFK, LG, DA_K, V, DY, DEN, DDEN, HDS, HDZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
@@ -505,8 +504,7 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV,
         pos = n * BT + t
         inside = pos < L
         if SPLIT:
-            dS = _load_tile(HDS + n * F * D, rows, BK, D, D).to(tl.float32)
-            dz = tl.load(HDZ + n * F + rows)
+            dS, dz = _load_chunk_state(HDS, HDZ, n, rows, F, D, D)
         q = _load_tile(FQ, pos, L, F, BK)
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
@@ -528,10 +526,7 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV,
         k_dec = _k_decay(A, a_end, VEC)
         dk += k_dec * (_dot(v, tl.trans(dS), DT) + dz[None, :])
         _store_tile(DFK, pos, L, dk, F, BK)
-        if VEC:
-            _store_tile(DA_K, pos, L, -(k * dk), F, BK)
-        else:
-            tl.store(DA_K + pos, -tl.sum(k * dk, 1), mask=inside)
+        _store_da_share(DA_K, pos, L, -(k * dk), F, BK, VEC)
         if not SPLIT:
             dS, dz = _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC, DT)
 
