@@ -156,18 +156,21 @@ class Run:
             with open(self.out / LOG_NAME, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def validate(self, model, stage: int) -> float:
-        loader = self.make_loader(self.val_blocks, seed=0)
-        total, count = 0.0, 0
+    def validate(self, model, stage: int) -> tuple[float, dict[int, float]]:
+        """Mean validation loss and, in stage 1, each linearized layer's mean MSE {layer index: MSE}."""
+        layers = linearized_layers(model) if stage == 1 else []
+        totals, count = torch.zeros(1 + len(layers), dtype=torch.float64), 0
         model.eval()
         with torch.no_grad(), self.rt.autocast():
-            for i, ids in enumerate(loader):
-                if i >= self.cfg.val_batches:
+            for ids in self.make_loader(self.val_blocks, seed=0):
+                if count == self.cfg.val_batches:
                     break
-                total += stage_loss(model, ids.to(self.rt.device), stage).item()
+                loss = stage_loss(model, ids.to(self.rt.device), stage)
+                totals += torch.stack([loss, *(layer.transfer_loss for layer in layers)]).detach().double().cpu()
                 count += 1
         model.train()
-        return self.rt.mean(total / max(1, count))
+        means = [self.rt.mean(float(total) / max(1, count)) for total in totals]
+        return means[0], {layer.layer_idx: mean for layer, mean in zip(layers, means[1:])}
 
     def stage(self, stage: int) -> None:
         cfg, rt = self.cfg, self.rt
@@ -209,11 +212,12 @@ class Run:
 
         snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
         if step == 0:
-            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": self.validate(model, stage)})
+            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": self.validate(model, stage)[0]})
         batches = forever(loader)
         bar = tqdm(total=total, initial=step, desc=f"stage {stage}", disable=not self.progress, unit="step")
         model.train()
         started, tokens_at_start = time.perf_counter(), tokens
+        layer_errors = None  # stage 1's per-layer MSE at the last validation
         try:
             while step < total:
                 loss_sum = 0.0
@@ -243,8 +247,8 @@ class Run:
                 bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{speed:,.0f}")
                 bar.update(1)
                 if step % cfg.eval_every == 0 or step == total:
-                    self.log({"stage": stage, "step": step, "tokens": tokens, "split": "val",
-                              "val_loss": self.validate(model, stage)})
+                    val_loss, layer_errors = self.validate(model, stage)
+                    self.log({"stage": stage, "step": step, "tokens": tokens, "split": "val", "val_loss": val_loss})
                 if step % cfg.save_every == 0 and step < total:
                     save()
         except KeyboardInterrupt:
@@ -255,24 +259,12 @@ class Run:
             raise
         bar.close()
         self.finish_stage(model, stage, names, sharded)
-        if stage == 1:
-            self.write_layer_errors(model)
+        if stage == 1:  # the last step validated, unless this invocation resumed past it
+            self.write_layer_errors(layer_errors if layer_errors is not None else self.validate(model, 1)[1])
         save(done=True)
 
-    def write_layer_errors(self, model) -> None:
+    def write_layer_errors(self, errors: dict[int, float]) -> None:
         """Each linearized layer's stage-1 validation MSE, and the layers `softmax_by_error` picks by it."""
-        layers = linearized_layers(model)
-        totals, count = torch.zeros(len(layers), dtype=torch.float64), 0
-        model.eval()
-        with torch.no_grad(), self.rt.autocast():
-            for ids in self.make_loader(self.val_blocks, seed=0):
-                if count == self.cfg.val_batches:
-                    break
-                stage_loss(model, ids.to(self.rt.device), 1)
-                totals += torch.stack([layer.transfer_loss.detach().double().cpu() for layer in layers])
-                count += 1
-        model.train()
-        errors = {layer.layer_idx: self.rt.mean(float(total) / max(1, count)) for layer, total in zip(layers, totals)}
         ranked = sorted(errors, key=errors.get, reverse=True)
         record = {"mse": {str(k): v for k, v in sorted(errors.items())},
                   "softmax_by_error": sorted(ranked[: self.cfg.softmax_by_error])}
