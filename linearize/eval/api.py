@@ -136,6 +136,8 @@ def evaluate(
     clock = time.perf_counter()
     results: dict[str, dict] = {}
 
+    harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
+
     def assemble(results: dict, complete: bool) -> dict:
         out = {
             "format": FORMAT,
@@ -154,7 +156,6 @@ def evaluate(
         return out
 
     check_prompt_lengths(names, tokenizer, lengths, essay)  # fail before any task has run
-    harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
     for name in names:
         if name in results:  # harness tasks run together, sharing one lm-eval model wrapper
             continue
@@ -176,7 +177,7 @@ def evaluate(
                 model, tokenizer, harness_tasks, limit=limit, task_limits=task_limits, batch=batch, seed=seed,
                 data_dir=data_dir,
             )
-        if name in LONGCONTEXT or name == "ppl":
+        if name not in harness_tasks:  # the harness times each of its tasks itself
             results[name]["wall_time_s"] = time.perf_counter() - start
         if on_progress is not None and any(n not in results for n in names):
             on_progress(assemble(results, complete=False))
