@@ -131,8 +131,7 @@ def cmd_demo(args) -> None:
 
     from .eval.perplexity import perplexity
     from .loading import load_model, load_tokenizer
-    from .train import DistillConfig, distill
-    from .train.distillation import CONFIG_NAME
+    from .train import DistillConfig, ensure_distilled
 
     gpu = torch.cuda.is_available()
     # On 2 CPU cores a step of 4 x 256 tokens takes ~3 s in stage 1 and ~6 s in stage 2, so the CPU
@@ -142,8 +141,7 @@ def cmd_demo(args) -> None:
     cfg = DistillConfig(model=args.model, method="lizard", out=args.out, data="default", eval_every=16,
                         save_every=8, val_batches=2, **budget)
     out = Path(args.out)
-    if not (out / "config.json").exists():
-        distill(cfg, resume=(out / CONFIG_NAME).exists())
+    ensure_distilled(cfg)
     tokenizer = load_tokenizer(args.model)
     prompt = "Write one sentence about the sea."
     device = "cuda" if gpu else None

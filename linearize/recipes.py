@@ -74,7 +74,7 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     from .eval.api import evaluate
     from .eval.report import write_json, write_report
     from .loading import load_model, load_tokenizer
-    from .train import distill
+    from .train import ensure_distilled
 
     out = Path(out_root) / recipe.name
     out.mkdir(parents=True, exist_ok=True)
@@ -86,10 +86,8 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     subject = teacher
     if recipe.distill is not None:
         cfg = recipe.distill_config(out / "model", teacher)
-        if not (out / "model" / "config.json").exists():
-            started = time.perf_counter()
-            resume = (out / "model" / "distill_config.json").exists()
-            distill(cfg, resume=resume, progress=progress)
+        started = time.perf_counter()
+        if ensure_distilled(cfg, progress=progress):
             record["distill_wall_s"] = record.get("distill_wall_s", 0.0) + time.perf_counter() - started
         record["training_tokens"] = cfg.max_tokens * len(cfg.stages)
         subject = str(out / "model")
