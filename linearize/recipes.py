@@ -83,29 +83,40 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     record["recipe"] = dataclasses.asdict(recipe)
     teacher = model or recipe.model
 
+    def add_time(key: str, started: float) -> None:
+        # Interrupted calls count too: the table reports the GPU minutes a row really took.
+        record[key] = record.get(key, 0.0) + time.perf_counter() - started
+        record_path.write_text(json.dumps(record, indent=2))
+
     subject = teacher
     if recipe.distill is not None:
         cfg = recipe.distill_config(out / "model", teacher)
-        started = time.perf_counter()
-        if ensure_distilled(cfg, progress=progress):
-            record["distill_wall_s"] = record.get("distill_wall_s", 0.0) + time.perf_counter() - started
         record["training_tokens"] = cfg.max_tokens * len(cfg.stages)
         subject = str(out / "model")
+        finished_before = (out / "model" / "config.json").exists()
+        started = time.perf_counter()
+        try:
+            ensure_distilled(cfg, progress=progress)
+        finally:
+            if not finished_before:
+                add_time("distill_wall_s", started)
     record_path.write_text(json.dumps(record, indent=2))
 
     eval_path = out / "eval.json"
-    if eval_path.exists() and not json.loads(eval_path.read_text())["provenance"].get("partial"):
+    previous = json.loads(eval_path.read_text()) if eval_path.exists() else None
+    if previous is not None and not previous["provenance"].get("partial"):
         return out
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
-    tokenizer = load_tokenizer(subject)
-    # bf16 on a GPU, as scripts/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
-    model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None)
-    results = evaluate(model, tokenizer, **recipe.eval, model_spec=subject,
-                       on_progress=lambda partial: write_json(partial, eval_path))
-    write_report(results, eval_path)
-    record["eval_wall_s"] = time.perf_counter() - started
-    record_path.write_text(json.dumps(record, indent=2))
+    try:
+        tokenizer = load_tokenizer(subject)
+        # bf16 on a GPU, as scripts/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
+        model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None)
+        results = evaluate(model, tokenizer, **recipe.eval, model_spec=subject, resume=previous,
+                           on_progress=lambda partial: write_json(partial, eval_path))
+        write_report(results, eval_path)
+    finally:
+        add_time("eval_wall_s", started)
     return out
 
 

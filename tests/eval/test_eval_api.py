@@ -103,6 +103,19 @@ def test_progress_gets_the_finished_tasks_after_each_one(model, tokenizer, ppl_t
     assert seen[0]["tasks"]["ppl"] == final["tasks"]["ppl"]
 
 
+def test_resume_keeps_the_finished_tasks_of_the_same_evaluation(model, tokenizer, ppl_text):
+    seen = []
+    settings = dict(lengths="1k", depths="50", samples=1, text=str(ppl_text), ppl_max_tokens=2048)
+    evaluate(model, tokenizer, "ppl,passkey", **settings, on_progress=seen.append)
+    partial = json.loads(json.dumps(seen[0]))  # as read back from the file
+    partial["tasks"]["ppl"]["kept"] = True  # marks the earlier result: a rerun would not have it
+    resumed = evaluate(model, tokenizer, "ppl,passkey", **settings, resume=partial)
+    assert resumed["tasks"]["ppl"]["kept"] is True and "passkey" in resumed["tasks"]
+    assert "partial" not in resumed["provenance"]
+    other = evaluate(model, tokenizer, "ppl", **{**settings, "lengths": "512"}, resume=partial)
+    assert "kept" not in other["tasks"]["ppl"]  # other settings: the earlier result does not apply
+
+
 def test_write_report(results, tmp_path):
     out = tmp_path / "run" / "eval.json"
     paths = write_report(results, out)
