@@ -19,6 +19,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it is a view into a larger storage."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 class LinearizeCacheLayer(CacheLayerMixin):
     # Sized masks cover only the current tokens: the layer reads their validity off the mask's
     # last row and keeps the validity of older tokens in its own state.
@@ -52,7 +57,8 @@ class LinearizeCacheLayer(CacheLayerMixin):
                                      f"{tuple(state[name].shape)})")
                 tensor.copy_(state[name])
         else:
-            self.state = state
+            # A window slice of a prefill chunk's keys/values is a view that would keep the whole chunk alive.
+            self.state = {name: compact(t) for name, t in state.items()}
         self.seen += new_tokens
         self.is_initialized = True
 
@@ -66,7 +72,7 @@ class LinearizeCacheLayer(CacheLayerMixin):
         return -1
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.state or {}).values())
+        return sum(t.untyped_storage().nbytes() for t in (self.state or {}).values())
 
     def _map(self, fn) -> None:
         self.frozen = False  # new tensors: whatever captured the old addresses no longer applies

@@ -30,15 +30,23 @@ def _student(method, device, dtype):
 
 
 @contextmanager
-def counting_kernel_calls(calls: list):
-    """Count the passes that take a kernel path (a first pass, or a continued prefill)."""
-    first_pass, continued = kernels.lizard_attention, kernels.lizard_attention_continued
+def counting_kernel_calls(calls: list, steps: list):
+    """Count the passes that take a kernel path (a first pass, or a continued prefill) and the decode
+    steps that run on the step kernels."""
+    first_pass, continued, step = kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step
     kernels.lizard_attention = lambda *a, **k: calls.append(1) or first_pass(*a, **k)
     kernels.lizard_attention_continued = lambda *a, **k: calls.append(1) or continued(*a, **k)
+
+    def counted_step(*a, **k):
+        out = step(*a, **k)
+        steps.extend([1] if out is not None else [])
+        return out
+
+    kernels.lizard_step = counted_step
     try:
         yield
     finally:
-        kernels.lizard_attention, kernels.lizard_attention_continued = first_pass, continued
+        kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step = first_pass, continued, step
 
 
 def _run(model, ids, kernels_on: bool):
@@ -59,12 +67,12 @@ def _run(model, ids, kernels_on: bool):
 def check(device: str, dtype=torch.float32, length: int = 37, method: str = "lizard") -> dict:
     model = _student(method, device, dtype)
     ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
-    calls = []
-    with counting_kernel_calls(calls):
+    calls, steps = [], []
+    with counting_kernel_calls(calls, steps):
         on = _run(model, ids, kernels_on=True)
     off = _run(model, ids, kernels_on=False)
     assert len(on[1]) == len(off[1])
-    return {"kernel_calls": len(calls), "logits": _rel(on[0], off[0]),
+    return {"kernel_calls": len(calls), "step_calls": len(steps), "logits": _rel(on[0], off[0]),
             "grads": max(_rel(a, b) for a, b in zip(on[1], off[1])), "cached": _rel(on[2], off[2])}
 
 
@@ -85,10 +93,10 @@ def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 
                      for t in range(length - 3, length)]
         return full, torch.cat([first, *steps], 1)
 
-    calls = []
-    with counting_kernel_calls(calls):
+    calls, steps = [], []
+    with counting_kernel_calls(calls, steps):
         on = run(kernels_on=True)
     off = run(kernels_on=False)
     real = mask.bool()
-    return {"kernel_calls": len(calls), "logits": _rel(on[0][real], off[0][real]),
+    return {"kernel_calls": len(calls), "step_calls": len(steps), "logits": _rel(on[0][real], off[0][real]),
             "cached": _rel(on[1][real], off[1][real])}

@@ -51,3 +51,22 @@ def test_still_softmax_entries_never_exceed_budget():
                 # the window keeps w - 1 past tokens, plus the current one at attention time
                 held.append(int(state["sal_used"].sum(-1).max()) + int(state["win_valid"].sum(-1).max()) + 1)
     assert max(held) == budget and window < budget
+
+
+@pytest.mark.parametrize("method", ["lizard", "liger", "lolcats", "still"])
+def test_a_long_prefill_leaves_no_chunk_sized_storage_in_the_cache(method):
+    from transformers import DynamicCache
+
+    model = tiny_teacher()
+    linearize.convert(model, method, **TINY_OPTIONS[method])
+    ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        for name, tensor in layer.state.items():
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+    with torch.no_grad():  # the same bytes after a 20-token prefill: nothing in it grows with the prompt
+        short = DynamicCache(config=model.config)
+        model(ids[:, :20], past_key_values=short, use_cache=True)
+    assert cache_nbytes(short) == cache_nbytes(cache)

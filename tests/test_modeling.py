@@ -51,8 +51,9 @@ def test_left_padded_batch_generates_like_unpadded(method):
     padded, mask = ids.clone(), torch.ones_like(ids)
     padded[1, :5], mask[1, :5] = 0, 0
     with torch.no_grad():
-        batch = model.generate(padded, attention_mask=mask, max_new_tokens=12, do_sample=False)
-        alone = model.generate(ids[1:, 5:], max_new_tokens=12, do_sample=False)
+        # min_new_tokens: an early end-of-sequence would pad the batch's row but end the lone one.
+        batch = model.generate(padded, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        alone = model.generate(ids[1:, 5:], max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(batch[1, 14:], alone[0, 9:])
 
 

@@ -20,13 +20,19 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     """(y float32, new state or None) through the kernel, or None where it does not apply.
 
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
-    or right padding), and, with `can_continue` and no gradient needed, to unpadded passes continuing
-    `state` (`kernels.lizard_attention_continued`). Operands go in `dtype` (the projections' dtype:
+    or right padding), with `can_continue` and no gradient needed to unpadded passes continuing
+    `state` (`kernels.lizard_attention_continued`), and without gradients to single-token steps
+    (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype` (the projections' dtype:
     bf16 under autocast); `query_scale` multiplies fq there only. `options` are
     `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize).
     """
-    if not (kernels_enabled() and fq.shape[2] > 1):
+    if not kernels_enabled():
         return None
+    if fq.shape[2] == 1:
+        if state is None or torch.is_grad_enabled():
+            return None
+        return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v, valid,
+                                   state, **options)
     if start > 0 and (not can_continue or torch.is_grad_enabled()):
         return None
     if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"]):

@@ -3,8 +3,8 @@
 A point (batch b, context c) prefills c random tokens with use_cache=True, then runs single-token decode steps
 continuing from that cache (median ms per step; a linear model steps through `linearize.decode.StaticDecoder`,
 a CUDA graph per step on a GPU). The softmax teacher prefills in one forward, as HF does; a linear
-model prefills in calls of `prefill_chunk` tokens that continue the same cache, so its memory stays bounded at any
-context. Peak memory is torch.cuda.max_memory_allocated, reset before the prefill and again before the decode;
+model prefills in calls of `prefill_chunk` tokens (across the batch) that continue the same cache, so its memory
+stays bounded at any context and batch. Peak memory is torch.cuda.max_memory_allocated, reset before the prefill and again before the decode;
 `cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill. Each model gets two sweeps: batch at
 `batch_context`, then context at batch 1. Speed needs no trained weights, so `--shape` builds random ones.
 
@@ -84,8 +84,10 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
     return model.eval()
 
 
-def prefill_chunk(variant: str, context: int, settings: dict) -> int:
-    return context if variant == SOFTMAX else settings["prefill_chunk"]
+def prefill_chunk(variant: str, context: int, batch: int, settings: dict) -> int:
+    """Tokens per sequence in one prefill call: all of them for softmax; for a linear model,
+    `prefill_chunk` tokens across the batch, so that its activations stay bounded at any batch too."""
+    return context if variant == SOFTMAX else max(1, settings["prefill_chunk"] // batch)
 
 
 def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict, device: torch.device) -> dict:
@@ -144,7 +146,7 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
         else:
             started = time.monotonic()
             try:
-                chunk = prefill_chunk(variant, context, settings)
+                chunk = prefill_chunk(variant, context, batch, settings)
                 row.update(status="ok", **measure_point(model, batch=batch, context=context, chunk=chunk,
                                                         settings=settings, device=device))
             except Exception as e:  # noqa: BLE001 (OOM or a broken model: record it, go on with the next sweep)
@@ -183,8 +185,8 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
         with torch.inference_mode():
             # Warm-up (kernel selection, allocator): one small point, not recorded.
             first = settings["contexts"][0]
-            measure_point(net, batch=1, context=first, chunk=prefill_chunk(variant, first, settings), settings=settings,
-                          device=device)
+            measure_point(net, batch=1, context=first, chunk=prefill_chunk(variant, first, 1, settings),
+                          settings=settings, device=device)
             batch_points = [(b, settings["batch_context"]) for b in settings["batches"]]
             sweep(net, variant, "batch", batch_points, settings, device, deadline, results, out)
             sweep(net, variant, "context", [(1, c) for c in settings["contexts"]], settings, device, deadline,
@@ -215,7 +217,7 @@ def tables(results: dict) -> list[str]:
     context_keys = [(1, c) for c in contexts]
     lines = [
         (f"{settings['dtype']}; softmax prefills in one forward, linear models in calls of "
-         f"{size_label(settings['prefill_chunk'])} tokens continuing the cache; decode: median of "
+         f"{size_label(settings['prefill_chunk'])} tokens (across the batch) continuing the cache; decode: median of "
          f"{settings['decode_steps']} steps after {settings['decode_warmup']} warm-up steps. Peak memory is "
          "torch.cuda.max_memory_allocated (weights included)."),
         "",

@@ -92,7 +92,7 @@ def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: b
 
 
 def attention_path(method: str, device: torch.device) -> str:
-    """Which attention code the student runs here, for the record (the kernels' switches are env vars)."""
+    """Which attention code the student runs here, for the record (LINEARIZE_KERNELS=0 turns the kernels off)."""
     from .. import kernels
     from ..attention.fused import kernels_enabled
 
@@ -100,7 +100,7 @@ def attention_path(method: str, device: torch.device) -> str:
         return "PyTorch ops"
     from ..kernels.lizard_triton import Config
 
-    return "Triton kernel, " + ("chunk-parallel (split)" if Config.default(torch.bfloat16).split else "one pass")
+    return f"Triton kernel, {Config.default(torch.bfloat16)}"
 
 
 def tables(results: dict) -> list[str]:

@@ -3,7 +3,7 @@
 `lizard_attention` runs the fused Lizard kernel when it can (triton importable, CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1; supported shapes and dtypes) and the chunked PyTorch op otherwise,
 with the same results. `lizard_attention_continued` continues a carried state around the kernel
-(prefill only, no gradients). Design and limits: docs/kernels.md.
+(prefill only, no gradients); `lizard_step` is one decode step. Design and limits: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -61,6 +61,20 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
 
         return lizard_attention_triton(fq, fk, log_g, qw, kw, v, **options)
     return _chunked(fq, fk, log_g, qw, kw, v, **options)
+
+
+@torch.no_grad()
+def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, eps=1e-6, normalize=True):
+    """`gla_window_step` (beta = 1, shared=False) through the decode-step kernels: (y, new state), or None
+    where they do not apply (no triton or device, not float32, F or d not a power of two, window < 2)."""
+    if not available() or not (fq.is_cuda or _interpreting()):
+        return None
+    from .decode_triton import lizard_decode_step, supports_step
+
+    if supports_step(fq, log_g, qw, kw, v, state, window=window, sinks=sinks, shared=False):
+        return None
+    return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
+                              alpha=alpha, normalize=normalize, eps=eps)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ class Case:
     F: int = 64
     D: int = 64
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
-    split: bool = False  # the kernel's chunk-parallel passes (lizard_triton.Config.split)
+    split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
     normalize: bool = True  # False: Liger's unnormalised linear part
 
 
@@ -62,10 +62,10 @@ def _run(case, tensors, dy, dtype):
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize}
-    if dtype is None and case.split:
+    if dtype is None and case.split is not None:
         from .lizard_triton import Config, lizard_attention_triton
 
-        config = dataclasses.replace(Config.default(fq.dtype), split=True)
+        config = dataclasses.replace(Config.default(fq.dtype), split=case.split)
         y = lizard_attention_triton(fq, fk, log_g, qw, kw, v, **opts, config=config)
     elif dtype is None:
         y = lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
@@ -109,7 +109,7 @@ CHECK_CASES = [
     Case(L=257, dtype=torch.bfloat16, window=64), Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128),
     Case(L=600, dtype=torch.bfloat16, window=128, F=128, D=128, gate="vector"),
     Case(L=517, dtype=torch.float16, window=32, sinks=0),
-    Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128, split=True),
+    Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128, split=False),
     Case(L=600, window=256, sinks=8, F=128, D=128, gate="vector", split=True),
     Case(L=1000, dtype=torch.bfloat16, window=64, sinks=0, F=64, D=64, normalize=False),
 ]
@@ -121,7 +121,8 @@ def run_checks(device):
         out = compare(case, device)
         worst = max(out["errors"], key=lambda n: out["errors"][n][0])
         label = (f"L={case.L} {case.gate} {str(case.dtype)[6:]} w={case.window} M={case.sinks} "
-                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}" + (" split" if case.split else "")
+                 f"H={case.H}/{case.HKV} F={case.F} D={case.D}"
+                 + {None: "", True: " split", False: " one-pass"}[case.split]
                  + ("" if case.normalize else " unnormalised"))
         path = "kernel" if out["path"] == "kernel" else "fallback"
         print(f"{label:<58} {path:<8} {worst:<6} {out['errors'][worst][0]:>11.2e}  "
@@ -191,11 +192,11 @@ def _bench_sdpa(B, H, L, D):
 def run_bench(lengths, B=16, H=32, D=128):
     from .lizard_triton import Config
 
-    split = dataclasses.replace(Config.default(torch.bfloat16), split=True)
+    one_pass = dataclasses.replace(Config.default(torch.bfloat16), split=False)
     rows = [("lizard scalar gate (w=128, M=4)", lambda L: _bench_ours(B, H, L, D, "scalar")),
-            ("lizard scalar gate, split", lambda L: _bench_ours(B, H, L, D, "scalar", split)),
+            ("lizard scalar gate, one pass", lambda L: _bench_ours(B, H, L, D, "scalar", one_pass)),
             ("lizard vector gate (w=128, M=4)", lambda L: _bench_ours(B, H, L, D, "vector")),
-            ("lizard vector gate, split", lambda L: _bench_ours(B, H, L, D, "vector", split)),
+            ("lizard vector gate, one pass", lambda L: _bench_ours(B, H, L, D, "vector", one_pass)),
             ("fla chunk_gla", lambda L: _bench_fla(B, H, L, D, "chunk_gla")),
             ("fla chunk_simple_gla", lambda L: _bench_fla(B, H, L, D, "chunk_simple_gla")),
             ("SDPA causal", lambda L: _bench_sdpa(B, H, L, D))]

@@ -52,12 +52,12 @@ class Config:
 
     @staticmethod
     def default(dtype: torch.dtype) -> Config:
-        # LINEARIZE_KERNEL_SPLIT=1 picks the chunk-parallel kernels, for A/B timings until they are measured.
-        split = os.environ.get("LINEARIZE_KERNEL_SPLIT") == "1"
-        # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones.
+        # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
-            return Config(chunk=32, window_block=32, split=split)
-        return Config(chunk=64, split=split)
+            return Config(chunk=32, window_block=32)
+        # The fastest of the H200 sweep at B=16, H=32, F=D=128, L=2K (docs/kernels.md): 2.91 / 9.96 ms
+        # forward / forward+backward, against 4.13 / 14.99 for the one-pass Config(chunk=64).
+        return Config(chunk=32, block_v=128, window_block=32, warps=4, split=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -19,9 +19,7 @@ case $part in
     step check 300 python -m linearize.kernels.check --no-check
     step sweep 240 python -m linearize.kernels.check --no-check --no-bench --sweep --lengths 2048 ;;
   train)
-    step train 200 python -m linearize.cli bench train --model smollm2 --out "$res/train"
-    step train_split 200 env LINEARIZE_KERNEL_SPLIT=1 python -m linearize.cli bench train --model smollm2 \
-      --out "$res/train-split" ;;
+    step train 200 python -m linearize.cli bench train --model smollm2 --out "$res/train" ;;
   fsdp)
     step fsdp 540 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --out "$res/fsdp" ;;
   model)

@@ -37,7 +37,7 @@ INTERPRETER_CASES = {
     "fallback-F48": Case(L=50, F=48),
     "split-L100-gqa-w32-sinks4": Case(L=100, split=True),
     "split-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True),
-    "split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=True),
+    "one-pass-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=False),
     "unnormalised-L100-nosinks": Case(L=100, sinks=0, normalize=False),
 }
 SLOW_INTERPRETER_CASES = {
@@ -48,7 +48,7 @@ SLOW_INTERPRETER_CASES = {
     "L63-vector-strong-decay": Case(L=63, gate="vector", gate_bias=-4.0),
     "split-L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128, split=True),
     "split-L100-strong-decay": Case(L=100, gate_bias=-4.0, split=True),
-    "unnormalised-split-L63-bf16": Case(L=63, window=64, dtype=bf16, sinks=0, normalize=False, split=True),
+    "unnormalised-one-pass-L63-bf16": Case(L=63, window=64, dtype=bf16, sinks=0, normalize=False, split=False),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 

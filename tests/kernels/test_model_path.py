@@ -13,8 +13,9 @@ from test_lizard_triton import HAS_TRITON
 
 TESTS = Path(__file__).resolve().parents[1]
 # Kernel passes with 2 layers: the uncached forward and the first prefill, plus (Lizard only) the
-# continued prefill; single-token steps never take it.
+# continued prefill; and the 3 single-token steps on the step kernels.
 CALLS = {"lizard": 6, "liger": 4}
+STEP_CALLS = 2 * 3
 _SCRIPT = ("import json, attention_kernel_check as c; "
            "print(json.dumps({m: {'plain': c.check('cpu', method=m), 'padded': c.check_padded('cpu', method=m)} "
            "for m in ('lizard', 'liger')}))")
@@ -30,6 +31,7 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
         plain, padded = results["plain"], results["padded"]
         assert plain.pop("kernel_calls") == CALLS[method], method
         assert padded.pop("kernel_calls") == 4, method  # uncached forward and first prefill
+        assert plain.pop("step_calls") == padded.pop("step_calls") == STEP_CALLS, method
         assert max(plain.values()) < 1e-4 and max(padded.values()) < 1e-4, (method, plain, padded)
 
 
@@ -39,8 +41,8 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_through_the_kernel_on_cuda_equals_the_pytorch_ops(method, dtype):
     errors = check("cuda", dtype, length=300, method=method)
-    assert errors.pop("kernel_calls") == CALLS[method]
+    assert errors.pop("kernel_calls") == CALLS[method] and errors.pop("step_calls") == STEP_CALLS
     padded = check_padded("cuda", dtype, length=300, pad=37, method=method)
-    assert padded.pop("kernel_calls") == 4
+    assert padded.pop("kernel_calls") == 4 and padded.pop("step_calls") == STEP_CALLS
     errors |= {f"padded {name}": value for name, value in padded.items()}
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors

@@ -1,0 +1,77 @@
+"""The decode-step kernels equal `gla_window_step`: output and every entry of the new state."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_lizard_triton import HAS_TRITON
+
+from linearize.ops.gla_window import gla_window_step
+
+CASES = {
+    "gqa-sinks": {},
+    "vector-gate-nosinks": {"vector": True, "M": 0},
+    "unnormalised-w33-mha": {"normalize": False, "beta": 0.5, "window": 33, "H": 2, "HKV": 2},
+    "w2-F32-D64": {"B": 2, "window": 2, "M": 4, "F": 32, "D": 64},
+    "all-padding-window": {"fresh": True},
+}
+
+
+def make_case(device, B=3, H=4, HKV=2, F=16, D=16, window=8, M=2, vector=False, normalize=True, beta=1.0,
+              fresh=False, seed=0):
+    """Random inputs and state; row 1 is a padding token. `fresh`: an empty window (nothing valid yet)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)
+    log_g = torch.nn.functional.logsigmoid(r(B, H, 1, F if vector else 1) + 2)
+    valid = (torch.arange(B, device=device) != 1)[:, None]
+    win_valid = torch.rand(B, window - 1, generator=g, device=device) > (2 if fresh else 0.3)
+    state = {"S": r(B, H, F, D), "z": r(B, H, F).abs(), "win_k": r(B, HKV, window - 1, D),
+             "win_v": r(B, HKV, window - 1, D), "win_valid": win_valid}
+    options = {"window": window, "scale": D**-0.5, "sinks": r(H, M) if M else None, "alpha": r(H), "beta": beta,
+               "normalize": normalize}
+    inputs = (r(B, H, 1, F).softmax(-1), r(B, H, 1, F).softmax(-1), log_g, r(B, H, 1, D), r(B, HKV, 1, D),
+              r(B, HKV, 1, D), valid, state)
+    return inputs, options
+
+
+def errors(device, **case) -> dict:
+    from linearize.kernels.decode_triton import lizard_decode_step
+
+    inputs, options = make_case(device, **case)
+    y_ref, state_ref = gla_window_step(*inputs, **options)
+    y, state = lizard_decode_step(*inputs, **options)
+    out = {"y": (y - y_ref).abs().max().item()}
+    for name, ref in state_ref.items():
+        assert state[name].shape == ref.shape and state[name].dtype == ref.dtype, name
+        out[name] = (state[name].float() - ref.float()).abs().max().item()
+    return out
+
+
+_SCRIPT = """
+import json, sys
+from test_decode_step import CASES, errors
+print(json.dumps({name: errors("cpu", **case) for name, case in CASES.items()}))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_interpreted_step_kernels_equal_the_reference_step():
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([os.path.join(tests, "kernels"), tests, *sys.path])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name, errs in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert max(errs.values()) < 1e-5, (name, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_kernels_on_cuda_equal_the_reference_step(name):
+    errs = errors("cuda", **CASES[name])
+    assert max(errs.values()) < 1e-5, errs
