@@ -21,7 +21,7 @@ case $part in
   train)
     step train 200 python -m linearize.cli bench train --model smollm2 --out "$res/train" ;;
   fsdp)
-    step fsdp 540 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --out "$res/fsdp" ;;
+    step fsdp 540 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch 16 --out "$res/fsdp" ;;
   model)
     step model_smollm2 270 python -m linearize.cli bench model --time-limit 240 --out "$res/model-smollm2"
     step model_8b 300 python -m linearize.cli bench model --shape llama3-8b --time-limit 270 \

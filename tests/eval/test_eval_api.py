@@ -105,7 +105,7 @@ def test_progress_gets_the_finished_tasks_after_each_one(model, tokenizer, ppl_t
 
 def test_resume_keeps_the_finished_tasks_of_the_same_evaluation(model, tokenizer, ppl_text):
     seen = []
-    settings = dict(lengths="1k", depths="50", samples=1, text=str(ppl_text), ppl_max_tokens=2048)
+    settings = {"lengths": "1k", "depths": "50", "samples": 1, "text": str(ppl_text), "ppl_max_tokens": 2048}
     evaluate(model, tokenizer, "ppl,passkey", **settings, on_progress=seen.append)
     partial = json.loads(json.dumps(seen[0]))  # as read back from the file
     partial["tasks"]["ppl"]["kept"] = True  # marks the earlier result: a rerun would not have it
