@@ -38,10 +38,12 @@ def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
 @pytest.mark.parametrize("L", [1, 7, 16, 29])
 @pytest.mark.parametrize("routing", ["saliency", "random", "recency"])
 @pytest.mark.parametrize("window,chunk,budget,max_chunks", [(4, 4, 10, 2), (8, 4, 14, 1), (4, 2, 4, 3)])
-def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks):
+@pytest.mark.parametrize("fresh", [False, True])  # True: the empty slots and window are left out
+def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks, fresh):
     (q, k, v, gate), valid, phi_q, phi_k = setup(L)
     opts = {"window": window, "chunk": chunk, "per_chunk": (budget - window) // max_chunks, "routing": routing, "scale": D**-0.5}
-    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0, **opts)
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0, **opts,
+                                        fresh=fresh)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
     for name in s_par:
