@@ -71,7 +71,7 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
         return None
     from .decode_triton import lizard_decode_step, supports_step
 
-    if supports_step(fq, log_g, qw, kw, v, state, window=window, sinks=sinks, shared=False):
+    if supports_step(fq, log_g, qw, kw, v, state, window=window, sinks=sinks):
         return None
     return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
                               alpha=alpha, normalize=normalize, eps=eps)

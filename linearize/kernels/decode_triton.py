@@ -97,10 +97,8 @@ def _shift_window_kernel(kw, v, valid, win_k, win_v, win_valid, k_out, v_out, va
         tl.store(valid_out + b * W1 + w, shifted, mask=rows)
 
 
-def supports_step(fq, log_g, qw, kw, v, state, *, window, sinks, shared) -> str | None:
-    """None when `lizard_decode_step` applies, else why not."""
-    if shared:
-        return "the shared normaliser has its own step"
+def supports_step(fq, log_g, qw, kw, v, state, *, window, sinks) -> str | None:
+    """None when `lizard_decode_step` applies (one normaliser per branch, as `shared=False`), else why not."""
     if fq.shape[2] != 1:
         return "a step takes one token"
     if window < 2:
