@@ -3,9 +3,9 @@
 A point (batch b, context c) prefills c random tokens with use_cache=True, then runs single-token decode steps
 continuing from that cache (median ms per step; a linear model steps through `linearize.decode.StaticDecoder`,
 a CUDA graph per step on a GPU). The softmax teacher prefills in one forward, as HF does; a linear
-model prefills in calls of `prefill_chunk` tokens (across the batch) that continue the same cache, so its memory
-stays bounded at any context and batch. Peak memory is torch.cuda.max_memory_allocated, reset before the prefill and again before the decode;
-`cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill. Each model gets two sweeps: batch at
+model prefills in calls of `prefill_chunk` tokens (across the batch) that continue the same cache, so its
+memory stays bounded at any context and batch. Peak memory is torch.cuda.max_memory_allocated, reset before the
+prefill and again before the decode; `cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill. Each model gets two sweeps: batch at
 `batch_context`, then context at batch 1. Speed needs no trained weights, so `--shape` builds random ones.
 
 A point that runs out of memory is recorded as OOM and the larger points of its sweep are skipped; a point that
