@@ -168,7 +168,7 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
     # Ascending, because a sweep stops at its first OOM and estimates each point from the one before.
     settings.update(contexts=sorted(set(settings["contexts"])), batches=sorted(set(settings["batches"])))
     settings.update(model=model, shape=None if model else shape, methods=list(methods),
-                    dtype=str(dtype).removeprefix("torch."), quick=quick)
+                    dtype=str(dtype).removeprefix("torch."), quick=quick, prefill_chunk_across_batch=True)
     label = model or f"{shape} shape, random weights"
     results = new_results("model", f"Model speed: {label}", device, settings)
     results.update(models=[], points=[])
@@ -217,7 +217,9 @@ def tables(results: dict) -> list[str]:
     context_keys = [(1, c) for c in contexts]
     lines = [
         (f"{settings['dtype']}; softmax prefills in one forward, linear models in calls of "
-         f"{size_label(settings['prefill_chunk'])} tokens (across the batch) continuing the cache; decode: median of "
+         f"{size_label(settings['prefill_chunk'])} tokens "
+         f"({'across the batch' if settings.get('prefill_chunk_across_batch') else 'per sequence'}) continuing "
+         "the cache; decode: median of "
          f"{settings['decode_steps']} steps after {settings['decode_warmup']} warm-up steps. Peak memory is "
          "torch.cuda.max_memory_allocated (weights included)."),
         "",
