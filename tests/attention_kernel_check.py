@@ -100,3 +100,21 @@ def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 
     real = mask.bool()
     return {"kernel_calls": len(calls), "step_calls": len(steps), "logits": _rel(on[0][real], off[0][real]),
             "cached": _rel(on[1][real], off[1][real])}
+
+
+def check_static_decode(device: str, method: str = "lizard", steps: int = 6) -> dict:
+    """`greedy_decode` (frozen cache, eager steps) with the step kernels vs the PyTorch ops: same tokens?"""
+    from linearize.decode import greedy_decode
+
+    model = _student(method, device, torch.float32)
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = {}
+    for kernels_on in (True, False):
+        os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
+        calls, step_calls = [], []
+        with counting_kernel_calls(calls, step_calls):
+            tokens[kernels_on] = greedy_decode(model, ids, steps, cuda_graph=False)
+        if kernels_on:
+            counted = len(step_calls)
+    return {"same_tokens": torch.equal(tokens[True], tokens[False]), "step_calls": counted}
+

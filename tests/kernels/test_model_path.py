@@ -17,8 +17,8 @@ TESTS = Path(__file__).resolve().parents[1]
 CALLS = {"lizard": 6, "liger": 4}
 STEP_CALLS = 2 * 3
 _SCRIPT = ("import json, attention_kernel_check as c; "
-           "print(json.dumps({m: {'plain': c.check('cpu', method=m), 'padded': c.check_padded('cpu', method=m)} "
-           "for m in ('lizard', 'liger')}))")
+           "print(json.dumps({m: {'plain': c.check('cpu', method=m), 'padded': c.check_padded('cpu', method=m), "
+           "'static': c.check_static_decode('cpu', method=m)} for m in ('lizard', 'liger')}))")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -28,7 +28,9 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for method, results in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-        plain, padded = results["plain"], results["padded"]
+        plain, padded, static = results["plain"], results["padded"], results["static"]
+        # greedy_decode on a frozen cache: 5 steps after the prefill, 2 layers each, through the step kernels
+        assert static == {"same_tokens": True, "step_calls": 2 * 5}, (method, static)
         assert plain.pop("kernel_calls") == CALLS[method], method
         assert padded.pop("kernel_calls") == 4, method  # uncached forward and first prefill
         assert plain.pop("step_calls") == padded.pop("step_calls") == STEP_CALLS, method
