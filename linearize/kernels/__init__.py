@@ -66,12 +66,12 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
 @torch.no_grad()
 def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, eps=1e-6, normalize=True):
     """`gla_window_step` (beta = 1, shared=False) through the decode-step kernels: (y, new state), or None
-    where they do not apply (no triton or device, not float32, F or d not a power of two, window < 2)."""
-    if not available() or not (fq.is_cuda or _interpreting()):
+    where they do not apply (where the fused kernels would not, or not float32, or window < 2)."""
+    if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks):
         return None
-    from .decode_triton import lizard_decode_step, supports_step
+    from .decode_triton import lizard_decode_step, step_unsupported
 
-    if supports_step(fq, log_g, qw, kw, v, state, window=window, sinks=sinks):
+    if step_unsupported(fq, log_g, state, window=window, sinks=sinks):
         return None
     return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
                               alpha=alpha, normalize=normalize, eps=eps)

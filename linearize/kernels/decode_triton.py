@@ -97,16 +97,13 @@ def _shift_window_kernel(kw, v, valid, win_k, win_v, win_valid, k_out, v_out, va
         tl.store(valid_out + b * W1 + w, shifted, mask=rows)
 
 
-def supports_step(fq, log_g, qw, kw, v, state, *, window, sinks) -> str | None:
-    """None when `lizard_decode_step` applies (one normaliser per branch, as `shared=False`), else why not."""
+def step_unsupported(fq, log_g, state, *, window, sinks) -> str | None:
+    """What keeps the step kernels from inputs the fused kernels take (`lizard_triton.supports`), or None."""
     if fq.shape[2] != 1:
         return "a step takes one token"
     if window < 2:
         return "window < 2 carries no keys"
-    F, D = fq.shape[-1], qw.shape[-1]
-    if F != triton.next_power_of_2(F) or D != triton.next_power_of_2(D) or F < 16 or D < 16:
-        return "F and d must be powers of two >= 16"
-    tensors = [fq, log_g, qw, kw, v, state["S"], state["z"], state["win_k"], state["win_v"]]
+    tensors = [fq, log_g, state["S"], state["z"], state["win_k"], state["win_v"]]
     if sinks is not None:
         tensors.append(sinks)
     if any(t.dtype != torch.float32 for t in tensors):
