@@ -140,11 +140,12 @@ def evaluate(
     results: dict[str, dict] = {}
 
     harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
+    settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed)
 
     def assemble(results: dict, complete: bool) -> dict:
         out = {
             "format": FORMAT,
-            "provenance": provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed),
+            "provenance": dict(settings),
             "tasks": {name: results[name] for name in names if name in results},
         }
         if (average := harness.zeroshot_average(results)) is not None:
@@ -160,8 +161,7 @@ def evaluate(
 
     check_prompt_lengths(names, tokenizer, lengths, essay)  # fail before any task has run
     if resume is not None:
-        results |= resumable_tasks(resume, provenance(model, model_spec, names, limit, task_limits, lengths, depths,
-                                                      samples, batch, seed))
+        results |= resumable_tasks(resume, settings)
     for name in names:
         if name in results:  # harness tasks run together, sharing one lm-eval model wrapper
             continue
