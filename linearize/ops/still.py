@@ -296,23 +296,25 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     all_values = torch.cat([state["sal_v"], values], dim=2)
     all_valid = torch.cat([state["sal_used"], key_valid[:, None, :].expand(-1, k.shape[1], -1)], dim=2)
     arrival = torch.cat([torch.full((K,), -1, device=q.device, dtype=torch.long), positions])
-    # Columns that can hold a key: all of them, or only the new tokens' after a fresh state.
+    # The columns attention reads: all of them, or only the new tokens' after a fresh state.
     cols = slice(K + W1 if fresh else 0, None)
+    att_keys, att_values, att_valid = all_keys[:, :, cols], all_values[:, :, cols], all_valid[..., cols]
+    att_fold = fold_time[..., cols]
     q_time = torch.arange(start, start + L, device=q.device)[:, None]
-    ft = repeat_kv(fold_time[..., cols], n_rep)[:, :, None, :]  # [B, H, 1, N]
-    ok = repeat_kv(all_valid[..., cols], n_rep)[:, :, None, :]
+    ft = repeat_kv(att_fold, n_rep)[:, :, None, :]  # [B, H, 1, N]
+    ok = repeat_kv(att_valid, n_rep)[:, :, None, :]
     soft_mask = (arrival[None, cols] <= q_time)[None, None] & (q_time[None, None] < ft) & ok
     lin_mask = (ft <= q_time[None, None]) & ok
 
     fq = phi_q(q)
-    fk = phi_k(repeat_kv(all_keys[:, :, cols], n_rep))
-    values_rep = repeat_kv(all_values[:, :, cols], n_rep)
+    fk = phi_k(repeat_kv(att_keys, n_rep))
+    values_rep = repeat_kv(att_values, n_rep)
     lin = (fq @ fk.transpose(-1, -2)) * lin_mask.to(q.dtype)
     lin_num = lin @ values_rep + fq @ state["S"]
     lin_den = lin.sum(-1) + (fq * state["z"][:, :, None, :]).sum(-1)
-    y = _output(q, fq, gate, all_keys[:, :, cols], all_values[:, :, cols], soft_mask, lin_num, lin_den, scale, eps)
+    y = _output(q, fq, gate, att_keys, att_values, soft_mask, lin_num, lin_den, scale, eps)
 
-    folded = ((fold_time[..., cols] != NEVER) & all_valid[..., cols])
+    folded = (att_fold != NEVER) & att_valid
     fk_folded = fk * repeat_kv(folded, n_rep)[..., None].to(q.dtype)
     idx = slot_ids[..., None]
     new_state = {
