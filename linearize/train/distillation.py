@@ -169,7 +169,7 @@ class Run:
                 totals += torch.stack([loss, *(layer.transfer_loss for layer in layers)]).detach().double().cpu()
                 count += 1
         model.train()
-        means = [self.rt.mean(float(total) / max(1, count)) for total in totals]
+        means = self.rt.means((totals / max(1, count)).tolist())
         return means[0], {layer.layer_idx: mean for layer, mean in zip(layers, means[1:])}
 
     def stage(self, stage: int) -> None:

@@ -46,11 +46,15 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
     def mean(self, value: float) -> float:
+        return self.means([value])[0]
+
+    def means(self, values: list[float]) -> list[float]:
+        """Each value's mean over the ranks, in one all-reduce."""
         if not self.distributed:
-            return value
-        t = torch.tensor([value], device=self.device, dtype=torch.float64)
+            return list(values)
+        t = torch.tensor(values, device=self.device, dtype=torch.float64)
         dist.all_reduce(t)
-        return t.item() / self.world_size
+        return (t / self.world_size).tolist()
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Mean of each gradient over the ranks, in one all-reduce (for replicated, unsharded models)."""
