@@ -5,8 +5,9 @@ continuing from that cache (median ms per step; a linear model steps through `li
 a CUDA graph per step on a GPU). The softmax teacher prefills in one forward, as HF does; a linear
 model prefills in calls of `prefill_chunk` tokens (across the batch) that continue the same cache, so its
 memory stays bounded at any context and batch. Peak memory is torch.cuda.max_memory_allocated, reset before the
-prefill and again before the decode; `cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill. Each model gets two sweeps: batch at
-`batch_context`, then context at batch 1. Speed needs no trained weights, so `--shape` builds random ones.
+prefill and again before the decode; `cache_bytes` is `linearize.cache_nbytes` of the cache after the prefill.
+Each model gets two sweeps: batch at `batch_context`, then context at batch 1. Speed needs no trained weights,
+so `--shape` builds random ones.
 
 A point that runs out of memory is recorded as OOM and the larger points of its sweep are skipped; a point that
 would end past the model's share of the time limit (estimated from the previous point, cost taken to grow with the
