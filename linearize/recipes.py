@@ -18,10 +18,11 @@ import re
 import time
 from pathlib import Path
 
+from .eval.api import RULER
 from .eval.harness import AVERAGE_METRIC, ZEROSHOT
 from .eval.report import length_label
 
-EVAL_KEYS = {"tasks", "limit", "task_limits", "lengths", "depths", "samples", "batch", "seed"}
+EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "seed"}
 TABLE_START, TABLE_END = "<!-- recipe table -->", "<!-- end of recipe table -->"
 
 
@@ -104,7 +105,7 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
 
     eval_path = out / "eval.json"
     previous = json.loads(eval_path.read_text()) if eval_path.exists() else None
-    if previous is not None and not previous["provenance"].get("partial"):
+    if previous is not None and not previous["provenance"].get("partial") and record.get("evaluated") == recipe.eval:
         return out
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
@@ -115,6 +116,7 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
         results = evaluate(model, tokenizer, **recipe.eval, model_spec=subject, resume=previous,
                            on_progress=lambda partial: write_json(partial, eval_path))
         write_report(results, eval_path)
+        record["evaluated"] = recipe.eval  # a changed recipe runs again, keeping the tasks it still shares
     finally:
         add_time("eval_wall_s", started)
     return out
@@ -148,6 +150,10 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     for name, result in tasks.items():
         for r in result.get("by_length", []) if "grid" in result else []:
             cells[f"{name} {length_label(r['length'])}"] = _percent(r["score"])
+    ruler_lengths = [{r["length"]: r["score"] for r in tasks[name]["by_length"]} for name in RULER if name in tasks]
+    if len(ruler_lengths) == len(RULER):
+        for length in sorted(set.intersection(*(set(scores) for scores in ruler_lengths))):
+            cells[f"RULER {length_label(length)}"] = _percent(sum(s[length] for s in ruler_lengths) / len(RULER))
     if results["provenance"].get("partial"):
         cells["row"] += " (partial)"
     return cells

@@ -1,5 +1,6 @@
 """Recipes: every shipped file is valid, a run distils + evaluates + resumes, the table gathers the runs."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -97,6 +98,12 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     assert resumed["tasks"]["passkey"]["kept"] is True and "partial" not in resumed["provenance"]
     assert json.loads((out / "run.json").read_text())["eval_wall_s"] > record["eval_wall_s"]
 
+    grown = dataclasses.replace(student, eval={**student.eval, "tasks": "passkey,variable_tracking",
+                                               "task_lengths": {"variable_tracking": "1k"}})
+    run(grown, runs, model=teacher, device="cpu", progress=False)  # a task added: only it runs
+    extended = json.loads((out / "eval.json").read_text())
+    assert extended["tasks"]["passkey"]["kept"] is True and "variable_tracking" in extended["tasks"]
+
     run(Recipe.load(tiny_recipe(tmp_path, "teacher", None)), runs, model=teacher, device="cpu", progress=False)
     text = table(finished_runs([runs]))
     header, _, *rows = text.splitlines()
@@ -104,6 +111,19 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     assert [row.split(" | ")[0] for row in rows] == ["| STUDENT", "| TEACHER"]
     assert rows[0].split(" | ")[2] == "512"
     assert rows[1].split(" | ")[2:4] == ["–", "–"]
+
+
+def test_the_ruler_column_averages_the_ruler_tasks_at_each_length_they_share(tmp_path):
+    run_dir = tmp_path / "row"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": "row", "row": "Row"}}))
+    scores = {"niah_single": 1.0, "niah_multikey": 0.5, "niah_multivalue": 0.25, "variable_tracking": 0.25}
+    tasks = {name: {"grid": [], "by_length": [{"length": 4096, "score": s}] + (
+        [{"length": 8192, "score": 1.0}] if name == "niah_single" else [])} for name, s in scores.items()}
+    (run_dir / "eval.json").write_text(json.dumps({"provenance": {}, "tasks": tasks}))
+    header, _, row = table([run_dir]).splitlines()
+    cells = dict(zip(*([c.strip() for c in line.strip("|").split("|")] for line in (header, row))))
+    assert cells["RULER 4K"] == "50.0" and "RULER 8K" not in cells and cells["niah_single 8K"] == "100.0"
 
 
 def test_write_into_replaces_only_its_section(tmp_path):

@@ -62,6 +62,11 @@ class LinearizedAttention(nn.Module):
         inherited = {id(p) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj) for p in m.parameters()}
         return [p for p in self.parameters() if id(p) not in inherited]
 
+    def head_scalars(self) -> list[nn.Parameter]:
+        """New parameters with a few numbers per head (mixing weights, sinks, gate biases): see
+        `DistillConfig.head_lr_scale`."""
+        return []
+
     def _add_feature_maps(self, feature_map_class, feature_dim: int | None) -> None:
         """Separate q and k maps; f defaults to head_dim / 2, so phi has head_dim features."""
         f = feature_dim or self.head_dim // 2

@@ -26,6 +26,10 @@ class LizardAttention(LinearizedAttention):
         self.alpha = nn.Parameter(torch.full((H,), cfg.alpha_init))
         self._param_like(self)
 
+    def head_scalars(self) -> list[nn.Parameter]:
+        gate_bias = [self.gate.bias] if self.cfg.gate == "scalar" else []
+        return [self.alpha, self.sinks, *gate_bias]
+
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
         """log gamma as [B, H, L, 1] (scalar gate) or [B, H, L, F] (vector gate)."""
         B, L, _ = x.shape

@@ -20,6 +20,9 @@ class LolcatsAttention(LinearizedAttention):
         self.window_factors = nn.Parameter(torch.full((H,), cfg.window_factor_init))
         self._param_like(self)
 
+    def head_scalars(self) -> list[nn.Parameter]:
+        return [self.window_factors]
+
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         q, k = rotate(q, k, position_embeddings)

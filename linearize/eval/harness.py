@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -76,11 +77,12 @@ def is_lm_eval_task(name: str) -> bool:
 
 
 def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=None, batch=8, seed=0,
-                data_dir=None) -> dict:
+                data_dir=None, on_task: Callable[[str, dict], None] | None = None) -> dict:
     """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
 
     `tasks` are our names (see HARNESS_TASKS) or any lm-eval task name. `limit` caps the documents
     per task (per subtask for groups), as lm-eval's --limit does; `task_limits` {task: cap} overrides it.
+    `on_task(task, result)`, if given, gets each task's result as soon as it is done.
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -110,6 +112,8 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
         )
         results[task] = summarize(out, lm_name, manager, sources) | {"data_root": str(root)}
         results[task]["wall_time_s"] = time.perf_counter() - start
+        if on_task is not None:
+            on_task(task, results[task])
     return results
 
 

@@ -129,15 +129,18 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         lines += [f"![loss by position]({plots['loss_by_position'].name})", ""]
     long_rows = [(n, r) for n, r in tasks.items() if "grid" in r]
     if long_rows:
-        lengths = long_rows[0][1]["lengths"]
+        lengths = sorted({length for _, r in long_rows for length in r["lengths"]})
         lines += ["## Long context", "", "| task | " + " | ".join(map(length_label, lengths)) + " | mean |"]
         lines += ["|---" * (len(lengths) + 2) + "|"]
         for name, r in long_rows:
             scores = {b["length"]: b["score"] for b in r["by_length"]}
-            lines.append(f"| {name} | " + " | ".join(f"{scores[n]:.3f}" for n in lengths) + f" | {r['score']:.3f} |")
+            cells = (f"{scores[n]:.3f}" if n in scores else "–" for n in lengths)
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['score']:.3f} |")
         lines.append("")
         lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows]
         lines.append("")
     versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
     lines += ["## Provenance", "", f"- versions: {versions}", f"- lengths {prov['lengths']}, depths {prov['depths']}"]
+    if prov.get("task_lengths"):
+        lines.append(f"- lengths of single tasks: {prov['task_lengths']}")
     return "\n".join(lines) + "\n"

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=positive_int, default=8, help="sequences per optimizer step (global)")
     p.add_argument("--grad-accum", type=positive_int, default=1)
     p.add_argument("--lr", type=_lrs, default=None, help="stage learning rate(s): LR, or LR1,LR2 for both stages")
+    p.add_argument("--head-lr-scale", type=float, default=1.0,
+                   help="stage-1 lr multiplier of the per-head scalars (Lizard: alpha, sinks, gate bias)")
     p.add_argument("--softmax-layers", type=parse_int_list, default=[])
     p.add_argument("--softmax-by-error", type=int, default=0, metavar="N",
                    help="after stage 1, keep softmax in the N layers it left with the highest error")
@@ -60,7 +62,7 @@ def config_from_args(args):
                 lrs["lr_stage2"] = second
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
-                         grad_accum=args.grad_accum, options=options, softmax_layers=args.softmax_layers,
+                         grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options, softmax_layers=args.softmax_layers,
                          softmax_by_error=args.softmax_by_error,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing,

