@@ -172,6 +172,36 @@ def table(run_dirs: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_rows(run_dirs: list[Path], path: Path) -> Path:
+    """The rows side by side: perplexity, passkey and niah_single against context length."""
+    from matplotlib.figure import Figure
+
+    panels = [("ppl", "perplexity (log scale)"), ("passkey", "passkey accuracy (%)"),
+              ("niah_single", "niah_single accuracy (%)")]
+    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    axes = fig.subplots(1, len(panels))
+    lengths = set()
+    for i, run_dir in enumerate(run_dirs):
+        row = json.loads((run_dir / "run.json").read_text())["recipe"]["row"]
+        tasks = json.loads((run_dir / "eval.json").read_text())["tasks"]
+        for ax, (task, _) in zip(axes, panels):
+            points = [(r["length"], r["ppl"] if task == "ppl" else 100 * r["score"])
+                      for r in tasks.get(task, {}).get("by_length", [])]
+            if points:
+                lengths |= {length for length, _ in points}
+                ax.plot(*zip(*points), marker="o", label=row, color=f"C{i}")  # a row's colour in every panel
+    for ax, (task, label) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(lengths), [length_label(n) for n in sorted(lengths)])
+        ax.set(xlabel="context length (tokens)", ylabel=label, title=task)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def finished_runs(roots: list[Path]) -> list[Path]:
     """Run directories under `roots` (or the roots themselves) that hold both run.json and eval.json."""
     found = []
@@ -206,6 +236,7 @@ def register(subparsers) -> None:
     t = sub.add_parser("table", help="a Markdown table of finished runs")
     t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
+    t.add_argument("--plot", type=Path, help="also draw the rows' perplexity and retrieval by length into this PNG")
     t.set_defaults(func=_table_command)
 
 
@@ -223,7 +254,10 @@ def _table_command(args) -> int:
     for path in args.runs:
         if not path.is_dir():
             raise RecipeError(f"{path} is not a directory")
-    text = table(finished_runs(args.runs))
+    runs = finished_runs(args.runs)
+    text = table(runs)
+    if args.plot:
+        print(f"wrote {plot_rows(runs, args.plot)}")
     if args.into:
         write_into(args.into, text)
         print(f"wrote {args.into}")

@@ -9,7 +9,17 @@ from tiny_models import save_tiny_teacher
 
 from linearize.cli import main
 from linearize.config import make_method_config
-from linearize.recipes import TABLE_END, TABLE_START, Recipe, RecipeError, finished_runs, run, table, write_into
+from linearize.recipes import (
+    TABLE_END,
+    TABLE_START,
+    Recipe,
+    RecipeError,
+    finished_runs,
+    plot_rows,
+    run,
+    table,
+    write_into,
+)
 from linearize.train import DistillConfig
 
 SHIPPED = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.json"))
@@ -106,6 +116,8 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
 
     run(Recipe.load(tiny_recipe(tmp_path, "teacher", None)), runs, model=teacher, device="cpu", progress=False)
     text = table(finished_runs([runs]))
+    plot = plot_rows(finished_runs([runs]), tmp_path / "plots" / "rows.png")
+    assert plot.read_bytes().startswith(b"\x89PNG")
     header, _, *rows = text.splitlines()
     assert header.startswith("| row | recipe | train tokens | train min | passkey 1K |")
     assert [row.split(" | ")[0] for row in rows] == ["| STUDENT", "| TEACHER"]

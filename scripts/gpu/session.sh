@@ -30,10 +30,12 @@ case $part in
     recipes=()
     for name in "$@"; do recipes+=("recipes/$name.json"); done
     step rows 570 python -m linearize.cli recipe run "${recipes[@]}" --out /tmp/runs
-    # The runs stay in /tmp/runs (a later call on a warm machine resumes them); weights stay there.
+    # The runs stay in /tmp/runs (a later call on a warm machine resumes them); weights and checkpoints
+    # stay there, the training logs come back.
     runs=()
     for name in "$@"; do [ -d "/tmp/runs/$name" ] && runs+=(-C /tmp/runs "$name"); done
-    tar czf "$OUT/$tag.tgz" --exclude=model -C /tmp/res "$tag" "${runs[@]}"
+    tar czf "$OUT/$tag.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude=checkpoint --exclude='*.gguf' \
+      -C /tmp/res "$tag" "${runs[@]}"
     exit ;;
   teacher)
     step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
