@@ -37,6 +37,7 @@ class DistillConfig:
     # After stage 1, this many more layers — those it left with the highest error — go back to
     # softmax for stage 2 and the final model (the hybrid selection rule; see docs/training.md).
     softmax_by_error: int = 0
+    fsdp_reshard: bool = True  # stage 2 under torchrun: free each layer's gathered weights after its forward
     save_every: int = 100  # optimizer steps between checkpoints
     eval_every: int = 100
     val_batches: int = 4
@@ -82,6 +83,7 @@ class DistillConfig:
 
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
-        free = {"save_every", "eval_every", "device"}
+        # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
+        free = {"out", "save_every", "eval_every", "device", "fsdp_reshard"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

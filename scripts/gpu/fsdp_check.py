@@ -3,8 +3,10 @@
     python scripts/gpu/fsdp_check.py --gpus 2 --out $OUT/fsdp [--model smollm2] [--steps 40]
 
 Runs `linearize distill` under torchrun with 1 and with N processes on identical settings (stage 1
-then stage 2), then resumes a stopped N-GPU run on 1 GPU. Writes fsdp.json (per-step losses of both
-runs, their largest relative difference, median tokens/s and the speed-up) and fsdp.png.
+then stage 2), and N processes again with `--no-fsdp-reshard` (each layer stays gathered from its
+forward to its backward in stage 2). Writes fsdp.json (per-step losses of the runs, their largest
+relative difference, median tokens/s and the speed-ups) and fsdp.png. Resuming a multi-rank run, on
+as many ranks or fewer, is tested on CPU (tests/train/test_multirank.py).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = Path("/tmp/fsdp_runs")
     one, many = runs / "gpu1", runs / f"gpu{args.gpus}"
+    gathered = runs / f"gpu{args.gpus}-gathered"
     distill(1, one, args)
     distill(args.gpus, many, args)
+    distill(args.gpus, gathered, args, ["--no-fsdp-reshard"])
 
     result = {"gpus": args.gpus, "model": args.model, "method": args.method, "batch": args.batch,
               "seq_len": args.seq_len, "steps": args.steps, "stages": {}}
@@ -63,6 +67,9 @@ def main() -> None:
                                    "tokens_per_s_1gpu": a["tokens_per_s"],
                                    f"tokens_per_s_{args.gpus}gpu": b["tokens_per_s"],
                                    "speedup": b["tokens_per_s"] / a["tokens_per_s"]}
+    kept = summary(read_log(gathered), 2)
+    result["stages"][2]["tokens_per_s_no_reshard"] = kept["tokens_per_s"]
+    result["stages"][2]["speedup_no_reshard"] = kept["tokens_per_s"] / result["stages"][2]["tokens_per_s_1gpu"]
     (out / "fsdp.json").write_text(json.dumps(result, indent=2))
 
     import matplotlib

@@ -2,19 +2,23 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_distill import log
 
+from linearize.loading import load_model
+
 TORCHRUN = Path(sys.executable).parent / "torchrun"  # installed with torch, beside this interpreter
+DISTILL = ("-m", "linearize.cli", "distill")
 
 
-def torchrun(nproc: int, workspace: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}",
-           "--standalone", "-m", "linearize.cli", "distill",
+def torchrun(nproc: int, workspace: Path, out: Path, *extra: str, entry=DISTILL) -> subprocess.CompletedProcess:
+    cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", "--standalone", *entry,
            "--model", str(workspace / "teacher"), "--method", "lizard", "--data", str(workspace / "data.txt"),
            "--out", str(out), "--device", "cpu", "--max-tokens", str(6 * 4 * 32), "--seq-len", "32", "--batch", "4",
            "--save-every", "3", "--eval-every", "6", "--set", "window=8", "--set", "num_sinks=2", *extra]
@@ -28,16 +32,41 @@ def losses(out: Path, stage: int) -> list[float]:
 
 @pytest.mark.slow
 def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    for n, out in ((1, one), (2, two)):
-        proc = torchrun(n, workspace, out)
+    one, two, gathered = tmp_path / "one", tmp_path / "two", tmp_path / "gathered"
+    for n, out, extra in ((1, one, ()), (2, two, ()), (2, gathered, ("--no-fsdp-reshard",))):
+        proc = torchrun(n, workspace, out, *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
     for stage in (1, 2):
         a, b = losses(one, stage), losses(two, stage)
         assert len(a) == len(b) == 6
         for x, y in zip(a, b):
             assert abs(x - y) <= 1e-3 * abs(x), (stage, a, b)
+    assert losses(gathered, 2) == losses(two, 2)  # keeping layers gathered changes when, not what
     assert json.loads((two / "distill_config.json").read_text())["method"] == "lizard"
     # A second start on the finished directory is refused on every rank alike, with the one-line error.
     again = torchrun(2, workspace, two)
     assert again.returncode != 0 and "already holds a run" in again.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_path):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert torchrun(2, workspace, straight).returncode == 0
+    interrupted = torchrun(2, workspace, cut, entry=(str(Path(__file__).with_name("interrupted_distill.py")), "5"))
+    assert interrupted.returncode != 0, interrupted.stderr[-4000:]
+    assert "interrupted: checkpoint at step 4" in interrupted.stdout, interrupted.stdout[-2000:] + interrupted.stderr[-4000:]
+    one_rank = tmp_path / "one_rank"
+    shutil.copytree(cut, one_rank)
+
+    for nproc, out in ((2, cut), (1, one_rank)):
+        proc = torchrun(nproc, workspace, out, "--resume")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    # On the same ranks the resumed run is the uninterrupted one, bit for bit.
+    a, b = load_model(straight), load_model(cut)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+    steps = lambda out: {r["step"]: r["loss"] for r in log(out) if r["stage"] == 2 and "loss" in r}
+    assert steps(cut) == steps(straight)
+    # The checkpoint holds full tensors, so one rank picks it up too (other reduction order: 1e-3).
+    for step, loss in steps(one_rank).items():
+        assert abs(loss - steps(straight)[step]) <= 1e-3 * abs(loss), step
