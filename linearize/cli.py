@@ -135,17 +135,21 @@ def cmd_demo(args) -> None:
 
     gpu = torch.cuda.is_available()
     # On 2 CPU cores a step of 4 x 256 tokens takes ~3 s in stage 1 and ~6 s in stage 2, so the CPU
-    # budget is 48 steps per stage (~9 minutes in all), with learning rates raised to make them count.
+    # budget is 48 steps per stage (~9 minutes in all).
     budget = ({"max_tokens": 20_000_000, "seq_len": 2048, "batch": 8} if gpu
-              else {"max_tokens": 49_152, "seq_len": 256, "batch": 4, "lr_stage1": 1e-2, "lr_stage2": 1e-3})
+              else {"max_tokens": 49_152, "seq_len": 256, "batch": 4})
+    # The Lizard variant that learns fastest from this teacher (docs/methods.md): RoPE in the window,
+    # one shared normaliser, the per-head scalars at 30x the stage-1 lr.
+    options = {"rope_in_window": True, "combine": "shared"}
     cfg = DistillConfig(model=args.model, method="lizard", out=args.out, data="default", eval_every=16,
-                        save_every=8, val_batches=2, **budget)
+                        save_every=8, val_batches=2, head_lr_scale=30.0, options=options, **budget)
     out = Path(args.out)
     ensure_distilled(cfg)
     tokenizer = load_tokenizer(args.model)
     prompt = "Write one sentence about the sea."
     device = "cuda" if gpu else None
-    print(f"distilled with {cfg.max_tokens:,} tokens per stage at length {cfg.seq_len} (the papers use 20M)")
+    print(f"distilled with {cfg.max_tokens:,} tokens per stage at length {cfg.seq_len} (the papers use 20M), "
+          f"options {options}")
     for name, spec in (("teacher", args.model), ("lizard student", str(out))):
         model = load_model(spec, device=device)
         ppl = perplexity(model, tokenizer, [512], limit=4)["by_length"][0]["ppl"]
