@@ -64,8 +64,8 @@ def config_from_args(args):
                 lrs["lr_stage2"] = second
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
-                         grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options, softmax_layers=args.softmax_layers,
-                         softmax_by_error=args.softmax_by_error,
+                         grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
+                         softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp_reshard=args.fsdp_reshard,
                          precision=args.precision, **lrs)
