@@ -9,7 +9,8 @@ from linearize.cli import main
 from linearize.train import distillation
 
 
-def interrupt_at_stage2_step(n: int) -> None:
+def interrupting_stage_loss(n: int):
+    """`distillation.stage_loss` that raises KeyboardInterrupt in the Nth stage-2 training step."""
     real, calls = distillation.stage_loss, {"n": 0}
 
     def flaky(model, ids, stage):
@@ -18,9 +19,9 @@ def interrupt_at_stage2_step(n: int) -> None:
             raise KeyboardInterrupt
         return real(model, ids, stage)
 
-    distillation.stage_loss = flaky
+    return flaky
 
 
 if __name__ == "__main__":
-    interrupt_at_stage2_step(int(sys.argv[1]))
+    distillation.stage_loss = interrupting_stage_loss(int(sys.argv[1]))
     sys.exit(main(["distill", *sys.argv[2:]]))

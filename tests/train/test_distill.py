@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interrupted_distill import interrupting_stage_loss
 
 from linearize.loading import load_model
 from linearize.train import DistillConfig, ResumeError, distill
@@ -60,15 +61,9 @@ def test_each_stage_changes_only_its_parameters(workspace, tmp_path):
 def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monkeypatch):
     straight = distill(config(workspace, tmp_path / "straight"), progress=False)
 
-    real_loss, calls = distill_module.stage_loss, {"n": 0}
-
-    def flaky(model, ids, stage):
-        calls["n"] += stage == 2
-        if calls["n"] == 7:  # stage 2: val, steps 1-4 (checkpoint at 3), val, then mid step 5
-            raise KeyboardInterrupt
-        return real_loss(model, ids, stage)
-
-    monkeypatch.setattr(distill_module, "stage_loss", flaky)
+    real_loss = distill_module.stage_loss
+    # Mid stage-2 step 5: the checkpoint of step 3 is the last one saved before.
+    monkeypatch.setattr(distill_module, "stage_loss", interrupting_stage_loss(5))
     with pytest.raises(KeyboardInterrupt):
         distill(config(workspace, tmp_path / "resumed"), progress=False)
     monkeypatch.setattr(distill_module, "stage_loss", real_loss)
