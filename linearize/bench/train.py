@@ -48,7 +48,8 @@ def build(cfg: DistillConfig, stage: int | None):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, settings: dict) -> dict:
+def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, settings: dict,
+            profile_to: Path | None = None) -> dict:
     model.to(rt.device).train()
     optimizer = torch.optim.AdamW(params, lr=cfg.lr(stage or 2), betas=cfg.betas, weight_decay=cfg.weight_decay)
     ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len), device=rt.device)
@@ -63,13 +64,32 @@ def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, s
 
     reset_peak(rt.device)
     ms = time_ms(step, rt.device, warmup=settings["warmup"], iters=settings["steps"])
+    if profile_to is not None:
+        write_profile(step, rt.device, profile_to)
     return {"step_ms": ms, "tokens_per_s": cfg.batch * cfg.seq_len * 1e3 / ms, "peak_bytes": peak_bytes(rt.device),
             "trained_parameters": sum(p.numel() for p in params)}
 
 
-def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: bool = False,
+def write_profile(step, device: torch.device, path: Path, rows: int = 40) -> None:
+    """One more step under torch.profiler: the ops that took the most device (or CPU) time, as a table."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n")
+
+
+def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: bool = False, profile: bool = False,
           **overrides) -> list[Path]:
-    """Time the three modes; `overrides` (seq_len, batch, steps) replace entries of FULL / QUICK."""
+    """Time the three modes; `overrides` (seq_len, batch, steps) replace entries of FULL / QUICK.
+
+    With `profile`, each mode also writes `profile-<stage>.txt` (the top ops of one more step).
+    """
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
     rt = Runtime.start(None, "auto")
     settings.update(model=model, method=method, precision="bf16 autocast" if rt.bf16 else "float32", quick=quick,
@@ -81,7 +101,8 @@ def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: b
         row = {"mode": mode, "stage": stage}
         started = time.perf_counter()
         try:
-            row.update(status="ok", **measure(*build(cfg, stage), cfg, stage, rt, settings))
+            profile_to = out / f"profile-{stage or 'teacher'}.txt" if profile else None
+            row.update(status="ok", **measure(*build(cfg, stage), cfg, stage, rt, settings, profile_to))
         except Exception as e:  # noqa: BLE001 (OOM or a broken mode: record it, time the others)
             row.update(failure(e))
         row["wall_s"] = time.perf_counter() - started

@@ -68,6 +68,34 @@ def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
     return score.masked_fill(~new_valid[:, None, :], float("-inf"))
 
 
+def banded_saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
+    """`saliency_scores` from only the keys a query sees: each block of C queries against 2C keys.
+
+    Query t (combined index t + P - L) sees keys (t + P - L - C, t + P - L]; block b of queries sees
+    combined keys [P - L + (b - 1) C, P - L + (b + 1) C), so the cost is L x 2C instead of L x P.
+    """
+    B, H, L, d = q.shape
+    P, C = keys.shape[2], chunk
+    blocks = -(-L // C)
+    n_rep = H // keys.shape[1]
+    tail = blocks * C - L
+    # Padded index = combined index + C; block b's keys start at padded P - L + bC.
+    span = slice(P - L, P - L + (blocks + 1) * C)
+    key_blocks = torch.nn.functional.pad(keys, (0, 0, C, tail))[:, :, span].unfold(2, 2 * C, C)
+    valid_blocks = torch.nn.functional.pad(key_valid, (C, tail), value=False)[:, span].unfold(1, 2 * C, C)
+    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, tail)).unflatten(2, (blocks, C))
+    scores = (q_blocks @ repeat_kv(key_blocks, n_rep)) * scale  # [B, H, blocks, C, 2C]
+    i = torch.arange(C, device=q.device)[:, None]
+    j = torch.arange(2 * C, device=q.device)[None, :]
+    local = (j > i) & (j <= i + C) & valid_blocks[:, None, :, None, :]
+    diag = torch.softmax(scores.masked_fill(~local, float("-inf")), dim=-1).nan_to_num(0.0)
+    weights, _ = exp_weights(scores.masked_fill(~(local & (j != i + C)), float("-inf")))
+    nodiag = weights / weights.sum(-1, keepdim=True).clamp_min(1e-30)
+    score = (diag * ((diag + eps) / (nodiag + eps)).log()).sum(-1).flatten(2)[..., :L]
+    score = score.unflatten(1, (-1, n_rep)).mean(2)  # [B, H_kv, L]
+    return score.masked_fill(~new_valid[:, None, :], float("-inf"))
+
+
 def positional_scores(routing, positions, num_kv_heads, valid):
     """Scores for the ablations: `recency` keeps the newest, `random` a position hash (same in all forms)."""
     pos = positions[:, None, :].expand(-1, num_kv_heads, -1)
@@ -130,7 +158,8 @@ def _token_scores(q, keys, key_valid, valid, positions, *, routing, chunk, scale
     # Routing is discrete: scores only take part in comparisons, so they carry no gradient.
     with torch.no_grad():
         if routing == "saliency":
-            return saliency_scores(q, keys, key_valid, valid, chunk=chunk, scale=scale, eps=eps)
+            saliency = banded_saliency_scores if q.shape[2] > 1 else saliency_scores
+            return saliency(q, keys, key_valid, valid, chunk=chunk, scale=scale, eps=eps)
         return positional_scores(routing, positions, keys.shape[1], valid)
 
 
@@ -145,6 +174,25 @@ def _select_if_complete(chosen, scores, key_valid, end, completes, chunk, per_ch
     c = slice(end - chunk + 1, end + 1)
     picked = select_chunk(scores[..., c], key_valid[:, None, c], per_chunk)
     chosen[..., c] = torch.where(completes[:, None, None], picked, chosen[..., c])
+
+
+def _select_completed_chunks(chosen, scores, key_valid, completes, W1, chunk, per_chunk):
+    """`_select_if_complete` for every new token at once (a row's real tokens are contiguous, so
+    the chunks completed in one call are disjoint slices of the combined sequence)."""
+    B, Hkv, _ = scores.shape
+    L, C = completes.shape[1], chunk
+    # End t's chunk is combined [W1 + t - C + 1, W1 + t]: offset t + o from combined W1 - C + 1.
+    first = W1 - C + 1
+    picked = select_chunk(scores[..., first:].unfold(-1, C, 1), key_valid[:, None, first:].unfold(-1, C, 1),
+                          per_chunk)  # [B, H_kv, L, C]
+    picked = picked & completes[:, None, :, None]
+    index = (torch.arange(L, device=scores.device)[:, None] + torch.arange(C, device=scores.device)).flatten()
+    span = L + C - 1
+    hits = torch.zeros(B, Hkv, span, device=scores.device, dtype=torch.int32)
+    hits = hits.index_add(-1, index, picked.flatten(2).to(torch.int32))
+    covered = torch.zeros(B, span, device=scores.device, dtype=torch.int32)
+    covered = covered.index_add(-1, index, completes[:, :, None].expand(-1, -1, C).flatten(1).to(torch.int32))
+    chosen[..., first:] = torch.where(covered[:, None, :] > 0, hits > 0, chosen[..., first:])
 
 
 def _scored_window(q, k, v, valid, state, routing, chunk, scale, eps):
@@ -171,7 +219,7 @@ def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, sc
     return (num + lin_num) / (weights.sum(-1) + lin_den + eps)[..., None]
 
 
-def _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk):
+def _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk, fresh):
     """Fold time of every key (salient slots first, then the combined sequence) and the final slots.
 
     Chunk selections depend only on scores, so they all come first; then the L departures (combined
@@ -181,16 +229,18 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
     """
     B, Hkv, _ = scores.shape
     L = completes.shape[1]
-    for i in completes.any(0).nonzero()[:, 0].tolist():
-        _select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
+    _select_completed_chunks(chosen, scores, key_valid, completes, W1, chunk, per_chunk)
     K = state["sal_used"].shape[-1]
+    # From a fresh state at most L // chunk chunks complete: when their picks fit, skip the check
+    # (a host sync per layer, which stalls the GPU's queue in training).
+    fits = fresh and (L // chunk) * per_chunk <= K
     slot_ids = torch.arange(K, device=scores.device).expand(B, Hkv, K)  # ids: slots first, then combined
     slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
     fold_time = torch.full((B, Hkv, K + W1 + L), NEVER, device=scores.device, dtype=torch.long)
     departing = chosen[..., :L]
     leave = torch.arange(start + 1, start + L + 1, device=scores.device)
 
-    if (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all():
+    if fits or (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all():
         fold_time[..., K : K + L] = torch.where(departing, NEVER, leave)
         if K == 0:
             return fold_time, slot_ids, slots
@@ -289,7 +339,7 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     positions = torch.arange(start - W1, start + L, device=q.device)
 
     fold_time, slot_ids, slots = _replay_routing(state, scores, chosen, key_valid, completes, positions, start,
-                                                 W1, chunk, per_chunk)
+                                                 W1, chunk, per_chunk, fresh)
     K = state["sal_used"].shape[-1]
 
     all_keys = torch.cat([state["sal_k"], keys], dim=2)

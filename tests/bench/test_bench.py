@@ -30,7 +30,7 @@ def outputs(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("runs")
     run("bench", "kernels", "--out", root / "kernels", "--quick")
     run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick")
-    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick")
+    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile")
     return root
 
 
@@ -79,6 +79,12 @@ def test_train_times_both_stages_and_the_full_fine_tune(outputs):
     assert [r["stage"] for r in rows.values()] == [1, 2]
     assert all(0 < r["trained_parameters"] < full for r in rows.values())
     assert results["settings"]["attention"] == "PyTorch ops"  # no GPU here: what the record must say
+
+
+def test_train_profile_lists_each_modes_top_ops(outputs):
+    for mode in ("teacher", "1", "2"):
+        table = (outputs / "train" / f"profile-{mode}.txt").read_text()
+        assert "Self CPU" in table and "aten::mm" in table, mode
 
 
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):

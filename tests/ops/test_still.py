@@ -105,6 +105,36 @@ def test_saliency_score_is_high_for_self_attending_tokens():
     assert scores[0, 0, 1] > scores[0, 0, 0] > 0
 
 
+@pytest.mark.parametrize("L,P,chunk", [(1, 4, 4), (7, 10, 4), (29, 32, 4), (16, 16, 8), (33, 40, 2)])
+def test_banded_saliency_equals_the_full_one(L, P, chunk):
+    g = torch.Generator().manual_seed(L)
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    keys = torch.randn(B, HKV, P, D, generator=g, dtype=torch.float64)
+    key_valid = torch.ones(B, P, dtype=torch.bool)
+    key_valid[1, : P - L + 3] = False  # a left-padded row
+    opts = {"chunk": chunk, "scale": D**-0.5, "eps": 1e-6}
+    full = still.saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
+    banded = still.banded_saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
+    torch.testing.assert_close(banded, full, atol=1e-12, rtol=1e-10)
+
+
+def test_selecting_all_completed_chunks_at_once_equals_one_by_one():
+    g = torch.Generator().manual_seed(3)
+    W1, L, chunk, per_chunk = 5, 37, 4, 2
+    scores = torch.randint(0, 5, (B, HKV, W1 + L), generator=g).double()  # ties included
+    key_valid = torch.ones(B, W1 + L, dtype=torch.bool)
+    key_valid[1, : W1 + 6] = False
+    chosen = torch.rand(B, HKV, W1 + L, generator=g) < 0.3
+    count = torch.tensor([3, 0])
+    positions = count[:, None] + key_valid[:, W1:].long().cumsum(1) - 1
+    completes = key_valid[:, W1:] & ((positions + 1) % chunk == 0)
+    at_once = chosen.clone()
+    still._select_completed_chunks(at_once, scores, key_valid, completes, W1, chunk, per_chunk)
+    for i in range(L):
+        still._select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
+    assert torch.equal(at_once, chosen)
+
+
 def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
     """Within the budget no token is evicted: routing is computed at once, and still equals the recurrence."""
     (q, k, v, gate), valid, phi_q, phi_k = setup(12)
