@@ -20,6 +20,16 @@ from .cache import LinearizeCacheLayer
 # which a captured graph would freeze; those models step eagerly.
 GRAPH_METHODS = ("lizard", "liger", "lolcats")
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    # One side stream per device for every decoder's warm-up and capture: cuBLAS keeps a workspace
+    # (tens of MiB) per stream it has run on, so a new stream per capture leaves one more behind each time.
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
 
 class StaticDecoder:
     def __init__(self, model, cache, *, batch: int, cuda_graph: bool | None = None):
@@ -88,14 +98,14 @@ class StaticDecoder:
                 layer.seen = seen
 
         try:
-            stream = torch.cuda.Stream()
+            stream = _capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._forward()
             torch.cuda.current_stream().wait_stream(stream)
             restore()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 self.logits = self._forward()
             self.graph = graph
         finally:

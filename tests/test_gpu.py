@@ -79,3 +79,20 @@ def test_cuda_graph_decode_equals_eager(method):
     graphed = greedy_decode(model, ids, 24, cuda_graph=True)  # STILL falls back to eager steps
     eager = greedy_decode(model, ids, 24, cuda_graph=False)
     assert torch.equal(graphed, eager)
+
+
+def test_decoders_leave_no_memory_behind():
+    """Each bench point builds a decoder: the third one must end with as much memory allocated as the second."""
+    import gc
+
+    from linearize.decode import greedy_decode
+
+    model = cuda_student("lizard")
+    ids = torch.randint(3, 128, (2, 21), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    allocated = []
+    for _ in range(3):
+        greedy_decode(model, ids, 4, cuda_graph=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[2] == allocated[1]
