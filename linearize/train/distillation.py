@@ -232,6 +232,7 @@ class Run:
         layer_errors = None  # stage 1's per-layer MSE at the last validation
         try:
             while step < total:
+                step_started = time.perf_counter()
                 loss_sum = 0.0
                 for _ in range(cfg.grad_accum):
                     ids = next(batches).to(rt.device)
@@ -251,11 +252,13 @@ class Run:
                 step += 1
                 tokens += cfg.batch * cfg.seq_len
                 snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
-                elapsed = time.perf_counter() - started
-                speed = (tokens - tokens_at_start) / max(elapsed, 1e-9)
                 loss_value = rt.mean(loss_sum)
+                now = time.perf_counter()
+                # tokens_per_s: the stage so far (what the bar shows); step_s: this optimizer step alone,
+                # without validation, checkpoints or the first step's kernel compilation in other steps.
+                speed = (tokens - tokens_at_start) / max(now - started, 1e-9)
                 self.log({"stage": stage, "step": step, "tokens": tokens, "loss": loss_value, "lr": lr,
-                          "grad_norm": float(grad_norm), "tokens_per_s": speed})
+                          "grad_norm": float(grad_norm), "tokens_per_s": speed, "step_s": now - step_started})
                 bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{speed:,.0f}")
                 bar.update(1)
                 if step % cfg.eval_every == 0 or step == total:

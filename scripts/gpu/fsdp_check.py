@@ -32,10 +32,11 @@ def read_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
-def summary(records: list[dict], stage: int) -> dict:
+def summary(records: list[dict], stage: int, tokens_per_step: int) -> dict:
+    """Losses, and the median of per-step rates after the first quarter (the first step compiles kernels)."""
     steps = [r for r in records if r["stage"] == stage and "loss" in r]
     return {"loss": [r["loss"] for r in steps],
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps[len(steps) // 4:])}
+            "tokens_per_s": statistics.median(tokens_per_step / r["step_s"] for r in steps[len(steps) // 4:])}
 
 
 def main() -> None:
@@ -59,15 +60,16 @@ def main() -> None:
 
     result = {"gpus": args.gpus, "model": args.model, "method": args.method, "batch": args.batch,
               "seq_len": args.seq_len, "steps": args.steps, "stages": {}}
+    per_step = args.batch * args.seq_len
     for stage in (1, 2):
-        a, b = summary(read_log(one), stage), summary(read_log(many), stage)
+        a, b = summary(read_log(one), stage, per_step), summary(read_log(many), stage, per_step)
         worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["loss"], b["loss"]))
         result["stages"][stage] = {"loss_1gpu": a["loss"], f"loss_{args.gpus}gpu": b["loss"],
                                    "max_relative_loss_difference": worst,
                                    "tokens_per_s_1gpu": a["tokens_per_s"],
                                    f"tokens_per_s_{args.gpus}gpu": b["tokens_per_s"],
                                    "speedup": b["tokens_per_s"] / a["tokens_per_s"]}
-    kept = summary(read_log(gathered), 2)
+    kept = summary(read_log(gathered), 2, per_step)
     result["stages"][2]["tokens_per_s_no_reshard"] = kept["tokens_per_s"]
     result["stages"][2]["speedup_no_reshard"] = kept["tokens_per_s"] / result["stages"][2]["tokens_per_s_1gpu"]
     (out / "fsdp.json").write_text(json.dumps(result, indent=2))

@@ -33,7 +33,8 @@ def test_both_stages_reduce_their_losses_and_export_a_model(workspace, tmp_path)
         val = [r["val_loss"] for r in records if r["stage"] == stage and r.get("split") == "val"]
         assert val[-1] < val[0], (stage, val)
         train = [r for r in records if r["stage"] == stage and "loss" in r]
-        assert {"stage", "step", "tokens", "loss", "lr"} <= set(train[0])
+        assert {"stage", "step", "tokens", "loss", "lr", "tokens_per_s", "step_s"} <= set(train[0])
+        assert all(r["step_s"] > 0 for r in train)
         assert train[-1]["tokens"] == 16 * 4 * 32
     model = load_model(out)
     assert model.config.linearize["method"] == "lizard"
