@@ -74,7 +74,7 @@ def banded_saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
     Query t (combined index t + P - L) sees keys (t + P - L - C, t + P - L]; block b of queries sees
     combined keys [P - L + (b - 1) C, P - L + (b + 1) C), so the cost is L x 2C instead of L x P.
     """
-    B, H, L, d = q.shape
+    H, L = q.shape[1], q.shape[2]
     P, C = keys.shape[2], chunk
     blocks = -(-L // C)
     n_rep = H // keys.shape[1]
