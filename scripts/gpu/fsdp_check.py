@@ -1,6 +1,7 @@
 """One GPU vs N GPUs (FSDP2) at the same global batch: same loss curve, tokens/s ratio, resume.
 
     python scripts/gpu/fsdp_check.py --gpus 2 --out $OUT/fsdp [--model smollm2] [--steps 40]
+    python scripts/gpu/fsdp_check.py --from-log fsdp.log --batch 16   # per-step rates of a captured log
 
 Runs `linearize distill` under torchrun with 1 and with N processes on identical settings (stage 1
 then stage 2), and N processes again with `--no-fsdp-reshard` (each layer stays gathered from its
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -39,16 +41,43 @@ def summary(records: list[dict], stage: int, tokens_per_step: int) -> dict:
             "tokens_per_s": statistics.median(tokens_per_step / r["step_s"] for r in steps[len(steps) // 4:])}
 
 
+def rates_from_log(text: str, tokens_per_step: int) -> list[dict]:
+    """Per-step tokens/s of each run and stage in a captured log of this script, from the progress bars.
+
+    The bars show the stage-so-far rate after step n (tokens n*T over elapsed e_n); e_n - e_(n-1) is
+    step n alone (with a checkpoint save, the step after one). Logs written before train_log.jsonl had
+    `step_s` need this; the median skips the first quarter, as `summary` does.
+    """
+    found = []
+    for run in re.split(r"(?m)^\+ torchrun", text)[1:]:
+        command = run.splitlines()[0].strip()
+        for stage in (1, 2):
+            shown = {int(n): int(rate.replace(",", "")) for n, rate in
+                     re.findall(rf"stage {stage}:[^|]*\|[^|]*\|\s*(\d+)/\d+ [^\]]*tok_s=([\d,]+)\]", run)}
+            elapsed = {n: n * tokens_per_step / rate for n, rate in shown.items() if n > 0}
+            steps = [elapsed[n] - elapsed[n - 1] for n in sorted(elapsed) if n - 1 in elapsed]
+            found.append({"run": command, "stage": stage, "step_s": steps,
+                          "tokens_per_s": statistics.median(tokens_per_step / t for t in steps[len(steps) // 4:])})
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--from-log", help="only print per-step rates from a captured log of this script")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--method", default="lizard")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     args = parser.parse_args()
+    if args.from_log:
+        for row in rates_from_log(Path(args.from_log).read_text(), args.batch * args.seq_len):
+            print(f"stage {row['stage']}: {row['tokens_per_s']:,.0f} tokens/s  {row['run']}")
+        return
+    if not args.out:
+        parser.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path("/tmp/fsdp_runs")
