@@ -15,7 +15,9 @@ from transformers import DynamicCache
 import linearize
 from linearize import kernels
 
-OPTIONS = {"lizard": {"window": 8, "num_sinks": 2}, "liger": {"window": 8}}
+# name: (method, options); "lizard-shared" is the variant with RoPE in the window and one shared normaliser.
+STUDENTS = {"lizard": ("lizard", {"window": 8, "num_sinks": 2}), "liger": ("liger", {"window": 8}),
+            "lizard-shared": ("lizard", {"window": 8, "num_sinks": 2, "rope_in_window": True, "combine": "shared"})}
 
 
 def _rel(a, b):
@@ -24,7 +26,8 @@ def _rel(a, b):
 
 def _student(method, device, dtype):
     model = tiny_teacher()
-    linearize.convert(model, method, **OPTIONS[method])
+    name, options = STUDENTS[method]
+    linearize.convert(model, name, **options)
     perturb_new_parameters(model)
     return model.to(device=device, dtype=dtype)
 

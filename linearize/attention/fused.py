@@ -16,7 +16,7 @@ def kernels_enabled() -> bool:
 
 
 def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_continue, query_scale=1.0,
-        **options):
+        shared=False, **options):
     """(y float32, new state or None) through the kernel, or None where it does not apply.
 
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
@@ -24,9 +24,10 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     `state` (`kernels.lizard_attention_continued`), and without gradients to single-token steps
     (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype` (the projections' dtype:
     bf16 under autocast); `query_scale` multiplies fq there only. `options` are
-    `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize).
+    `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize). With `shared` (one
+    normaliser for both branches) only passes from an empty state take the kernel.
     """
-    if not kernels_enabled():
+    if not kernels_enabled() or (shared and (fq.shape[2] == 1 or start > 0)):
         return None
     if fq.shape[2] == 1:
         if state is None or torch.is_grad_enabled():
@@ -47,11 +48,11 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     # Leading padding is rotated to the end of its row: every real token then sees only real tokens
     # before it (padding after them never reaches them), and the outputs are rotated back.
     if lead is None:
-        y = kernels.lizard_attention(*operands, **options)
+        y = kernels.lizard_attention(*operands, shared=shared, **options)
     else:
         L = valid.shape[1]
         shift = torch.remainder(torch.arange(L, device=valid.device) + lead[:, None], L)
-        y = kernels.lizard_attention(*(rotate_rows(t, shift) for t in operands), **options)
+        y = kernels.lizard_attention(*(rotate_rows(t, shift) for t in operands), shared=shared, **options)
         y = rotate_rows(y, torch.argsort(shift, dim=1))
     new_state = gla_window.state_after(fk, log_g, kw, v, options["window"], valid) if caching else None
     return y.float(), new_state

@@ -48,10 +48,10 @@ class LizardAttention(LinearizedAttention):
         sinks = self.sinks.float() if cfg.num_sinks else None
         options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
                    "eps": cfg.eps}
-        if cfg.combine == "alpha":
-            out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
-                            dtype=self.projection_dtype, can_continue=True, **options)
-            if out is not None:
-                return out
+        shared = cfg.combine == "shared"
+        out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
+                        dtype=self.projection_dtype, can_continue=True, shared=shared, **options)
+        if out is not None:
+            return out
         return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0, normalize=True,
-                               shared=cfg.combine == "shared", **options)
+                               shared=shared, **options)

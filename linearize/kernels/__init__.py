@@ -46,16 +46,19 @@ def unsupported_reason(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None
     return supports(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks)
 
 
-def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True):
+def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
+                     shared=False):
     """Lizard attention from scratch (no carried state, no padding), y [B, H, L, d] in the inputs' dtype.
 
     y_i = phi_q_i^T S_i / (phi_q_i^T z_i + eps) + alpha_h * softmax window over (i - w, i] with sinks,
     i.e. `gla_window_parallel` with an empty state, all tokens valid, beta = 1, shared=False; with
-    normalize=False the linear part is phi_q_i^T S_i alone (Liger's form; scale fq for its beta).
+    normalize=False the linear part is phi_q_i^T S_i alone (Liger's form; scale fq for its beta); with
+    shared=True both branches share one normaliser (`gla_window_parallel`'s shared=True; alpha unused).
     fq, fk [B,H,L,F]; log_g [B,H,L,1] or [B,H,L,F]; qw [B,H,L,d]; kw, v [B,H_kv,L,d]; sinks [H, M] or
     None; alpha [H]. Differentiable in all tensors.
     """
-    options = {"window": window, "scale": scale, "sinks": sinks, "alpha": alpha, "eps": eps, "normalize": normalize}
+    options = {"window": window, "scale": scale, "sinks": sinks, "alpha": alpha, "eps": eps, "normalize": normalize,
+               "shared": shared}
     if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks) is None:
         from .lizard_triton import lizard_attention_triton
 
@@ -120,7 +123,7 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
     return y.to(qw.dtype), new_state
 
 
-def _chunked(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps, normalize):
+def _chunked(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps, normalize, shared):
     # The chunked op mixes its float32 state with the inputs: compute in at least float32.
     dtype = torch.promote_types(qw.dtype, torch.float32)
     B, H, L, F = fq.shape
@@ -128,5 +131,5 @@ def _chunked(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps, norm
     valid = torch.ones(B, L, dtype=torch.bool, device=fq.device)
     y, _ = gla_window_chunked(*(t.to(dtype) for t in (fq, fk, log_g, qw, kw, v)), valid, state, window=window,
                               scale=scale, sinks=None if sinks is None else sinks.to(dtype), alpha=alpha.to(dtype),
-                              beta=1.0, normalize=normalize, shared=False, eps=eps)
+                              beta=1.0, normalize=normalize, shared=shared, eps=eps)
     return y.to(qw.dtype)

@@ -37,6 +37,7 @@ class Case:
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
     split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
     normalize: bool = True  # False: Liger's unnormalised linear part
+    shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
 
 
 def make_inputs(case: Case, device, seed=0):
@@ -61,7 +62,7 @@ def _run(case, tensors, dy, dtype):
     leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
-            "normalize": case.normalize}
+            "normalize": case.normalize, "shared": case.shared}
     if dtype is None and case.split is not None:
         from .lizard_triton import Config, lizard_attention_triton
 

@@ -221,7 +221,7 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
                    D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
                    NORM: tl.constexpr, DT: tl.constexpr):
     """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
-    window part with its softmax max and sum."""
+    window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
     pos = n * BT + t
     # Gated linear part: intra-chunk scores P, then the state carried from earlier chunks.
     if VEC:
@@ -241,29 +241,38 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
     qw = _load_tile(QW, pos, L, D, D)
     m_i = tl.zeros([BT], tl.float32) + m0
     l_i = tl.zeros([BT], tl.float32) + l0
+    arg = tl.zeros([BT], tl.int32) - 1
     acc = tl.zeros([BT, BV], tl.float32)
     for mb in range(tl.maximum(n - NWB, 0), n + 1):
         kpos = mb * BT + t
         s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        tile_max = tl.max(s, 1)
+        arg = tl.where(tile_max > m_i, mb * BT + tl.argmax(s, 1).to(tl.int32), arg)
+        m_new = tl.maximum(m_i, tile_max)
         p = tl.exp(s - m_new[:, None])
         corr = tl.exp(m_i - m_new)
         l_i = l_i * corr + tl.sum(p, 1)
         acc = _dot_acc(p, _load_tile(VB, kpos, L, D, BV), acc * corr[:, None], DT)
         m_i = m_new
-    return y_gla, acc / l_i[:, None], den, m_i, l_i
+    return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
 
 
 @triton.jit
-def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, out, stat, pos, L, y_gla, y_win, alpha, den, m_i, l_i, first,
-                   D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr):
-    _store_tile(Y + out, pos, L, y_gla + alpha * y_win, D, BV)
+def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ARG, out, stat, pos, L, y_gla, y_win, alpha, den, m_i, l_i, arg,
+                   first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, SHARED: tl.constexpr):
+    if SHARED:  # one normaliser: (window numerator + linear numerator) / (l_i + den), l_i relative to m_i
+        y = (y_win * l_i[:, None] + y_gla * den[:, None]) / (l_i + den)[:, None]
+    else:
+        y = y_gla + alpha * y_win
+    _store_tile(Y + out, pos, L, y, D, BV)
     if SAVE:
         _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
         _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
         if first:
             tl.store(DEN + stat + pos, den, mask=pos < L)
             tl.store(LSE + stat + pos, m_i + tl.log(l_i), mask=pos < L)
+            if SHARED:
+                tl.store(ARG + stat + pos, arg, mask=pos < L)
 
 
 @triton.jit
@@ -279,11 +288,11 @@ def _chunks(NT, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE,
+def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ARG,
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
     that block of the state; split, each program takes one chunk and its starting state from HS, HZ
     (`_fwd_states_kernel`). The scores are recomputed by each column block."""
@@ -315,10 +324,10 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        y_gla, y_win, den, m_i, l_i = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps,
-                                                     m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
-        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win, alpha, den,
-                       m_i, l_i, iv == 0, D, BV, SAVE)
+        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
+                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
+        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ARG, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win, alpha,
+                       den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -428,12 +437,14 @@ def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, DEN, DDEN, HS, HZ, bh, ik, L, H,
 
 
 @triton.jit
-def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H, HKV, NT,
+def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, DDEN_EXT, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
+                   DT: tl.constexpr):
     """Grid (B*H, F/BK[, NT]), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
     its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from the
-    first block, d den per token (DDEN)."""
+    first block, d den per token (DDEN; SHARED adds the gradient den gets through the shared
+    normaliser, DDEN_EXT)."""
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
     FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ = _state_rows_ptrs(
@@ -461,6 +472,8 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, L, H,
             d_den = -tl.sum(dy.to(tl.float32) * _load_tile(Y_GLA, pos, L, D, D).to(tl.float32), 1) / den
         else:
             d_den = tl.zeros([BT], tl.float32)
+        if SHARED:
+            d_den += tl.load(DDEN_EXT + bh * L + pos, mask=inside, other=0.0)
         if ik == 0:
             tl.store(DDEN + pos, d_den, mask=inside)
 
@@ -572,12 +585,13 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
 
 
 @triton.jit
-def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, DSINKS, DALPHA,
+def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, DSINKS, DALPHA, DLSE, ARG, DM,
                           L, H, HKV, window, scale,
                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, M: tl.constexpr,
-                          MP: tl.constexpr, DT: tl.constexpr):
+                          MP: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BW)): one block of queries. d qw, delta = dy_win . y_win per token (DELTA)
-    and this block's share of d sinks and d alpha."""
+    and this block's share of d sinks and d alpha. SHARED: the log-sum-exp and the row max (held by
+    key ARG, or by the largest sinks where ARG < 0) get gradients DLSE and DM of their own."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1)
     h = bh % H
@@ -596,6 +610,8 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, D
     dy = _load_tile(DY, pos, L, D, D)
     dy_ywin = tl.sum(dy.to(tl.float32) * _load_tile(Y_WIN, pos, L, D, D).to(tl.float32), 1)
     delta = alpha * dy_ywin
+    if SHARED:  # d lse_i reaches s_ij as p_ij d lse_i: the same as lowering delta
+        delta -= tl.load(DLSE + bh * L + pos, mask=inside, other=0.0)
     tl.store(DELTA + bh * L + pos, delta, mask=inside)
     tl.store(DALPHA + part, tl.sum(dy_ywin, 0))
 
@@ -608,18 +624,28 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, D
         p = tl.exp(_window_scores(qw, kw, pos, kpos, window, scale, DT) - lse[:, None])
         dp = _dot(dy_win, tl.trans(_load_tile(V, kpos, L, D, D)), DT)
         dqw = _dot_acc(p * (dp - delta[:, None]), kw, dqw, DT)
+    if SHARED:  # the row max's gradient goes to the one logit that holds it: q_i . k_arg
+        arg = tl.load(ARG + bh * L + pos, mask=inside, other=-1)
+        dm = tl.load(DM + bh * L + pos, mask=inside, other=0.0)
+        k_arg = tl.load(KW + arg[:, None] * D + tl.arange(0, D)[None, :], mask=(arg >= 0)[:, None], other=0.0)
+        dqw += dm[:, None] * k_arg.to(tl.float32)
     _store_tile(DQW, pos, L, dqw * scale, D, D)
     if M > 0:  # sinks carry no value: d t_m = -sum_i p_im delta_i
         sinks = _sink_logits(SINKS + h * M, M, MP)
         d_sinks = -tl.sum(tl.exp(sinks[None, :] - lse[:, None]) * delta[:, None], 0)
+        if SHARED:  # rows whose max is a sink: split among the sinks tied at the top, as torch.amax does
+            top = sinks == tl.max(sinks, 0)
+            share = top.to(tl.float32) / tl.sum(top.to(tl.float32), 0)
+            d_sinks += tl.sum(tl.where(arg < 0, dm, 0.0), 0) * share
         tl.store(DSINKS + part * MP + tl.arange(0, MP), d_sinks)
 
 
 @triton.jit
-def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, DKW, DV_WIN, L, H, HKV, window, scale,
-                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
+def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, ARG, DM, DKW, DV_WIN, L, H, HKV, window, scale,
+                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, SHARED: tl.constexpr,
+                           DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BW)): one block of keys, seen by the query blocks n .. n + NWB. d kw and the
-    window's d v, per query head."""
+    window's d v, per query head (SHARED: plus the row max's gradient DM where key ARG holds it)."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1)
     h = bh % H
@@ -643,6 +669,10 @@ def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, DKW, DV_WIN, L, H, 
         p = tl.exp(_window_scores(qw, kw, qpos, pos, window, scale, DT) - lse[:, None])
         dv = _dot_acc(tl.trans(p), dy_win, dv, DT)
         ds = p * (_dot(dy_win, tl.trans(v), DT) - delta[:, None])
+        if SHARED:
+            arg = tl.load(ARG + bh * L + qpos, mask=q_in, other=-1)
+            dm = tl.load(DM + bh * L + qpos, mask=q_in, other=0.0)
+            ds += tl.where(arg[:, None] == pos[None, :], dm[:, None], 0.0)
         dkw = _dot_acc(tl.trans(ds), qw, dkw, DT)
     _store_tile(DKW + bh * L * D, pos, L, dkw * scale, D, D)
     _store_tile(DV_WIN + bh * L * D, pos, L, dv, D, D)
@@ -677,8 +707,9 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
     return None
 
 
-def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save):
-    """Launch the forward; returns the inputs made contiguous, the output and what the backward needs."""
+def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False):
+    """Launch the forward; returns the inputs made contiguous, the output and what the backward needs
+    (y_gla, y_win, den, lse and, with `shared`, the key holding each row's window max)."""
     fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
     sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
     B, H, L, F = fq.shape
@@ -694,6 +725,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     y_win = torch.empty_like(qw) if save else y
     den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
     lse = torch.empty_like(den)
+    arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den  # unread unless
     HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
     NT = triton.cdiv(L, BT)
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
@@ -704,28 +736,36 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     else:
         hs = hz = den  # unread
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
-        fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse,
+        fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, arg,
         L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, **shapes)
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
-    return inputs, y, (y_gla, y_win, den, lse), ((hs, hz) if cfg.split else ())
+    parts = (y_gla, y_win, den, lse) + ((arg,) if shared else ())
+    return inputs, y, parts, ((hs, hz) if cfg.split else ())
 
 
 class LizardAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save):
+    def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared):
         inputs, y, parts, states = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize,
-                                            cfg, save)
+                                            cfg, save, shared)
         if save:
             ctx.save_for_backward(*inputs, *parts, *states)
-            ctx.window, ctx.scale, ctx.normalize, ctx.cfg = window, scale, normalize, cfg
+            ctx.window, ctx.scale, ctx.normalize, ctx.cfg, ctx.shared = window, scale, normalize, cfg, shared
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *states = ctx.saved_tensors
+        shared = ctx.shared
+        fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *rest = ctx.saved_tensors
+        arg, states = (rest[0], rest[1:]) if shared else (den, rest)
         cfg, window, scale = ctx.cfg, ctx.window, ctx.scale
         dy = dy.contiguous()
+        dy_gla = dy_win = dy
+        dlse = dm = dden_ext = den  # unread unless shared
+        if shared:
+            dy_gla, dy_win, dlse, dm, dden_ext = _shared_split(dy, y_gla, y_win, den, lse, sinks, arg, kw, qw, scale)
+            alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
         B, H, L, F = fq.shape
         HKV, D = kw.shape[1], kw.shape[-1]
         group = H // HKV
@@ -758,23 +798,24 @@ class LizardAttentionFunction(torch.autograd.Function):
         d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
         hs, hz = states if cfg.split else (den, den)  # unread unless split
-        _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy, hs, hz, dfq, da_q, d_den,
-                                                      L, H, HKV, NT, F=F, D=D, BK=BK, NORM=ctx.normalize, **split)
+        _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy_gla, hs, hz, dfq, da_q,
+                                                      d_den, dden_ext, L, H, HKV, NT, F=F, D=D, BK=BK,
+                                                      NORM=ctx.normalize, SHARED=shared, **split)
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=fq.dtype)
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
-            _bwd_states_kernel[(B * H, D // BV)](fq, log_g, den, dy, d_den, hds, hdz, L, NT, F=F, D=D, BV=BV,
+            _bwd_states_kernel[(B * H, D // BV)](fq, log_g, den, dy_gla, d_den, hds, hdz, L, NT, F=F, D=D, BV=BV,
                                                  **state)
         else:
             hds = hdz = den
-        _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy, d_den, hds, hdz, dfk, da_k,
+        _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy_gla, d_den, hds, hdz, dfk, da_k,
                                                       L, H, HKV, NT, F=F, D=D, BK=BK, **split)
-        _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy,
-                                           dqw, delta, d_sinks, d_alpha, L, H, HKV, window, scale, M=M, MP=MP,
-                                           **win)
-        _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy, delta, dkw, dv_win, L, H, HKV, window,
-                                            scale, **win)
-        _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy, dv_win, hds, dv, L, NT, F=F, D=D,
+        _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
+                                           dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window, scale,
+                                           M=M, MP=MP, SHARED=shared, **win)
+        _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, delta, arg, dm, dkw, dv_win, L, H, HKV,
+                                            window, scale, SHARED=shared, **win)
+        _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, dv_win, hds, dv, L, NT, F=F, D=D,
                                                       BV=BV, **split)
 
         dA = da_q + da_k if vec else (da_q.sum(0) + da_k.sum(0))[..., None]
@@ -783,18 +824,39 @@ class LizardAttentionFunction(torch.autograd.Function):
             dkw = dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype)
             dv = dv.view(B, HKV, group, L, D).sum(2).to(v.dtype)
         dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
-        dalpha = d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
-        return dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha, None, None, None, None, None, None
+        dalpha = None if shared else d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
+        return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7
+
+
+def _shared_split(dy, y_gla, y_win, den, lse, sinks, arg, kw, qw, scale):
+    """The shared normaliser's backward, before the kernels: y = c y_win + (1 - c) y_gla with the window's
+    share c = l / (l + den), l = e^(lse - max) its softmax sum relative to the row max (sinks included).
+    Returns dy_win = c dy and dy_gla = (1 - c) dy for the two branches' kernels, and the gradients
+    that c passes to lse, to the row max and to den: g, -g and -g / den, g = c (1 - c) dy.(y_win - y_gla)."""
+    n_rep = qw.shape[1] // kw.shape[1]
+    # The row max, read back from the logit that holds it (a key, or the largest sink).
+    index = arg.clamp_min(0).long()
+    keys = kw.repeat_interleave(n_rep, 1).gather(2, index[..., None].expand(-1, -1, -1, kw.shape[-1]))
+    row_max = (qw.float() * keys.float()).sum(-1) * scale
+    if sinks is not None:
+        row_max = torch.where(arg < 0, sinks.float().amax(-1)[None, :, None], row_max)
+    c = (lse - row_max).exp()
+    c = c / (c + den)
+    dyf = dy.float()
+    g = c * (1 - c) * (dyf * (y_win.float() - y_gla.float())).sum(-1)
+    return (1 - c)[..., None] * dyf, c[..., None] * dyf, g, -g, -g / den
 
 
 def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                            config=None):
+                            shared=False, config=None):
     """The kernel path of `linearize.kernels.lizard_attention` (inputs already checked by `supports`)."""
+    if shared and not normalize:
+        raise ValueError("shared=True needs normalize=True (one normaliser for both branches)")
     tensors = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     # Keep what the backward needs only when there will be one (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     return LizardAttentionFunction.apply(*tensors, int(window), float(scale), float(eps), bool(normalize),
-                                         config or Config.default(fq.dtype), save)
+                                         config or Config.default(fq.dtype), save, bool(shared))
 
 
 @torch.no_grad()

@@ -39,6 +39,9 @@ INTERPRETER_CASES = {
     "split-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True),
     "one-pass-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=False),
     "unnormalised-L100-nosinks": Case(L=100, sinks=0, normalize=False),
+    "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True),
+    "shared-split-L63-nosinks-bf16": Case(L=63, sinks=0, dtype=bf16, shared=True, split=True),
+    "shared-one-pass-L37-vector": Case(L=37, gate="vector", shared=True, split=False),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
