@@ -70,6 +70,7 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=positive_int, help="default 2048")
     p.add_argument("--batch", type=positive_int, help="sequences per optimizer step (default 8)")
     p.add_argument("--steps", type=positive_int, help="timed optimizer steps per mode (default 10)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option, as in distill (repeatable)")
     p.add_argument("--profile", action="store_true", help="also write each mode's top ops (torch.profiler) to a file")
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_train)
@@ -96,7 +97,10 @@ def run_model(args) -> None:
 
 
 def run_train(args) -> None:
+    from ..config import make_method_config, parse_set_options
     from . import train
 
-    wrote(train.bench(args.out, model=args.model, method=args.method, quick=args.quick, profile=args.profile,
-                      seq_len=args.seq_len, batch=args.batch, steps=args.steps))
+    options = parse_set_options(args.set or [])
+    make_method_config(args.method, **options)  # fail on a bad option before loading anything
+    wrote(train.bench(args.out, model=args.model, method=args.method, options=options, quick=args.quick,
+                      profile=args.profile, seq_len=args.seq_len, batch=args.batch, steps=args.steps))

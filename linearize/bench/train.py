@@ -84,17 +84,19 @@ def write_profile(step, device: torch.device, path: Path, rows: int = 40) -> Non
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n")
 
 
-def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", quick: bool = False, profile: bool = False,
-          **overrides) -> list[Path]:
+def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", options: dict | None = None,
+          quick: bool = False, profile: bool = False, **overrides) -> list[Path]:
     """Time the three modes; `overrides` (seq_len, batch, steps) replace entries of FULL / QUICK.
 
     With `profile`, each mode also writes `profile-<stage>.txt` (the top ops of one more step).
     """
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
     rt = Runtime.start(None, "auto")
-    settings.update(model=model, method=method, precision="bf16 autocast" if rt.bf16 else "float32", quick=quick,
+    settings.update(model=model, method=method, options=options or {},
+                    precision="bf16 autocast" if rt.bf16 else "float32", quick=quick,
                     attention=attention_path(method, rt.device))
-    cfg = DistillConfig(model=model, method=method, out=str(out), seq_len=settings["seq_len"], batch=settings["batch"])
+    cfg = DistillConfig(model=model, method=method, out=str(out), seq_len=settings["seq_len"], batch=settings["batch"],
+                        options=options or {})
     results = new_results("train", f"Training throughput: {model}, {method}", rt.device, settings)
     results["rows"] = []
     for mode, stage in MODES.items():
@@ -127,6 +129,8 @@ def attention_path(method: str, device: torch.device) -> str:
 def tables(results: dict) -> list[str]:
     s = results["settings"]
     attention = f" Student attention: {s['attention']}." if "attention" in s else ""
+    if s.get("options"):
+        attention += " Method options: " + ", ".join(f"`{k}={v}`" for k, v in s["options"].items()) + "."
     lines = [
         (f"Batch {s['batch']} × {s['seq_len']} tokens, {s['precision']}, AdamW; median of {s['steps']} optimizer "
          f"steps after {s['warmup']} warm-up steps.{attention}"),

@@ -30,7 +30,8 @@ def outputs(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("runs")
     run("bench", "kernels", "--out", root / "kernels", "--quick")
     run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick")
-    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile")
+    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile",
+        "--set", "combine=shared", "--set", "rope_in_window=true")
     return root
 
 
@@ -79,6 +80,7 @@ def test_train_times_both_stages_and_the_full_fine_tune(outputs):
     assert [r["stage"] for r in rows.values()] == [1, 2]
     assert all(0 < r["trained_parameters"] < full for r in rows.values())
     assert results["settings"]["attention"] == "PyTorch ops"  # no GPU here: what the record must say
+    assert results["settings"]["options"] == {"combine": "shared", "rope_in_window": "true"}
 
 
 def test_train_profile_lists_each_modes_top_ops(outputs):
