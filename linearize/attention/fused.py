@@ -25,9 +25,9 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype` (the projections' dtype:
     bf16 under autocast); `query_scale` multiplies fq there only. `options` are
     `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize). With `shared` (one
-    normaliser for both branches) only passes from an empty state take the kernel.
+    normaliser for both branches) single-token steps keep the PyTorch ops.
     """
-    if not kernels_enabled() or (shared and (fq.shape[2] == 1 or start > 0)):
+    if not kernels_enabled() or (shared and fq.shape[2] == 1):
         return None
     if fq.shape[2] == 1:
         if state is None or torch.is_grad_enabled():
@@ -43,7 +43,7 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
         return None
     operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype), kw.to(dtype), v.to(dtype))
     if start > 0:
-        y, new_state = kernels.lizard_attention_continued(*operands, state, **options)
+        y, new_state = kernels.lizard_attention_continued(*operands, state, shared=shared, **options)
         return y.float(), new_state
     # Leading padding is rotated to the end of its row: every real token then sees only real tokens
     # before it (padding after them never reaches them), and the outputs are rotated back.

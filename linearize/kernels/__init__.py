@@ -81,24 +81,29 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
 
 
 @torch.no_grad()
-def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale, sinks, alpha, eps=1e-6):
+def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale, sinks, alpha, eps=1e-6,
+                               shared=False):
     """`lizard_attention` continuing from a carried state (a prefill after earlier ones): (y, new state).
 
     The kernel computes the call's own part; the carried state then adds, per query i, its decayed
     linear terms (q_i e^{A_i}) S_0 and (q_i e^{A_i}) . z_0 to the numerator and denominator, and the
     carried window keys to the softmax of the first w - 1 queries (merged through the kernel's
-    log-sum-exp). Same contract as `gla_window_parallel` with all new tokens valid, beta = 1,
-    normalize=True, shared=False; no gradients (prefill only). The kernel must apply to the inputs.
+    log-sum-exp, and with `shared` its row max). Same contract as `gla_window_parallel` with all new
+    tokens valid, beta = 1, normalize=True; no gradients (prefill only). The kernel must apply to the inputs.
     """
     from .lizard_triton import lizard_attention_parts
 
-    y_gla, y_win, den, lse = lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=window, scale=scale,
-                                                    sinks=sinks, alpha=alpha, eps=eps)
+    y_gla, y_win, den, lse, *row_max = lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=window, scale=scale,
+                                                              sinks=sinks, alpha=alpha, eps=eps, shared=shared)
     n_rep = fq.shape[1] // kw.shape[1]
     A = log_g.float().cumsum(2)
     q_dec = fq.float() * A.exp()
     num = y_gla.float() * den[..., None] + q_dec @ state["S"]
-    y_gla = num / (den + (q_dec * state["z"][:, :, None, :]).sum(-1))[..., None]
+    den = den + (q_dec * state["z"][:, :, None, :]).sum(-1)
+    # The window as a numerator and a sum relative to a row max m: the call's own keys first.
+    m = row_max[0] if shared else lse
+    win_den = (lse - m).exp()
+    win_num = y_win.float() * win_den[..., None]
 
     # Query i of this call sees carried key j (of w - 1, oldest first) when j >= i.
     P = min(fq.shape[2], window - 1)
@@ -108,11 +113,14 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
         i, j = torch.arange(P, device=fq.device)[:, None], torch.arange(window - 1, device=fq.device)[None, :]
         seen = (j >= i)[None, None] & state["win_valid"][:, None, None, :]
         scores = scores.masked_fill(~seen, float("-inf"))
-        m = torch.maximum(lse[:, :, :P], scores.amax(-1))
-        old, new = (lse[:, :, :P] - m).exp(), (scores - m[..., None]).exp()
-        head = (old[..., None] * y_win[:, :, :P].float() + new @ values) / (old + new.sum(-1))[..., None]
-        y_win = torch.cat([head, y_win[:, :, P:].float()], 2)
-    y = y_gla + alpha.float()[None, :, None, None] * y_win.float()
+        m_head = torch.maximum(m[:, :, :P], scores.amax(-1))
+        old, new = (m[:, :, :P] - m_head).exp(), (scores - m_head[..., None]).exp()
+        win_num = torch.cat([old[..., None] * win_num[:, :, :P] + new @ values, win_num[:, :, P:]], 2)
+        win_den = torch.cat([old * win_den[:, :, :P] + new.sum(-1), win_den[:, :, P:]], 2)
+    if shared:
+        y = (win_num + num) / (win_den + den)[..., None]
+    else:
+        y = num / den[..., None] + alpha.float()[None, :, None, None] * win_num / win_den[..., None]
 
     within = gla_window.state_after(fk.float(), log_g.float(), kw.float(), v.float(), window)
     total = A[:, :, -1].exp()[..., None]  # decay of the carried state over the whole call

@@ -828,19 +828,24 @@ class LizardAttentionFunction(torch.autograd.Function):
         return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7
 
 
-def _shared_split(dy, y_gla, y_win, den, lse, sinks, arg, kw, qw, scale):
-    """The shared normaliser's backward, before the kernels: y = c y_win + (1 - c) y_gla with the window's
-    share c = l / (l + den), l = e^(lse - max) its softmax sum relative to the row max (sinks included).
-    Returns dy_win = c dy and dy_gla = (1 - c) dy for the two branches' kernels, and the gradients
-    that c passes to lse, to the row max and to den: g, -g and -g / den, g = c (1 - c) dy.(y_win - y_gla)."""
+def window_row_max(arg, qw, kw, sinks, scale):
+    """Each query's largest window logit [B, H, L], read back from the key that holds it (`arg`, from the
+    forward with `shared`), or the largest sink where arg < 0."""
     n_rep = qw.shape[1] // kw.shape[1]
-    # The row max, read back from the logit that holds it (a key, or the largest sink).
     index = arg.clamp_min(0).long()
     keys = kw.repeat_interleave(n_rep, 1).gather(2, index[..., None].expand(-1, -1, -1, kw.shape[-1]))
     row_max = (qw.float() * keys.float()).sum(-1) * scale
     if sinks is not None:
         row_max = torch.where(arg < 0, sinks.float().amax(-1)[None, :, None], row_max)
-    c = (lse - row_max).exp()
+    return row_max
+
+
+def _shared_split(dy, y_gla, y_win, den, lse, sinks, arg, kw, qw, scale):
+    """The shared normaliser's backward, before the kernels: y = c y_win + (1 - c) y_gla with the window's
+    share c = l / (l + den), l = e^(lse - max) its softmax sum relative to the row max (sinks included).
+    Returns dy_win = c dy and dy_gla = (1 - c) dy for the two branches' kernels, and the gradients
+    that c passes to lse, to the row max and to den: g, -g and -g / den, g = c (1 - c) dy.(y_win - y_gla)."""
+    c = (lse - window_row_max(arg, qw, kw, sinks, scale)).exp()
     c = c / (c + den)
     dyf = dy.float()
     g = c * (1 - c) * (dyf * (y_win.float() - y_gla.float())).sum(-1)
@@ -860,9 +865,14 @@ def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, a
 
 
 @torch.no_grad()
-def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, config=None):
+def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, shared=False,
+                           config=None):
     """The forward's branches before they are mixed: y_gla, y_win (inputs' dtype), the linear part's
-    denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L]."""
+    denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L];
+    with `shared`, also the window's row max [B, H, L] (`window_row_max`)."""
     _, _, parts, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps), True,
-                              config or Config.default(fq.dtype), True)
+                              config or Config.default(fq.dtype), True, shared)
+    if shared:
+        *parts, arg = parts
+        parts = (*parts, window_row_max(arg, qw, kw, sinks, float(scale)))
     return parts

@@ -19,7 +19,7 @@ def check(device: str, first: int = 37, then: int = 50, **case) -> dict:
     case = Case(L=first + then, **case)
     (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, device)
     sinks = sinks if case.sinks else None
-    opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks, "alpha": alpha}
+    opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks, "alpha": alpha, "shared": case.shared}
     head, tail = slice(0, first), slice(first, None)
     valid = torch.ones(case.B, first, dtype=torch.bool, device=device)
     valid[1, :3] = False  # left padding in the earlier call: the carried window must mask it

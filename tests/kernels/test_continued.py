@@ -15,6 +15,8 @@ CASES = {
     "scalar-w32": {},
     "vector-w64-longer-than-call": {"gate": "vector", "window": 64},  # w - 1 > the call: old keys stay
     "bf16-nosinks": {"dtype": "torch.bfloat16", "sinks": 0},
+    "shared-scalar-w32": {"shared": True},
+    "shared-vector-w64-longer-than-call": {"gate": "vector", "window": 64, "shared": True},
 }
 TOLERANCE = {"torch.bfloat16": 2e-2}
 _SCRIPT = """
