@@ -24,16 +24,16 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     `state` (`kernels.lizard_attention_continued`), and without gradients to single-token steps
     (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype` (the projections' dtype:
     bf16 under autocast); `query_scale` multiplies fq there only. `options` are
-    `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize). With `shared` (one
-    normaliser for both branches) single-token steps keep the PyTorch ops.
+    `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize); `shared` gives both
+    branches one normaliser.
     """
-    if not kernels_enabled() or (shared and fq.shape[2] == 1):
+    if not kernels_enabled():
         return None
     if fq.shape[2] == 1:
         if state is None or torch.is_grad_enabled():
             return None
         return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v, valid,
-                                   state, **options)
+                                   state, shared=shared, **options)
     if start > 0 and (not can_continue or torch.is_grad_enabled()):
         return None
     if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"]):

@@ -3,7 +3,8 @@
 A step in PyTorch is dozens of small kernels per layer (state update, window concatenation, scores,
 softmax with sinks, combine); under a CUDA graph their launches, not their arithmetic, set the step
 time. Here `_step_kernel` (one program per batch row and query head) updates S and z, reads out the
-linear part and the window softmax with its sinks and mixes them; `_shift_window_kernel` (one
+linear part and the window softmax with its sinks and mixes them (or divides both numerators by one
+shared normaliser); `_shift_window_kernel` (one
 program per batch row and KV head) then drops the oldest window key/value and appends the new one.
 Both write new tensors, so the caller's state is never modified in place.
 """
@@ -26,7 +27,8 @@ if INTERPRET:
 def _step_kernel(fq, fk, log_g, qw, kw, v, valid, S, z, win_k, win_v, win_valid, sinks, alpha,
                  y, S_out, z_out, scale, beta, eps,
                  H: tl.constexpr, N_REP: tl.constexpr, F: tl.constexpr, D: tl.constexpr, W1: tl.constexpr,
-                 BW: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr):
+                 BW: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr,
+                 SHARED: tl.constexpr):
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     bkv = b * (H // N_REP) + h // N_REP
@@ -47,8 +49,7 @@ def _step_kernel(fq, fk, log_g, qw, kw, v, valid, S, z, win_k, win_v, win_valid,
     tl.store(z_out + bh * F + f, zs)
     phi_q = tl.load(fq + bh * F + f)
     gla = tl.sum(phi_q[:, None] * state, axis=0)
-    if NORM:
-        gla = gla / (tl.sum(phi_q * zs, axis=0) + eps)
+    gla_den = tl.sum(phi_q * zs, axis=0)
 
     # Window: the carried W1 keys (rows 0..W1-1), then the new one (row W1).
     old = w < W1
@@ -70,8 +71,14 @@ def _step_kernel(fq, fk, log_g, qw, kw, v, valid, S, z, win_k, win_v, win_valid,
     if M > 0:
         den += tl.sum(tl.exp(t - top), axis=0)
     values = tl.load(win_v + rows, mask=old[:, None], other=0.0) + tl.where(is_new[:, None], v_new[None, :], 0.0)
-    win = tl.sum(weights[:, None] * values, axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(y + bh * D + d, beta * gla + tl.load(alpha + h) * win)
+    win = tl.sum(weights[:, None] * values, axis=0)
+    if SHARED:  # one normaliser: both numerators over both denominators (the window's relative to top)
+        out = (win + gla) / (den + gla_den + eps)
+    else:
+        if NORM:
+            gla = gla / (gla_den + eps)
+        out = beta * gla + tl.load(alpha + h) * win / tl.where(den > 0, den, 1.0)
+    tl.store(y + bh * D + d, out)
 
 
 @triton.jit
@@ -112,8 +119,8 @@ def step_unsupported(fq, log_g, state, *, window, sinks) -> str | None:
 
 
 def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta=1.0,
-                       normalize=True, eps=1e-6):
-    """`gla_window_step` (shared=False) in two kernels: (y [B, H, 1, d], new state), new tensors."""
+                       normalize=True, shared=False, eps=1e-6):
+    """`gla_window_step` in two kernels: (y [B, H, 1, d], new state), new tensors."""
     B, H, _, F = fq.shape
     HKV, D = kw.shape[1], qw.shape[-1]
     W1 = window - 1
@@ -129,7 +136,8 @@ def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
         fq, fk, log_g, qw, kw, v, valid_bytes, S, z, win_k, win_v, win_valid.view(torch.uint8),
         no_sinks if sinks is None else sinks.contiguous(), alpha.contiguous().float(), y, S_out, z_out,
         scale, float(beta), eps, H=H, N_REP=H // HKV, F=F, D=D, W1=W1, BW=triton.next_power_of_2(W1 + 1), M=M,
-        BM=triton.next_power_of_2(max(M, 1)), VEC=log_g.shape[-1] != 1, NORM=normalize, num_warps=4)
+        BM=triton.next_power_of_2(max(M, 1)), VEC=log_g.shape[-1] != 1, NORM=normalize, SHARED=shared,
+        num_warps=4)
     _shift_window_kernel[(B * HKV,)](
         kw, v, valid_bytes, win_k, win_v, win_valid.view(torch.uint8), k_out, v_out, valid_out.view(torch.uint8),
         HKV=HKV, D=D, W1=W1, BW=max(2, triton.next_power_of_2(W1)), num_warps=4)

@@ -17,11 +17,13 @@ CASES = {
     "unnormalised-w33-mha": {"normalize": False, "beta": 0.5, "window": 33, "H": 2, "HKV": 2},
     "w2-F32-D64": {"B": 2, "window": 2, "M": 4, "F": 32, "D": 64},
     "all-padding-window": {"fresh": True},
+    "shared-gqa-sinks": {"shared": True},
+    "shared-vector-nosinks-empty-window": {"shared": True, "vector": True, "M": 0, "fresh": True},
 }
 
 
 def make_case(device, B=3, H=4, HKV=2, F=16, D=16, window=8, M=2, vector=False, normalize=True, beta=1.0,
-              fresh=False, seed=0):
+              shared=False, fresh=False, seed=0):
     """Random inputs and state; row 1 is a padding token. `fresh`: an empty window (nothing valid yet)."""
     g = torch.Generator(device=device).manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g, device=device)
@@ -31,7 +33,7 @@ def make_case(device, B=3, H=4, HKV=2, F=16, D=16, window=8, M=2, vector=False, 
     state = {"S": r(B, H, F, D), "z": r(B, H, F).abs(), "win_k": r(B, HKV, window - 1, D),
              "win_v": r(B, HKV, window - 1, D), "win_valid": win_valid}
     options = {"window": window, "scale": D**-0.5, "sinks": r(H, M) if M else None, "alpha": r(H), "beta": beta,
-               "normalize": normalize}
+               "normalize": normalize, "shared": shared}
     inputs = (r(B, H, 1, F).softmax(-1), r(B, H, 1, F).softmax(-1), log_g, r(B, H, 1, D), r(B, HKV, 1, D),
               r(B, HKV, 1, D), valid, state)
     return inputs, options
