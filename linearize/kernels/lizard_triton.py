@@ -725,7 +725,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     y_win = torch.empty_like(qw) if save else y
     den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
     lse = torch.empty_like(den)
-    arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den  # unread unless
+    arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den  # written only then
     HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
     NT = triton.cdiv(L, BT)
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
