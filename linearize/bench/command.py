@@ -55,6 +55,7 @@ def register(subparsers) -> None:
     p.add_argument("--batches", type=sizes, help="batch sweep, e.g. 1,4,16,64 (default)")
     p.add_argument("--batch-context", type=size, help="context of the batch sweep (default 4k)")
     p.add_argument("--methods", type=methods, default=["lizard"], help="linear methods to compare with softmax")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
     p.add_argument("--decode-steps", type=positive_int, help="timed decode steps per point (default 32)")
     p.add_argument("--prefill-chunk", type=size, help="tokens per prefill call of a linear model (default 16k)")
     p.add_argument("--teacher-max", type=size, help="longest context for softmax attention (default 128k)")
@@ -87,20 +88,30 @@ def run_kernels(args) -> None:
     wrote(kernels.bench(args.out, quick=args.quick))
 
 
+def method_options(args, methods) -> dict:
+    """`--set` pairs, checked against each method before anything is loaded."""
+    from ..config import make_method_config, parse_set_options
+
+    options = parse_set_options(args.set or [])
+    for method in methods:
+        make_method_config(method, **options)
+    return options
+
+
 def run_model(args) -> None:
     from . import model
 
-    wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=args.methods, quick=args.quick,
+    options = method_options(args, args.methods)
+    wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=args.methods,
+                      options=options, quick=args.quick,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
                       time_limit=args.time_limit))
 
 
 def run_train(args) -> None:
-    from ..config import make_method_config, parse_set_options
     from . import train
 
-    options = parse_set_options(args.set or [])
-    make_method_config(args.method, **options)  # fail on a bad option before loading anything
+    options = method_options(args, [args.method])
     wrote(train.bench(args.out, model=args.model, method=args.method, options=options, quick=args.quick,
                       profile=args.profile, seq_len=args.seq_len, batch=args.batch, steps=args.steps))

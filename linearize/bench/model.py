@@ -81,7 +81,7 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
         with torch.device(device):  # initialised in place: an 8B model never passes through host memory
             model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
     if variant != SOFTMAX:
-        convert(model, variant)
+        convert(model, variant, **settings.get("options", {}))
     return model.eval()
 
 
@@ -161,14 +161,15 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
 
 
 def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
-          quick: bool = False, **overrides) -> list[Path]:
-    """Run both sweeps for softmax and each method; `overrides` replace entries of FULL / QUICK."""
+          options: dict | None = None, quick: bool = False, **overrides) -> list[Path]:
+    """Run both sweeps for softmax and each method (converted with `options`); `overrides` replace entries
+    of FULL / QUICK."""
     device = default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are unrepresentative
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
     # Ascending, because a sweep stops at its first OOM and estimates each point from the one before.
     settings.update(contexts=sorted(set(settings["contexts"])), batches=sorted(set(settings["batches"])))
-    settings.update(model=model, shape=None if model else shape, methods=list(methods),
+    settings.update(model=model, shape=None if model else shape, methods=list(methods), options=options or {},
                     dtype=str(dtype).removeprefix("torch."), quick=quick, prefill_chunk_across_batch=True)
     label = model or f"{shape} shape, random weights"
     results = new_results("model", f"Model speed: {label}", device, settings)
@@ -216,13 +217,15 @@ def tables(results: dict) -> list[str]:
         return lines + [""]
 
     context_keys = [(1, c) for c in contexts]
+    options = ", ".join(f"`{k}={v}`" for k, v in settings.get("options", {}).items())
+    options = f" Method options: {options}." if options else ""
     lines = [
         (f"{settings['dtype']}; softmax prefills in one forward, linear models in calls of "
          f"{size_label(settings['prefill_chunk'])} tokens "
          f"({'across the batch' if settings.get('prefill_chunk_across_batch') else 'per sequence'}) continuing "
          "the cache; decode: median of "
          f"{settings['decode_steps']} steps after {settings['decode_warmup']} warm-up steps. Peak memory is "
-         "torch.cuda.max_memory_allocated (weights included)."),
+         f"torch.cuda.max_memory_allocated (weights included).{options}"),
         "",
         *table("**Prefill latency, batch 1** (ms)", "context", context_keys, "context",
                lambda p: number(p["prefill_ms"])),

@@ -29,7 +29,7 @@ def load(out, name):
 def outputs(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("runs")
     run("bench", "kernels", "--out", root / "kernels", "--quick")
-    run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick")
+    run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick", "--set", "combine=shared")
     run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile",
         "--set", "combine=shared", "--set", "rope_in_window=true")
     return root
@@ -55,6 +55,7 @@ def test_kernels_measure_our_op_and_sdpa_and_skip_gpu_only_rows(outputs):
 def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(outputs):
     results = load(outputs / "model", "model")
     assert [m["name"] for m in results["models"]] == [model_bench.SOFTMAX, "lizard"]
+    assert results["models"][1]["linearize"]["options"]["combine"] == "shared"  # --set reached the model
     points = results["points"]
     assert all(p["status"] == "ok" for p in points)
     context = {(p["model"], p["context"]): p for p in points if p["sweep"] == "context"}
