@@ -1,8 +1,8 @@
 """Short CPU stage-1 runs of Lizard variants on the real teacher: the validation MSE each reaches.
 
-    python scripts/stage1_ablations.py [--steps 48] [--out runs/stage1-ablations] [NAME ...]
+    python scripts/stage1_ablations.py [--steps 48] [--seq-len 256] [--out runs/stage1-ablations] [NAME ...]
 
-Every variant trains stage 1 alone for `--steps` steps of 4 x 256 tokens at the papers' lr 1e-3 (the
+Every variant trains stage 1 alone for `--steps` steps of 4 x `--seq-len` tokens at the papers' lr 1e-3 (the
 per-head scalars at 30x), on top of the Lizard form that learns fastest from SmolLM2 (RoPE in the
 window, one shared normaliser; docs/methods.md), and changes one option. A proxy on a CPU budget, not
 a results row: it ranks options by how close stage 1 gets to the teacher's attention outputs.
@@ -38,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="variants to run (default: all)")
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default="runs/stage1-ablations")
     args = parser.parse_args()
@@ -45,8 +46,8 @@ def main() -> None:
     print(f"| variant | val MSE at start | after {args.steps} steps |\n|---|---|---|", flush=True)
     for index, name in enumerate(names):
         out = Path(args.out) / f"{index}-{name.split(' (')[0].replace(' ', '-')}"
-        cfg = DistillConfig(model=args.model, method="lizard", out=str(out), stage="1", seq_len=256, batch=4,
-                            max_tokens=args.steps * 4 * 256, eval_every=args.steps, save_every=args.steps,
+        cfg = DistillConfig(model=args.model, method="lizard", out=str(out), stage="1", seq_len=args.seq_len, batch=4,
+                            max_tokens=args.steps * 4 * args.seq_len, eval_every=args.steps, save_every=args.steps,
                             head_lr_scale=30.0, options={**BASE, **VARIANTS[name]})
         if not (out / "stage1_attention.pt").exists():
             distill(cfg, resume=(out / "distill_config.json").exists(), progress=False)
