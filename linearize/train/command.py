@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--eval-every", type=positive_int, default=100)
     p.add_argument("--no-fsdp-reshard", dest="fsdp_reshard", action="store_false",
                    help="multi-GPU stage 2: keep each layer's weights gathered from forward to backward")
+    p.add_argument("--fsdp-replicate", action="store_true",
+                   help="multi-GPU stage 2: whole weights on every rank (HSDP, shards of one), gradients all-reduced")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in backward to save memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
@@ -68,6 +70,7 @@ def config_from_args(args):
                          softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp_reshard=args.fsdp_reshard,
+                         fsdp_replicate=args.fsdp_replicate,
                          precision=args.precision, **lrs)
 
 

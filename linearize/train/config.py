@@ -38,6 +38,7 @@ class DistillConfig:
     # softmax for stage 2 and the final model (the hybrid selection rule; see docs/training.md).
     softmax_by_error: int = 0
     fsdp_reshard: bool = True  # stage 2 under torchrun: free each layer's gathered weights after its forward
+    fsdp_replicate: bool = False  # stage 2 under torchrun: whole weights on every rank, gradients all-reduced
     save_every: int = 100  # optimizer steps between checkpoints
     eval_every: int = 100
     val_batches: int = 4
@@ -84,6 +85,6 @@ class DistillConfig:
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
-        free = {"out", "save_every", "eval_every", "device", "fsdp_reshard"}
+        free = {"out", "save_every", "eval_every", "device", "fsdp_reshard", "fsdp_replicate"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

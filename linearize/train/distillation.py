@@ -202,7 +202,7 @@ class Run:
         # whole replica and the few trained parameters' gradients are averaged by hand.
         sharded = rt.distributed and stage == 2
         if sharded:
-            shard(model, reshard_after_forward=cfg.fsdp_reshard)
+            shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
         optimizer = torch.optim.AdamW(groups, betas=cfg.betas, weight_decay=cfg.weight_decay)

@@ -76,17 +76,24 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> None:
+def shard(model: torch.nn.Module, reshard_after_forward: bool = True, replicate: bool = False) -> None:
     """FSDP2: each decoder layer is its own unit, the causal LM the root.
 
     The root must be the whole causal LM (under peft: its base model) so that tied input/output
     embeddings stay in one unit, and every forward must enter through it. `reshard_after_forward=False`
     keeps each layer gathered from its forward to its backward: one all-gather a step instead of two,
-    for a whole model's worth of memory.
+    for a whole model's worth of memory. `replicate` shards over one rank only (HSDP on a
+    [world, 1] mesh): every rank keeps whole weights and only gradients cross ranks, in one
+    all-reduce per unit, which suits a model that fits on one GPU with few trained parameters (LoRA).
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    mesh = None
+    if replicate:
+        device_type = next(causal_lm.parameters()).device.type
+        mesh = init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     for layer in causal_lm.get_decoder().layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(causal_lm, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(causal_lm, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -5,7 +5,8 @@
 
 Runs `linearize distill` under torchrun with 1 and with N processes on identical settings (stage 1
 then stage 2), and N processes again with `--no-fsdp-reshard` (each layer stays gathered from its
-forward to its backward in stage 2). Writes fsdp.json (per-step losses of the runs, their largest
+forward to its backward in stage 2) and with `--fsdp-replicate` (whole weights on every rank, only
+gradients all-reduced). Writes fsdp.json (per-step losses of the runs, their largest
 relative difference, median tokens/s and the speed-ups) and fsdp.png. Resuming a multi-rank run, on
 as many ranks or fewer, is tested on CPU (tests/train/test_multirank.py).
 """
@@ -83,9 +84,11 @@ def main() -> None:
     runs = Path("/tmp/fsdp_runs")
     one, many = runs / "gpu1", runs / f"gpu{args.gpus}"
     gathered = runs / f"gpu{args.gpus}-gathered"
+    replicated = runs / f"gpu{args.gpus}-replicated"
     distill(1, one, args)
     distill(args.gpus, many, args)
     distill(args.gpus, gathered, args, ["--no-fsdp-reshard"])
+    distill(args.gpus, replicated, args, ["--fsdp-replicate"])
 
     result = {"gpus": args.gpus, "model": args.model, "method": args.method, "batch": args.batch,
               "seq_len": args.seq_len, "steps": args.steps, "stages": {}}
@@ -98,9 +101,10 @@ def main() -> None:
                                    "tokens_per_s_1gpu": a["tokens_per_s"],
                                    f"tokens_per_s_{args.gpus}gpu": b["tokens_per_s"],
                                    "speedup": b["tokens_per_s"] / a["tokens_per_s"]}
-    kept = summary(read_log(gathered), 2, per_step)
-    result["stages"][2]["tokens_per_s_no_reshard"] = kept["tokens_per_s"]
-    result["stages"][2]["speedup_no_reshard"] = kept["tokens_per_s"] / result["stages"][2]["tokens_per_s_1gpu"]
+    for name, folder in (("no_reshard", gathered), ("replicate", replicated)):
+        rate = summary(read_log(folder), 2, per_step)["tokens_per_s"]
+        result["stages"][2][f"tokens_per_s_{name}"] = rate
+        result["stages"][2][f"speedup_{name}"] = rate / result["stages"][2]["tokens_per_s_1gpu"]
     (out / "fsdp.json").write_text(json.dumps(result, indent=2))
 
     import matplotlib

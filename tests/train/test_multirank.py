@@ -32,8 +32,9 @@ def losses(out: Path, stage: int) -> list[float]:
 
 @pytest.mark.slow
 def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
-    one, two, gathered = tmp_path / "one", tmp_path / "two", tmp_path / "gathered"
-    for n, out, extra in ((1, one, ()), (2, two, ()), (2, gathered, ("--no-fsdp-reshard",))):
+    one, two, gathered, replicated = (tmp_path / name for name in ("one", "two", "gathered", "replicated"))
+    runs = ((1, one, ()), (2, two, ()), (2, gathered, ("--no-fsdp-reshard",)), (2, replicated, ("--fsdp-replicate",)))
+    for n, out, extra in runs:
         proc = torchrun(n, workspace, out, *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
     for stage in (1, 2):
@@ -42,6 +43,8 @@ def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
         for x, y in zip(a, b):
             assert abs(x - y) <= 1e-3 * abs(x), (stage, a, b)
     assert losses(gathered, 2) == losses(two, 2)  # keeping layers gathered changes when, not what
+    for x, y in zip(losses(replicated, 2), losses(two, 2)):  # whole weights per rank: the same steps
+        assert abs(x - y) <= 1e-5 * abs(y), (losses(replicated, 2), losses(two, 2))
     assert json.loads((two / "distill_config.json").read_text())["method"] == "lizard"
     # A second start on the finished directory is refused on every rank alike, with the one-line error.
     again = torchrun(2, workspace, two)
