@@ -52,17 +52,19 @@ def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--fsdp-replicate",)], ids=["sharded", "replicated"])
+def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_path, extra):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
-    assert torchrun(2, workspace, straight).returncode == 0
-    interrupted = torchrun(2, workspace, cut, entry=(str(Path(__file__).with_name("interrupted_distill.py")), "5"))
+    assert torchrun(2, workspace, straight, *extra).returncode == 0
+    interrupted = torchrun(2, workspace, cut, *extra,
+                           entry=(str(Path(__file__).with_name("interrupted_distill.py")), "5"))
     assert interrupted.returncode != 0, interrupted.stderr[-4000:]
     assert "interrupted: checkpoint at step 4" in interrupted.stdout, interrupted.stdout[-2000:] + interrupted.stderr[-4000:]
     one_rank = tmp_path / "one_rank"
     shutil.copytree(cut, one_rank)
 
     for nproc, out in ((2, cut), (1, one_rank)):
-        proc = torchrun(nproc, workspace, out, "--resume")
+        proc = torchrun(nproc, workspace, out, "--resume", *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
     # On the same ranks the resumed run is the uninterrupted one, bit for bit.
     a, b = load_model(straight), load_model(cut)
