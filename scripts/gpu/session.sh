@@ -26,7 +26,7 @@ case $part in
     while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
     exit ;;
   fsdp)
-    step fsdp 300 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch 16 --out "$res/fsdp" ;;
+    step fsdp 400 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch 16 --out "$res/fsdp" ;;
   model)
     step model_smollm2 270 python -m linearize.cli bench model --time-limit 240 --out "$res/model-smollm2"
     step model_8b 300 python -m linearize.cli bench model --shape llama3-8b --time-limit 270 \
