@@ -258,8 +258,8 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
 
 
 @triton.jit
-def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ARG, out, stat, pos, L, y_gla, y_win, alpha, den, m_i, l_i, arg,
-                   first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, SHARED: tl.constexpr):
+def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, out, stat, pos, L, y_gla, y_win, alpha, den, m_i, l_i,
+                   arg, first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, SHARED: tl.constexpr):
     if SHARED:  # one normaliser: (window numerator + linear numerator) / (l_i + den), l_i relative to m_i
         y = (y_win * l_i[:, None] + y_gla * den[:, None]) / (l_i + den)[:, None]
     else:
@@ -272,6 +272,7 @@ def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ARG, out, stat, pos, L, y_gla, y_w
             tl.store(DEN + stat + pos, den, mask=pos < L)
             tl.store(LSE + stat + pos, m_i + tl.log(l_i), mask=pos < L)
             if SHARED:
+                tl.store(ROW_MAX + stat + pos, m_i, mask=pos < L)
                 tl.store(ARG + stat + pos, arg, mask=pos < L)
 
 
@@ -288,7 +289,7 @@ def _chunks(NT, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ARG,
+def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
@@ -326,8 +327,8 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
                                                           eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
-        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ARG, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win, alpha,
-                       den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
+        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win,
+                       alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -709,7 +710,7 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
 
 def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False):
     """Launch the forward; returns the inputs made contiguous, the output and what the backward needs
-    (y_gla, y_win, den, lse and, with `shared`, the key holding each row's window max)."""
+    (y_gla, y_win, den, lse and, with `shared`, each row's window max and the key holding it)."""
     fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
     sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
     B, H, L, F = fq.shape
@@ -725,7 +726,9 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     y_win = torch.empty_like(qw) if save else y
     den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
     lse = torch.empty_like(den)
-    arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den  # written only then
+    # Written only with `shared` (and `save`): each row's window max (sinks included) and its key (-1: a sink).
+    row_max = torch.empty_like(den) if shared and save else den
+    arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
     NT = triton.cdiv(L, BT)
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
@@ -736,11 +739,11 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     else:
         hs = hz = den  # unread
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
-        fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, arg,
-        L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+        fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
+        arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
         SPLIT=cfg.split, NORM=normalize, SHARED=shared, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
-    parts = (y_gla, y_win, den, lse) + ((arg,) if shared else ())
+    parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ())
 
 
@@ -758,13 +761,13 @@ class LizardAttentionFunction(torch.autograd.Function):
     def backward(ctx, dy):
         shared = ctx.shared
         fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *rest = ctx.saved_tensors
-        arg, states = (rest[0], rest[1:]) if shared else (den, rest)
+        row_max, arg, states = (rest[0], rest[1], rest[2:]) if shared else (den, den, rest)
         cfg, window, scale = ctx.cfg, ctx.window, ctx.scale
         dy = dy.contiguous()
         dy_gla = dy_win = dy
         dlse = dm = dden_ext = den  # unread unless shared
         if shared:
-            dy_gla, dy_win, dlse, dm, dden_ext = _shared_split(dy, y_gla, y_win, den, lse, sinks, arg, kw, qw, scale)
+            dy_gla, dy_win, dlse, dm, dden_ext = _shared_split(dy, y_gla, y_win, den, lse, row_max)
             alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
         B, H, L, F = fq.shape
         HKV, D = kw.shape[1], kw.shape[-1]
@@ -828,24 +831,12 @@ class LizardAttentionFunction(torch.autograd.Function):
         return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7
 
 
-def window_row_max(arg, qw, kw, sinks, scale):
-    """Each query's largest window logit [B, H, L], read back from the key that holds it (`arg`, from the
-    forward with `shared`), or the largest sink where arg < 0."""
-    n_rep = qw.shape[1] // kw.shape[1]
-    index = arg.clamp_min(0).long()
-    keys = kw.repeat_interleave(n_rep, 1).gather(2, index[..., None].expand(-1, -1, -1, kw.shape[-1]))
-    row_max = (qw.float() * keys.float()).sum(-1) * scale
-    if sinks is not None:
-        row_max = torch.where(arg < 0, sinks.float().amax(-1)[None, :, None], row_max)
-    return row_max
-
-
-def _shared_split(dy, y_gla, y_win, den, lse, sinks, arg, kw, qw, scale):
+def _shared_split(dy, y_gla, y_win, den, lse, row_max):
     """The shared normaliser's backward, before the kernels: y = c y_win + (1 - c) y_gla with the window's
     share c = l / (l + den), l = e^(lse - max) its softmax sum relative to the row max (sinks included).
     Returns dy_win = c dy and dy_gla = (1 - c) dy for the two branches' kernels, and the gradients
     that c passes to lse, to the row max and to den: g, -g and -g / den, g = c (1 - c) dy.(y_win - y_gla)."""
-    c = (lse - window_row_max(arg, qw, kw, sinks, scale)).exp()
+    c = (lse - row_max).exp()
     c = c / (c + den)
     dyf = dy.float()
     g = c * (1 - c) * (dyf * (y_win.float() - y_gla.float())).sum(-1)
@@ -869,10 +860,7 @@ def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, al
                            config=None):
     """The forward's branches before they are mixed: y_gla, y_win (inputs' dtype), the linear part's
     denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L];
-    with `shared`, also the window's row max [B, H, L] (`window_row_max`)."""
+    with `shared`, also the window's row max [B, H, L] (sinks included)."""
     _, _, parts, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps), True,
                               config or Config.default(fq.dtype), True, shared)
-    if shared:
-        *parts, arg = parts
-        parts = (*parts, window_row_max(arg, qw, kw, sinks, float(scale)))
-    return parts
+    return parts[:5]
