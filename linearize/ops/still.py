@@ -60,11 +60,17 @@ def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
     q_pos = torch.arange(L, device=q.device)[:, None] + (P - L)
     k_pos = torch.arange(P, device=q.device)[None, :]
     local = (k_pos <= q_pos) & (k_pos > q_pos - chunk) & key_valid[:, None, None, :]
+    return _saliency(scores, local, k_pos == q_pos, new_valid, n_rep, eps)
+
+
+def _saliency(scores, local, is_self, new_valid, n_rep, eps):
+    """Score per query from its logits (last dim) over the keys it may see (`local`), `is_self` marking
+    its own key; averaged over each KV group, -inf at padding: [B, H_kv, L]."""
     diag = torch.softmax(scores.masked_fill(~local, float("-inf")), dim=-1).nan_to_num(0.0)
-    weights, _ = exp_weights(scores.masked_fill(~(local & (k_pos != q_pos)), float("-inf")))
+    weights, _ = exp_weights(scores.masked_fill(~(local & ~is_self), float("-inf")))
     nodiag = weights / weights.sum(-1, keepdim=True).clamp_min(1e-30)
     score = (diag * ((diag + eps) / (nodiag + eps)).log()).sum(-1)
-    score = score.unflatten(1, (-1, n_rep)).mean(2)  # [B, H_kv, L]
+    score = score.flatten(2)[..., : new_valid.shape[1]].unflatten(1, (-1, n_rep)).mean(2)
     return score.masked_fill(~new_valid[:, None, :], float("-inf"))
 
 
@@ -88,12 +94,7 @@ def banded_saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
     i = torch.arange(C, device=q.device)[:, None]
     j = torch.arange(2 * C, device=q.device)[None, :]
     local = (j > i) & (j <= i + C) & valid_blocks[:, None, :, None, :]
-    diag = torch.softmax(scores.masked_fill(~local, float("-inf")), dim=-1).nan_to_num(0.0)
-    weights, _ = exp_weights(scores.masked_fill(~(local & (j != i + C)), float("-inf")))
-    nodiag = weights / weights.sum(-1, keepdim=True).clamp_min(1e-30)
-    score = (diag * ((diag + eps) / (nodiag + eps)).log()).sum(-1).flatten(2)[..., :L]
-    score = score.unflatten(1, (-1, n_rep)).mean(2)  # [B, H_kv, L]
-    return score.masked_fill(~new_valid[:, None, :], float("-inf"))
+    return _saliency(scores, local, j == i + C, new_valid, n_rep, eps)
 
 
 def positional_scores(routing, positions, num_kv_heads, valid):
