@@ -73,19 +73,12 @@ def atomic_output_dir(out: str | Path):
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _set_options(pairs: list[str]) -> dict[str, str]:
-    from .config import parse_set_options
-
-    return parse_set_options(pairs or [])
-
-
 def cmd_convert(args) -> None:
-    from .config import make_method_config
+    from .config import parse_set_options
     from .convert import convert
     from .loading import load_model, load_tokenizer
 
-    options = _set_options(args.set)
-    make_method_config(args.method, **options)  # validate before loading anything
+    options = parse_set_options(args.set or [], [args.method])
     with atomic_output_dir(args.out) as scratch:
         model = load_model(args.model, dtype=args.dtype)
         convert(model, args.method, softmax_layers=args.softmax_layers, **options)

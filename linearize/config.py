@@ -174,12 +174,15 @@ def method_name(cfg: MethodConfig) -> str:
     return next(name for name, cls in METHOD_CONFIGS.items() if isinstance(cfg, cls))
 
 
-def parse_set_options(pairs: list[str]) -> dict[str, str]:
-    """`["window=64", "gate=vector"]` -> {"window": "64", "gate": "vector"}."""
+def parse_set_options(pairs: list[str], methods: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """`["window=64", "gate=vector"]` -> {"window": "64", "gate": "vector"}, checked against each of
+    `methods` (a bad option fails before anything is loaded)."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {pair!r}")
         options[key.strip()] = value.strip()
+    for method in methods:
+        make_method_config(method, **options)
     return options

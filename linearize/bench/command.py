@@ -88,20 +88,11 @@ def run_kernels(args) -> None:
     wrote(kernels.bench(args.out, quick=args.quick))
 
 
-def method_options(args, methods) -> dict:
-    """`--set` pairs, checked against each method before anything is loaded."""
-    from ..config import make_method_config, parse_set_options
-
-    options = parse_set_options(args.set or [])
-    for method in methods:
-        make_method_config(method, **options)
-    return options
-
-
 def run_model(args) -> None:
+    from ..config import parse_set_options
     from . import model
 
-    options = method_options(args, args.methods)
+    options = parse_set_options(args.set or [], args.methods)
     wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=args.methods,
                       options=options, quick=args.quick,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
@@ -110,8 +101,9 @@ def run_model(args) -> None:
 
 
 def run_train(args) -> None:
+    from ..config import parse_set_options
     from . import train
 
-    options = method_options(args, [args.method])
+    options = parse_set_options(args.set or [], [args.method])
     wrote(train.bench(args.out, model=args.model, method=args.method, options=options, quick=args.quick,
                       profile=args.profile, seq_len=args.seq_len, batch=args.batch, steps=args.steps))

@@ -140,6 +140,12 @@ def size_label(n: int) -> str:
     return str(n)
 
 
+def options_note(settings: dict) -> str:
+    """" Method options: `k=v`, ...." for the --set options in `settings`, or ""."""
+    options = ", ".join(f"`{k}={v}`" for k, v in settings.get("options", {}).items())
+    return f" Method options: {options}." if options else ""
+
+
 def save_json(results: dict, out: Path) -> Path:
     """Rewritten after every measurement, so a run cut short still leaves what it measured."""
     out.mkdir(parents=True, exist_ok=True)

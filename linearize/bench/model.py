@@ -36,6 +36,7 @@ from .common import (
     human_bytes,
     new_results,
     number,
+    options_note,
     parse_sizes,
     peak_bytes,
     reset_peak,
@@ -217,15 +218,13 @@ def tables(results: dict) -> list[str]:
         return lines + [""]
 
     context_keys = [(1, c) for c in contexts]
-    options = ", ".join(f"`{k}={v}`" for k, v in settings.get("options", {}).items())
-    options = f" Method options: {options}." if options else ""
     lines = [
         (f"{settings['dtype']}; softmax prefills in one forward, linear models in calls of "
          f"{size_label(settings['prefill_chunk'])} tokens "
          f"({'across the batch' if settings.get('prefill_chunk_across_batch') else 'per sequence'}) continuing "
          "the cache; decode: median of "
          f"{settings['decode_steps']} steps after {settings['decode_warmup']} warm-up steps. Peak memory is "
-         f"torch.cuda.max_memory_allocated (weights included).{options}"),
+         f"torch.cuda.max_memory_allocated (weights included).{options_note(settings)}"),
         "",
         *table("**Prefill latency, batch 1** (ms)", "context", context_keys, "context",
                lambda p: number(p["prefill_ms"])),

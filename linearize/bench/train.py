@@ -24,6 +24,7 @@ from .common import (
     free_memory,
     new_results,
     number,
+    options_note,
     peak_bytes,
     reset_peak,
     save_json,
@@ -128,9 +129,7 @@ def attention_path(method: str, device: torch.device) -> str:
 
 def tables(results: dict) -> list[str]:
     s = results["settings"]
-    attention = f" Student attention: {s['attention']}." if "attention" in s else ""
-    if s.get("options"):
-        attention += " Method options: " + ", ".join(f"`{k}={v}`" for k, v in s["options"].items()) + "."
+    attention = (f" Student attention: {s['attention']}." if "attention" in s else "") + options_note(s)
     lines = [
         (f"Batch {s['batch']} × {s['seq_len']} tokens, {s['precision']}, AdamW; median of {s['steps']} optimizer "
          f"steps after {s['warmup']} warm-up steps.{attention}"),

@@ -50,11 +50,10 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args):
-    from ..config import make_method_config, parse_set_options
+    from ..config import parse_set_options
     from .config import DistillConfig
 
-    options = parse_set_options(args.set or [])
-    make_method_config(args.method, **options)  # fail on a bad option before loading anything
+    options = parse_set_options(args.set or [], [args.method])
     lrs = {}
     if args.lr is not None:
         first, second = args.lr
