@@ -4,8 +4,8 @@ A step in PyTorch is dozens of small kernels per layer (state update, window con
 softmax with sinks, combine); under a CUDA graph their launches, not their arithmetic, set the step
 time. Here `_step_kernel` (one program per batch row and query head) updates S and z, reads out the
 linear part and the window softmax with its sinks and mixes them (or divides both numerators by one
-shared normaliser); `_shift_window_kernel` (one
-program per batch row and KV head) then drops the oldest window key/value and appends the new one.
+shared normaliser); `_shift_window_kernel` (one program per batch row and KV head) then drops the
+oldest window key/value and appends the new one.
 Both write new tensors, so the caller's state is never modified in place.
 """
 

@@ -35,11 +35,16 @@ def read_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+def median_rate(step_seconds: list[float], tokens_per_step: int) -> float:
+    """Median tokens/s of the steps after the first quarter (the first step compiles kernels)."""
+    return statistics.median(tokens_per_step / t for t in step_seconds[len(step_seconds) // 4:])
+
+
 def summary(records: list[dict], stage: int, tokens_per_step: int) -> dict:
-    """Losses, and the median of per-step rates after the first quarter (the first step compiles kernels)."""
+    """Losses and `median_rate` of one stage's steps."""
     steps = [r for r in records if r["stage"] == stage and "loss" in r]
     return {"loss": [r["loss"] for r in steps],
-            "tokens_per_s": statistics.median(tokens_per_step / r["step_s"] for r in steps[len(steps) // 4:])}
+            "tokens_per_s": median_rate([r["step_s"] for r in steps], tokens_per_step)}
 
 
 def rates_from_log(text: str, tokens_per_step: int) -> list[dict]:
@@ -47,7 +52,7 @@ def rates_from_log(text: str, tokens_per_step: int) -> list[dict]:
 
     The bars show the stage-so-far rate after step n (tokens n*T over elapsed e_n); e_n - e_(n-1) is
     step n alone (with a checkpoint save, the step after one). Logs written before train_log.jsonl had
-    `step_s` need this; the median skips the first quarter, as `summary` does.
+    `step_s` need this.
     """
     found = []
     for run in re.split(r"(?m)^\+ torchrun", text)[1:]:
@@ -58,7 +63,7 @@ def rates_from_log(text: str, tokens_per_step: int) -> list[dict]:
             elapsed = {n: n * tokens_per_step / rate for n, rate in shown.items() if n > 0}
             steps = [elapsed[n] - elapsed[n - 1] for n in sorted(elapsed) if n - 1 in elapsed]
             found.append({"run": command, "stage": stage, "step_s": steps,
-                          "tokens_per_s": statistics.median(tokens_per_step / t for t in steps[len(steps) // 4:])})
+                          "tokens_per_s": median_rate(steps, tokens_per_step)})
     return found
 
 
