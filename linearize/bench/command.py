@@ -61,6 +61,8 @@ def register(subparsers) -> None:
     p.add_argument("--teacher-max", type=size, help="longest context for softmax attention (default 128k)")
     p.add_argument("--time-limit", type=positive_float,
                    help="seconds for the whole sweep; points that would end later are skipped (default 420)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each model's top ops in a prefill and a decode step (torch.profiler) to files")
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_model)
 
@@ -94,7 +96,7 @@ def run_model(args) -> None:
 
     options = parse_set_options(args.set or [], args.methods)
     wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=args.methods,
-                      options=options, quick=args.quick,
+                      options=options, quick=args.quick, profile=args.profile,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
                       time_limit=args.time_limit))

@@ -76,6 +76,20 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def write_profile(step, device: torch.device, path: Path, rows: int = 40) -> None:
+    """One more call of `step` under torch.profiler: the ops that took the most device (or CPU) time, as a table."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n")
+
+
 def failure(error: BaseException) -> dict:
     """A row's status for a failed measurement; the traceback goes to stderr so a GPU log shows it."""
     if isinstance(error, OOM):

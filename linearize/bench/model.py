@@ -45,6 +45,7 @@ from .common import (
     time_ms,
     wall_ms,
     write_outputs,
+    write_profile,
 )
 
 SOFTMAX = "softmax (sdpa)"
@@ -92,7 +93,10 @@ def prefill_chunk(variant: str, context: int, batch: int, settings: dict) -> int
     return context if variant == SOFTMAX else max(1, settings["prefill_chunk"] // batch)
 
 
-def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict, device: torch.device) -> dict:
+def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict, device: torch.device,
+                  profile_to: str | None = None) -> dict:
+    """One (batch, context) point; with `profile_to`, one more prefill and decode step under
+    torch.profiler write their top ops to `<profile_to>-prefill.txt` and `<profile_to>-decode.txt`."""
     ids = torch.randint(model.config.vocab_size, (batch, context), device=device)
     last = {}
 
@@ -113,6 +117,8 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
     point = {"prefill_ms": statistics.median(times), "prefill_repeats": repeats,
              "prefill_calls": -(-context // chunk), "prefill_peak_bytes": peak_bytes(device),
              "cache_bytes": cache_nbytes(last["cache"])}
+    if profile_to:
+        write_profile(prefill, device, Path(f"{profile_to}-prefill.txt"))
 
     decoder = None
     if getattr(model.config, "linearize", None):
@@ -128,6 +134,8 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
 
     reset_peak(device)
     step_ms = time_ms(step, device, warmup=settings["decode_warmup"], iters=settings["decode_steps"])
+    if profile_to:
+        write_profile(step, device, Path(f"{profile_to}-decode.txt"))
     return dict(point, decode_ms=step_ms, decode_tokens_per_s=batch * 1e3 / step_ms,
                 decode_peak_bytes=peak_bytes(device), decode_path="eager" if decoder is None else decoder.path)
 
@@ -162,9 +170,10 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
 
 
 def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
-          options: dict | None = None, quick: bool = False, **overrides) -> list[Path]:
+          options: dict | None = None, quick: bool = False, profile: bool = False, **overrides) -> list[Path]:
     """Run both sweeps for softmax and each method (converted with `options`); `overrides` replace entries
-    of FULL / QUICK."""
+    of FULL / QUICK. With `profile`, each model then writes `profile-<model>-{prefill,decode}.txt` (`softmax` for SDPA): the
+    top ops of a batch-1 prefill of two `prefill_chunk` calls and of one decode step after it."""
     device = default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are unrepresentative
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
@@ -194,6 +203,11 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
             sweep(net, variant, "batch", batch_points, settings, device, deadline, results, out)
             sweep(net, variant, "context", [(1, c) for c in settings["contexts"]], settings, device, deadline,
                   results, out)
+            if profile:
+                # Two prefill calls of a linear model (the second continues the cache), one for softmax.
+                context = 2 * settings["prefill_chunk"]
+                measure_point(net, batch=1, context=context, chunk=prefill_chunk(variant, context, 1, settings),
+                              settings=settings, device=device, profile_to=str(out / f"profile-{variant.split()[0]}"))
         del net
         free_memory()
     return write_outputs(results, out, tables, plots)

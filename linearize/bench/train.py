@@ -30,6 +30,7 @@ from .common import (
     save_json,
     time_ms,
     write_outputs,
+    write_profile,
 )
 
 MODES = {"full fine-tune (teacher)": None, "stage 1 (attention transfer)": 1, "stage 2 (LoRA)": 2}  # name: stage
@@ -69,20 +70,6 @@ def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, s
         write_profile(step, rt.device, profile_to)
     return {"step_ms": ms, "tokens_per_s": cfg.batch * cfg.seq_len * 1e3 / ms, "peak_bytes": peak_bytes(rt.device),
             "trained_parameters": sum(p.numel() for p in params)}
-
-
-def write_profile(step, device: torch.device, path: Path, rows: int = 40) -> None:
-    """One more step under torch.profiler: the ops that took the most device (or CPU) time, as a table."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n")
 
 
 def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", options: dict | None = None,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests | kernels | train [METHOD SEQ_LEN BATCH] | fsdp (2 GPUs) | model | rows NAME... (recipes/NAME.json)
+# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE...]] | fsdp (2 GPUs) | model [SHAPE] | rows NAME...
+# (recipes/NAME.json)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # scripts/gpu/together.sh runs several parts at once, on one GPU or both.
@@ -17,20 +18,25 @@ case $part in
   tests)
     step tests 420 python -m pytest -q -m gpu tests/test_gpu.py tests/kernels -p no:cacheprovider ;;
   kernels)
-    step check 300 python -m linearize.kernels.check --no-check
-    step sweep 240 python -m linearize.kernels.check --no-check --no-bench --sweep --lengths 2048 ;;
+    step check 300 python -m linearize.kernels.check --no-check ;;
   train)
+    sets=()
+    for option in "${@:4}"; do sets+=(--set "$option"); done
     step train 200 python -m linearize.cli bench train --model smollm2 --method "${1:-lizard}" \
-      --seq-len "${2:-2048}" --batch "${3:-8}" --profile --out "$res/train" ;;
+      --seq-len "${2:-2048}" --batch "${3:-8}" "${sets[@]}" --profile --out "$res/train" ;;
   after)
     while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
     exit ;;
   fsdp)
     step fsdp 400 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch 16 --out "$res/fsdp" ;;
   model)
-    step model_smollm2 270 python -m linearize.cli bench model --time-limit 240 --out "$res/model-smollm2"
-    step model_8b 300 python -m linearize.cli bench model --shape llama3-8b --time-limit 270 \
-      --out "$res/model-llama3-8b" ;;
+    # The best Lizard (recipes/lizard-rope-shared.json); at the 8B shape the batch sweep runs at the
+    # 32K context that the decode target names.
+    shape=${1:-llama3-8b}
+    extra=()
+    [ "$shape" = llama3-8b ] && extra=(--batch-context 32k --batches 1,16,64)
+    step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" --set combine=shared \
+      --set rope_in_window=true "${extra[@]}" --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows)
     recipes=()
     for name in "$@"; do recipes+=("recipes/$name.json"); done

@@ -29,7 +29,8 @@ def load(out, name):
 def outputs(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("runs")
     run("bench", "kernels", "--out", root / "kernels", "--quick")
-    run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick", "--set", "combine=shared")
+    run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick", "--set", "combine=shared",
+        "--profile")
     run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile",
         "--set", "combine=shared", "--set", "rope_in_window=true")
     return root
@@ -88,6 +89,13 @@ def test_train_profile_lists_each_modes_top_ops(outputs):
     for mode in ("teacher", "1", "2"):
         table = (outputs / "train" / f"profile-{mode}.txt").read_text()
         assert "Self CPU" in table and "aten::mm" in table, mode
+
+
+def test_model_profile_lists_each_models_top_ops_in_prefill_and_decode(outputs):
+    for name in ("softmax", "lizard"):
+        for phase in ("prefill", "decode"):
+            table = (outputs / "model" / f"profile-{name}-{phase}.txt").read_text()
+            assert "Self CPU" in table and "aten::mm" in table, (name, phase)
 
 
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
