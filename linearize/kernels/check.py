@@ -169,7 +169,7 @@ def _bench_ours(B, H, L, D, gate, config=None, shared=False):
 
     case = Case(L=L, gate=gate, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
     (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
-    inputs = [fq, fk, log_g, qw, kw, v, sinks, alpha]
+    inputs = [fq, fk, log_g, qw, kw, v, sinks] + ([] if shared else [alpha])  # the shared form has no alpha
     return _fwd_and_bwd(lambda: lizard_attention_triton(fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
                                                         sinks=sinks, alpha=alpha, shared=shared, config=config),
                          inputs)
