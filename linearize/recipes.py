@@ -189,7 +189,9 @@ def plot_rows(run_dirs: list[Path], path: Path) -> Path:
                       for r in tasks.get(task, {}).get("by_length", [])]
             if points:
                 lengths |= {length for length, _ in points}
-                ax.plot(*zip(*points), marker="o", label=row, color=f"C{i}")  # a row's colour in every panel
+                # A row's colour and line in every panel; the style changes once the 10 colours repeat.
+                ax.plot(*zip(*points), marker="os^D"[i // 10 % 4], linestyle=["-", "--", ":", "-."][i // 10 % 4],
+                        label=row, color=f"C{i % 10}")
     for ax, (task, label) in zip(axes, panels):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(lengths), [length_label(n) for n in sorted(lengths)])

@@ -1,7 +1,7 @@
 """`python -m linearize.bench.report DIR...`: merge `linearize bench` results into docs/benchmarks.md.
 
-Every DIR/kernels.json, DIR/model.json and DIR/train.json becomes one section, titled with what was measured and
-on which device and carrying the command that produced it. Sections are found again by title, so merging a rerun
+Every DIR/kernels.json, DIR/model.json and DIR/train.json becomes one section, titled with what was measured, on
+which device and with which method options, and carrying the command that produced it. Sections are found again by title, so merging a rerun
 replaces its section instead of adding a copy; everything else in the document is left as it is.
 """
 
@@ -21,14 +21,20 @@ START = "<!-- bench section: {} -->"
 END = "<!-- end of bench section -->"
 
 
+def title(results: dict) -> str:
+    """The run's title, plus its method options (`--set`): a run with other options is another section."""
+    options = ", ".join(f"{k}={v}" for k, v in results["settings"].get("options", {}).items())
+    return f"{results['title']} ({options})" if options else results["title"]
+
+
 def section(results: dict) -> str:
-    lines = [START.format(results["title"]), f"### {results['title']}", "", *provenance(results), "",
+    lines = [START.format(title(results)), f"### {title(results)}", "", *provenance(results), "",
              *TABLES[results["bench"]](results), END]
     return "\n".join(lines)
 
 
 def merge(doc: str, results: dict) -> str:
-    start = START.format(results["title"])
+    start = START.format(title(results))
     if start in doc:
         head, rest = doc.split(start, 1)
         return head + section(results) + rest.split(END, 1)[1]

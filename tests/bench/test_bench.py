@@ -108,6 +108,8 @@ def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
     for name in ("kernels", "model", "train"):
         results = json.loads((outputs / name / f"{name}.json").read_text())
         assert f"### {results['title']}" in first
+        if name == "model":  # its run had --set options: they name its section, so other options get another
+            assert f"### {results['title']} (combine=shared)\n" in first
         assert results["command"] in first
     assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
     assert doc.read_text() == first
