@@ -53,9 +53,11 @@ class LinearizedAttention(nn.Module):
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
         # Set per call for paths that need them: the projections' output dtype (bf16 under autocast),
-        # in which fused kernels take their operands, and whether a cache will store the new state.
+        # in which fused kernels take their operands, whether a cache will store the new state, and
+        # whether the call has no attention mask (every token valid, known without a device read).
         self.projection_dtype = torch.float32
         self.caching = False
+        self.unpadded = False
 
     def new_parameters(self) -> list[nn.Parameter]:
         """Parameters this method adds on top of the teacher's projections."""
@@ -86,6 +88,7 @@ class LinearizedAttention(nn.Module):
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype
+        self.unpadded = attention_mask is None
 
         cache = claim_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
         state = cache.state if cache is not None else None

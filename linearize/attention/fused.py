@@ -16,7 +16,7 @@ def kernels_enabled() -> bool:
 
 
 def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_continue, query_scale=1.0,
-        shared=False, **options):
+        shared=False, unpadded=False, **options):
     """(y float32, new state or None) through the kernel, or None where it does not apply.
 
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
@@ -25,7 +25,9 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype` (the projections' dtype:
     bf16 under autocast); `query_scale` multiplies fq there only. `options` are
     `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize); `shared` gives both
-    branches one normaliser.
+    branches one normaliser. `unpadded` says that every token is valid (the call had no attention
+    mask): then `valid` is not read back from the device, a host sync per layer that would keep the
+    host from queueing work ahead of the GPU.
     """
     if not kernels_enabled():
         return None
@@ -38,7 +40,7 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
         return None
     if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"]):
         return None
-    one_run, all_valid, lead = row_layout(valid)
+    one_run, all_valid, lead = (True, True, None) if unpadded else row_layout(valid)
     if not (all_valid if start > 0 else one_run):
         return None
     operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype), kw.to(dtype), v.to(dtype))
@@ -56,6 +58,14 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
         y = rotate_rows(y, torch.argsort(shift, dim=1))
     new_state = gla_window.state_after(fk, log_g, kw, v, options["window"], valid) if caching else None
     return y.float(), new_state
+
+
+def step_features(q, k, w_q, w_k, position_embeddings):
+    """A decode step's (fq, fk, qw, kw) from `kernels.lizard_step_features`, or None where it does not
+    apply (kernels off, gradients needed, or see there)."""
+    if not kernels_enabled() or torch.is_grad_enabled():
+        return None
+    return kernels.lizard_step_features(q, k, w_q, w_k, position_embeddings)
 
 
 def row_layout(valid: torch.Tensor) -> tuple[bool, bool, torch.Tensor | None]:

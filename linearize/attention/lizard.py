@@ -38,19 +38,29 @@ class LizardAttention(LinearizedAttention):
         logits = self.gate(x.to(self.gate.weight.dtype)).float().view(B, L, self.num_heads, -1).transpose(1, 2)
         return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
 
+    def branch_inputs(self, q, k, position_embeddings):
+        """(phi_q(q), phi_k(k) for every query head, the window's q and k): a decode step takes one kernel
+        for all four where it can (`fused.step_features`); the PyTorch ops are the reference."""
+        rope = position_embeddings if self.cfg.rope_in_window else None
+        if q.shape[2] == 1:
+            out = fused.step_features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope)
+            if out is not None:
+                return out
+        fq = self.feature_map_q(q)
+        fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
+        return (fq, fk, *(rotate(q, k, rope) if rope is not None else (q, k)))
+
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
-        n_rep = self.num_heads // self.num_kv_heads
-        fq = self.feature_map_q(q)
-        fk = self.feature_map_k(repeat_kv(k, n_rep))
-        qw, kw = rotate(q, k, position_embeddings) if cfg.rope_in_window else (q, k)
+        fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
         log_g = self.log_gate(x)
         sinks = self.sinks.float() if cfg.num_sinks else None
         options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
                    "eps": cfg.eps}
         shared = cfg.combine == "shared"
         out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
-                        dtype=self.projection_dtype, can_continue=True, shared=shared, **options)
+                        unpadded=self.unpadded, dtype=self.projection_dtype, can_continue=True, shared=shared,
+                        **options)
         if out is not None:
             return out
         return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0, normalize=True,

@@ -82,6 +82,21 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
 
 
 @torch.no_grad()
+def lizard_step_features(q, k, w_q, w_k, position_embeddings=None):
+    """One token's Hedgehog features and window queries/keys in one kernel (`decode_triton.lizard_step_features`:
+    (fq, fk per query head, qw, kw)), or None where it does not apply (no kernels here, more than one token,
+    not float32, dims not powers of two)."""
+    if not available():
+        return None
+    from .decode_triton import features_unsupported
+    from .decode_triton import lizard_step_features as features
+
+    if features_unsupported(q, w_q):
+        return None
+    return features(q, k, w_q, w_k, position_embeddings)
+
+
+@torch.no_grad()
 def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale, sinks, alpha, eps=1e-6,
                                shared=False):
     """`lizard_attention` continuing from a carried state (a prefill after earlier ones): (y, new state).

@@ -104,6 +104,73 @@ def _shift_window_kernel(kw, v, valid, win_k, win_v, win_valid, k_out, v_out, va
         tl.store(valid_out + b * W1 + w, shifted, mask=rows)
 
 
+@triton.jit
+def _hedgehog(x, w, out, f, F: tl.constexpr):
+    """[softmax(x W), softmax(-x W)] of one row x [D] and W [D, F] (pointers laid out by the caller)."""
+    u = tl.sum(x[:, None] * tl.load(w).to(tl.float32), axis=0)
+    up, down = tl.exp(u - tl.max(u, axis=0)), tl.exp(tl.min(u, axis=0) - u)
+    tl.store(out + f, up / tl.sum(up, axis=0))
+    tl.store(out + F + f, down / tl.sum(down, axis=0))
+
+
+@triton.jit
+def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw,
+                     H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, ROPE: tl.constexpr):
+    """One program per batch row and query head: phi(q), phi(k) (Hedgehog: [softmax(x W), softmax(-x W)]
+    with this head's W) and, with ROPE, the rotated q and k of the window; a KV head's rotated key
+    is written by the first of its query heads."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    bkv = b * (H // N_REP) + h // N_REP
+    d, f = tl.arange(0, D), tl.arange(0, F)
+    x_q = tl.load(q + bh * D + d)
+    x_k = tl.load(k + bkv * D + d)
+    weights = h * D * F + d[:, None] * F + f[None, :]
+    _hedgehog(x_q, w_q + weights, fq + bh * 2 * F, f, F)
+    _hedgehog(x_k, w_k + weights, fk + bh * 2 * F, f, F)
+    if ROPE:  # x cos + rotate_half(x) sin, rotate_half(x) = [-x[D/2:], x[:D/2]] (HF's convention)
+        half = D // 2
+        partner = (d + half) % D
+        sign = tl.where(d < half, -1.0, 1.0)
+        c = tl.load(cos + b * D + d).to(tl.float32)
+        s = tl.load(sin + b * D + d).to(tl.float32)
+        tl.store(qw + bh * D + d, x_q * c + sign * tl.load(q + bh * D + partner) * s)
+        if h % N_REP == 0:
+            tl.store(kw + bkv * D + d, x_k * c + sign * tl.load(k + bkv * D + partner) * s)
+
+
+def features_unsupported(q, w_q) -> str | None:
+    """What keeps `lizard_step_features` from these inputs, or None."""
+    D, F = w_q.shape[1], w_q.shape[2]
+    if q.shape[2] != 1:
+        return "a step takes one token"
+    if q.dtype != torch.float32:
+        return "the step runs on float32 inputs"
+    if D & (D - 1) or F & (F - 1) or D < 2:
+        return "head and feature dims must be powers of two"
+    return None
+
+
+def lizard_step_features(q, k, w_q, w_k, position_embeddings=None):
+    """One token's Hedgehog features and window queries/keys in one kernel: (fq, fk, qw, kw).
+
+    q [B, H, 1, d], k [B, H_kv, 1, d] float32; w_q, w_k [H, d, f] (the feature maps' weights);
+    `position_embeddings` (cos, sin) [B or 1, 1, d] rotate q and k for the window (None: qw, kw are q, k).
+    Equals `HedgehogFeatureMap` on q and on each query head's KV head, and `attention.base.rotate`.
+    """
+    B, H, _, D = q.shape
+    HKV, F = k.shape[1], w_q.shape[-1]
+    q, k = q.contiguous(), k.contiguous()
+    fq = torch.empty(B, H, 1, 2 * F, device=q.device, dtype=torch.float32)
+    fk = torch.empty_like(fq)
+    rope = position_embeddings is not None
+    qw, kw = (torch.empty_like(q), torch.empty_like(k)) if rope else (q, k)
+    cos, sin = (t.expand(B, 1, D).contiguous() for t in position_embeddings) if rope else (q, q)
+    _features_kernel[(B * H,)](q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, fq, fk, qw, kw, H=H,
+                               N_REP=H // HKV, D=D, F=F, ROPE=rope, num_warps=4)
+    return fq, fk, qw, kw
+
+
 def step_unsupported(fq, log_g, state, *, window, sinks) -> str | None:
     """What keeps the step kernels from inputs the fused kernels take (`lizard_triton.supports`), or None."""
     if fq.shape[2] != 1:

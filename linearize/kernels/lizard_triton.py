@@ -708,6 +708,16 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
     return None
 
 
+def _state_block_v(heads: int, D: int, BV: int, device: torch.device) -> int:
+    """Value columns per program of the sequential state passes (`_fwd_states_kernel`,
+    `_bwd_states_kernel`): each program walks every chunk, so with few heads (batch 1 at long
+    context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more programs."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    while BV > 32 and heads * (D // BV) < sms:
+        BV //= 2
+    return BV
+
+
 def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False):
     """Launch the forward; returns the inputs made contiguous, the output and what the backward needs
     (y_gla, y_win, den, lse and, with `shared`, each row's window max and the key holding it)."""
@@ -735,7 +745,8 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=fq.dtype)
         hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
-        _fwd_states_kernel[(B * H, D // BV)](fk, log_g, v, hs, hz, L, H, HKV, NT, **shapes)
+        BVS = _state_block_v(B * H, D, BV, qw.device)
+        _fwd_states_kernel[(B * H, D // BVS)](fk, log_g, v, hs, hz, L, H, HKV, NT, **(shapes | {"BV": BVS}))
     else:
         hs = hz = den  # unread
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
@@ -807,8 +818,9 @@ class LizardAttentionFunction(torch.autograd.Function):
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=fq.dtype)
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
-            _bwd_states_kernel[(B * H, D // BV)](fq, log_g, den, dy_gla, d_den, hds, hdz, L, NT, F=F, D=D, BV=BV,
-                                                 **state)
+            BVS = _state_block_v(B * H, D, BV, dev)
+            _bwd_states_kernel[(B * H, D // BVS)](fq, log_g, den, dy_gla, d_den, hds, hdz, L, NT, F=F, D=D, BV=BVS,
+                                                  **state)
         else:
             hds = hdz = den
         _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy_gla, d_den, hds, hdz, dfk, da_k,

@@ -233,13 +233,15 @@ class Run:
         try:
             while step < total:
                 step_started = time.perf_counter()
-                loss_sum = 0.0
+                # Summed on the device and read once a step: a read per micro-batch would stop the host
+                # from queueing the next one while the GPU still runs this one's backward.
+                loss_sum = torch.zeros((), device=rt.device, dtype=torch.float64)
                 for _ in range(cfg.grad_accum):
                     ids = next(batches).to(rt.device)
                     with rt.autocast():
                         loss = stage_loss(model, ids, stage)
                     (loss / cfg.grad_accum).backward()
-                    loss_sum += loss.item() / cfg.grad_accum
+                    loss_sum += loss.detach().double() / cfg.grad_accum
                 if rt.distributed and not sharded:
                     rt.average_gradients(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
@@ -252,7 +254,7 @@ class Run:
                 step += 1
                 tokens += cfg.batch * cfg.seq_len
                 snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
-                loss_value = rt.mean(loss_sum)
+                loss_value = rt.mean(loss_sum.item())
                 now = time.perf_counter()
                 # tokens_per_s: the stage so far (what the bar shows); step_s: this optimizer step alone,
                 # without validation, checkpoints or the first step's kernel compilation in other steps.
