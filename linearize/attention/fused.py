@@ -60,12 +60,12 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     return y.float(), new_state
 
 
-def step_features(q, k, w_q, w_k, position_embeddings):
-    """A decode step's (fq, fk, qw, kw) from `kernels.lizard_step_features`, or None where it does not
-    apply (kernels off, gradients needed, or see there)."""
+def features(q, k, w_q, w_k, position_embeddings):
+    """(fq, fk, qw, kw) from `kernels.lizard_features` for passes without gradients, or None where it
+    does not apply (kernels off, gradients needed, or see there)."""
     if not kernels_enabled() or torch.is_grad_enabled():
         return None
-    return kernels.lizard_step_features(q, k, w_q, w_k, position_embeddings)
+    return kernels.lizard_features(q, k, w_q, w_k, position_embeddings)
 
 
 def row_layout(valid: torch.Tensor) -> tuple[bool, bool, torch.Tensor | None]:

@@ -39,13 +39,12 @@ class LizardAttention(LinearizedAttention):
         return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
 
     def branch_inputs(self, q, k, position_embeddings):
-        """(phi_q(q), phi_k(k) for every query head, the window's q and k): a decode step takes one kernel
-        for all four where it can (`fused.step_features`); the PyTorch ops are the reference."""
+        """(phi_q(q), phi_k(k) for every query head, the window's q and k): one kernel for all four in
+        passes without gradients, where it applies (`fused.features`); the PyTorch ops are the reference."""
         rope = position_embeddings if self.cfg.rope_in_window else None
-        if q.shape[2] == 1:
-            out = fused.step_features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope)
-            if out is not None:
-                return out
+        out = fused.features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope)
+        if out is not None:
+            return out
         fq = self.feature_map_q(q)
         fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
         return (fq, fk, *(rotate(q, k, rope) if rope is not None else (q, k)))

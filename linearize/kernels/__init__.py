@@ -82,16 +82,16 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
 
 
 @torch.no_grad()
-def lizard_step_features(q, k, w_q, w_k, position_embeddings=None):
-    """One token's Hedgehog features and window queries/keys in one kernel (`decode_triton.lizard_step_features`:
-    (fq, fk per query head, qw, kw)), or None where it does not apply (no kernels here, more than one token,
-    not float32, dims not powers of two)."""
+def lizard_features(q, k, w_q, w_k, position_embeddings=None):
+    """Lizard's Hedgehog features and window queries/keys in one kernel (`features_triton.lizard_features`:
+    (fq, fk per query head, qw, kw)), or None where it does not apply (no kernels here, or see
+    `features_triton.features_unsupported`)."""
     if not available():
         return None
-    from .decode_triton import features_unsupported
-    from .decode_triton import lizard_step_features as features
+    from .features_triton import features_unsupported
+    from .features_triton import lizard_features as features
 
-    if features_unsupported(q, w_q):
+    if features_unsupported(q, k, w_q):
         return None
     return features(q, k, w_q, w_k, position_embeddings)
 

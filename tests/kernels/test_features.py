@@ -1,0 +1,73 @@
+"""The features kernel equals `HedgehogFeatureMap` and `rotate`: phi(q), phi(k) per query head, the window's q, k."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_lizard_triton import HAS_TRITON
+
+from linearize.attention.base import rotate
+from linearize.feature_maps import HedgehogFeatureMap
+from linearize.ops.common import repeat_kv
+
+CASES = {
+    "step-gqa-rope": {"L": 1},
+    "step-mha-one-position-bf16-weights": {"L": 1, "HKV": 4, "cos_batch": 1, "weight_dtype": torch.bfloat16},
+    "step-no-rope-F8": {"L": 1, "F": 8, "rope": False},
+    "prefill-L37-gqa-rope-projection-strides": {"L": 37},
+    "prefill-L16-gqa4-D64-F32-one-position": {"L": 16, "H": 8, "HKV": 2, "D": 64, "F": 32, "cos_batch": 1},
+    "prefill-L50-no-rope-bf16-weights": {"L": 50, "rope": False, "weight_dtype": torch.bfloat16},
+}
+
+
+def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, weight_dtype=torch.float32) -> dict:
+    """Max abs errors of the kernel's outputs. q and k are transposed views of [B, L, heads, D], as the
+    attention module's projections give them; `cos_batch=1`: one row of positions for the whole batch."""
+    from linearize.kernels.features_triton import lizard_features
+
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)
+    maps = [HedgehogFeatureMap(H, D, F).to(device) for _ in range(2)]
+    for m in maps:
+        m.weight.data = (m.weight.data + 0.3 * r(H, D, F)).to(weight_dtype)
+    q, k = 2 * r(B, L, H, D).transpose(1, 2), 2 * r(B, L, HKV, D).transpose(1, 2)
+    angles = r(cos_batch or B, L, D // 2) * 30
+    position = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else None
+    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position)
+    qw_ref, kw_ref = rotate(q, k, position) if rope else (q, k)
+    pairs = {"fq": (fq, maps[0](q)), "fk": (fk, maps[1](repeat_kv(k, H // HKV))), "qw": (qw, qw_ref), "kw": (kw, kw_ref)}
+    out = {}
+    for name, (got, ref) in pairs.items():
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        out[name] = (got - ref).abs().max().item()
+    return out
+
+
+_SCRIPT = """
+import json
+from test_features import CASES, errors
+print(json.dumps({name: errors("cpu", **case) for name, case in CASES.items()}))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation():
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([os.path.join(tests, "kernels"), tests, *sys.path])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name, errs in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert max(errs.values()) < 1e-5, (name, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", list(CASES))
+def test_features_kernel_on_cuda_equals_the_feature_maps_and_rotation(name):
+    errs = errors("cuda", **CASES[name])
+    assert max(errs.values()) < 1e-4, errs  # x W on tensor cores (3xTF32): about, not exactly, float32
