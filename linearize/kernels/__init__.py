@@ -14,7 +14,7 @@ import os
 import torch
 
 from ..ops import gla_window
-from ..ops.common import carried_window, extend_window, repeat_kv
+from ..ops.common import carried_window, cumsum_over_tokens, extend_window, repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
 
 
@@ -112,7 +112,7 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
     y_gla, y_win, den, lse, *row_max = lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=window, scale=scale,
                                                               sinks=sinks, alpha=alpha, eps=eps, shared=shared)
     n_rep = fq.shape[1] // kw.shape[1]
-    A = log_g.float().cumsum(2)
+    A = cumsum_over_tokens(log_g.float())
     q_dec = fq.float() * A.exp()
     num = y_gla.float() * den[..., None] + q_dec @ state["S"]
     den = den + (q_dec * state["z"][:, :, None, :]).sum(-1)

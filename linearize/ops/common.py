@@ -10,6 +10,17 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
+def cumsum_over_tokens(log_g: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Cumulative sum of [B, H, L, 1 or F] gates over the tokens (dim 2), from the end with `reverse`.
+
+    A scalar gate is summed as [B, H, L]: scanning dim 2 of [B, H, L, 1] takes torch's outer-dim scan,
+    one thread per (B, H) row (683 us for [1, 32, 16K, 1] in the 8B prefill profile, docs/benchmarks.md).
+    """
+    x = log_g[..., 0] if log_g.shape[-1] == 1 else log_g.movedim(2, -1)
+    x = x.flip(-1).cumsum(-1).flip(-1) if reverse else x.cumsum(-1)
+    return x[..., None] if log_g.shape[-1] == 1 else x.movedim(-1, 2)
+
+
 def keep_last(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """The last n entries along dim (n may be 0, where x[-0:] would keep everything)."""
     return x.narrow(dim, x.shape[dim] - n, n)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import carried_window, exp_weights, extend_window, repeat_kv, safe_divide
+from .common import carried_window, cumsum_over_tokens, exp_weights, extend_window, repeat_kv, safe_divide
 
 
 def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, *, device, dtype=torch.float32):
@@ -41,7 +41,7 @@ def state_after(fk, log_g, kw, v, window, valid=None):
     keep = valid[:, None, :, None].to(fk.dtype)
     fk, log_g = fk * keep, log_g * keep
     # Decay from each token to the end as a reverse cumsum: exact at any length, unlike A_L - A_j.
-    to_end = (log_g.flip(2).cumsum(2).flip(2) - log_g).exp()
+    to_end = (cumsum_over_tokens(log_g, reverse=True) - log_g).exp()
     k_to_end = fk * to_end
     empty = init_state(B, fk.shape[1], H_kv, fk.shape[-1], d, window, device=fk.device, dtype=v.dtype)
     return {"S": k_to_end.transpose(-1, -2) @ repeat_kv(v, n_rep), "z": k_to_end.sum(2),
