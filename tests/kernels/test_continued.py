@@ -1,14 +1,11 @@
 """A prefill continuing from a carried state through the kernel equals the reference op."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from continued_check import check
+from interpreted import interpreted
 from test_lizard_triton import HAS_TRITON
 
 CASES = {
@@ -35,12 +32,7 @@ def _assert_close(name, errors):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_continued_prefill_in_the_interpreter():
-    here = str(Path(__file__).resolve().parent)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([here, *sys.path])}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for name, errors in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for name, errors in interpreted(_SCRIPT, json.dumps(CASES)).items():
         _assert_close(name, errors)
 
 

@@ -1,12 +1,8 @@
 """The decode-step kernels equal `gla_window_step`: output and every entry of the new state."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted import interpreted
 from test_lizard_triton import HAS_TRITON
 
 from linearize.ops.gla_window import gla_window_step
@@ -53,7 +49,7 @@ def errors(device, **case) -> dict:
 
 
 _SCRIPT = """
-import json, sys
+import json
 from test_decode_step import CASES, errors
 print(json.dumps({name: errors("cpu", **case) for name, case in CASES.items()}))
 """
@@ -61,15 +57,8 @@ print(json.dumps({name: errors("cpu", **case) for name, case in CASES.items()}))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_interpreted_step_kernels_equal_the_reference_step():
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([os.path.join(tests, "kernels"), tests, *sys.path])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for name, errs in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for name, errs in interpreted(_SCRIPT).items():
         assert max(errs.values()) < 1e-5, (name, errs)
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")

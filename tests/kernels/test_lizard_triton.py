@@ -12,12 +12,12 @@ triton installed and skip otherwise.
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import interpreted as run_interpreted
 
 from linearize.kernels.check import CHECK_CASES, Case, compare, within_tolerance
 
@@ -64,11 +64,7 @@ print(json.dumps([compare(c, "cpu") for c in cases]))
 
 
 def _interpret(cases: dict) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([repr(c) for c in cases.values()])],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])))
+    return dict(zip(cases, run_interpreted(_SCRIPT, json.dumps([repr(c) for c in cases.values()]))))
 
 
 def _check(case: Case, out: dict):

@@ -1,17 +1,11 @@
 """A linearized model takes the fused kernel path where it applies, with the same results as the PyTorch ops."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from attention_kernel_check import check, check_padded
+from interpreted import interpreted
 from test_lizard_triton import HAS_TRITON
 
-TESTS = Path(__file__).resolve().parents[1]
 # Kernel passes with 2 layers: the uncached forward and the first prefill, plus (Lizard only) the
 # continued prefill; and the 3 single-token steps on the step kernels.
 CALLS = {"lizard": 6, "liger": 4, "lizard-shared": 6}
@@ -23,11 +17,7 @@ _SCRIPT = ("import json, attention_kernel_check as c; "
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for method, results in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for method, results in interpreted(_SCRIPT).items():
         plain, padded, static = results["plain"], results["padded"], results["static"]
         # greedy_decode on a frozen cache: 5 steps after the prefill, 2 layers each, through the step kernels
         assert static == {"same_tokens": True, "step_calls": 2 * 5}, (method, static)
