@@ -14,7 +14,7 @@ import os
 import torch
 
 from ..ops import gla_window
-from ..ops.common import carried_window, cumsum_over_tokens, extend_window, repeat_kv
+from ..ops.common import carried_window, extend_window, repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
 
 
@@ -101,21 +101,19 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
                                shared=False):
     """`lizard_attention` continuing from a carried state (a prefill after earlier ones): (y, new state).
 
-    The kernel computes the call's own part; the carried state then adds, per query i, its decayed
-    linear terms (q_i e^{A_i}) S_0 and (q_i e^{A_i}) . z_0 to the numerator and denominator, and the
-    carried window keys to the softmax of the first w - 1 queries (merged through the kernel's
-    log-sum-exp, and with `shared` its row max). Same contract as `gla_window_parallel` with all new
-    tokens valid, beta = 1, normalize=True; no gradients (prefill only). The kernel must apply to the inputs.
+    The kernel's linear part starts from the carried S_0, z_0 (its state pass does) and returns the
+    state after the call. The carried window keys join the softmax of the first w - 1 queries, merged
+    through the kernel's log-sum-exp (and with `shared` its row max). Same contract as
+    `gla_window_parallel` with all new tokens valid, beta = 1, normalize=True; no gradients (prefill
+    only). The kernel must apply to the inputs.
     """
     from .lizard_triton import lizard_attention_parts
 
-    y_gla, y_win, den, lse, *row_max = lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=window, scale=scale,
-                                                              sinks=sinks, alpha=alpha, eps=eps, shared=shared)
+    y_gla, y_win, den, lse, *row_max, (S, z) = lizard_attention_parts(
+        fq, fk, log_g, qw, kw, v, window=window, scale=scale, sinks=sinks, alpha=alpha, eps=eps, shared=shared,
+        carried=(state["S"], state["z"]))
     n_rep = fq.shape[1] // kw.shape[1]
-    A = cumsum_over_tokens(log_g.float())
-    q_dec = fq.float() * A.exp()
-    num = y_gla.float() * den[..., None] + q_dec @ state["S"]
-    den = den + (q_dec * state["z"][:, :, None, :]).sum(-1)
+    num = y_gla.float() * den[..., None]
     # The window as a numerator and a sum relative to a row max m: the call's own keys first.
     m = row_max[0] if shared else lse
     win_den = (lse - m).exp()
@@ -138,11 +136,9 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
     else:
         y = num / den[..., None] + alpha.float()[None, :, None, None] * win_num / win_den[..., None]
 
-    within = gla_window.state_after(fk.float(), log_g.float(), kw.float(), v.float(), window)
-    total = A[:, :, -1].exp()[..., None]  # decay of the carried state over the whole call
     valid = torch.ones(fq.shape[0], fq.shape[2], dtype=torch.bool, device=fq.device)
     keys, values, key_valid = extend_window(state, kw.to(state["win_k"].dtype), v.to(state["win_v"].dtype), valid)
-    new_state = {"S": total * state["S"] + within["S"], "z": total[..., 0] * state["z"] + within["z"],
+    new_state = {"S": S.to(state["S"].dtype), "z": z.to(state["z"].dtype),
                  **carried_window(keys, values, key_valid, window)}
     return y.to(qw.dtype), new_state
 

@@ -358,11 +358,13 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 
 
 @triton.jit
-def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
+def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
-                       DT: tl.constexpr):
+                       DT: tl.constexpr, CARRY: tl.constexpr):
     """Grid (B*H, D/BV), for the split kernels: the state at the start of every chunk, HS [B*H, NT, F, D]
-    in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F] in float32."""
+    in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F] in float32.
+    With CARRY (a prefill continuing a cache) the state starts from S0 [B*H, F, D], Z0 [B*H, F] and the
+    state after the last token goes to S_END, Z_END (float32, same shapes)."""
     bh = tl.program_id(0).to(tl.int64)
     iv = tl.program_id(1)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
@@ -372,13 +374,20 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, L, H, HKV, NT,
     HS += bh * NT * F * D + iv * BV
     HZ += bh * NT * F
     t = tl.arange(0, BT)
-    S = tl.zeros([F, BV], tl.float32)
-    z = tl.zeros([F], tl.float32)
+    rows = tl.arange(0, F)
+    if CARRY:
+        S = _load_tile(S0 + bh * F * D + iv * BV, rows, F, D, BV)
+        z = tl.load(Z0 + bh * F + rows)
+    else:
+        S = tl.zeros([F, BV], tl.float32)
+        z = tl.zeros([F], tl.float32)
     for n in range(NT):
         _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, F), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
+    if CARRY:
+        _store_chunk_state(S_END + bh * F * D + iv * BV, Z_END + bh * F, 0, S, z, iv == 0, F, D, BV)
 
 
 @triton.jit
@@ -718,9 +727,14 @@ def _state_block_v(heads: int, D: int, BV: int, device: torch.device) -> int:
     return BV
 
 
-def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False):
-    """Launch the forward; returns the inputs made contiguous, the output and what the backward needs
-    (y_gla, y_win, den, lse and, with `shared`, each row's window max and the key holding it)."""
+def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False,
+             carried=None):
+    """Launch the forward; returns the inputs made contiguous, the output, what the backward needs
+    (y_gla, y_win, den, lse and, with `shared`, each row's window max and the key holding it), the
+    split kernels' chunk states and, given `carried` (S [B, H, F, D], z [B, H, F] float32: the linear
+    state of earlier tokens, which the linear part then continues), the state after the last token."""
+    if carried is not None and not cfg.split:
+        cfg = dataclasses.replace(cfg, split=True)  # the state pass is what starts from the carried state
     fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
     sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
     B, H, L, F = fq.shape
@@ -742,11 +756,17 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
     NT = triton.cdiv(L, BT)
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
+    end = None
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=fq.dtype)
         hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
+        s0, z0 = (t.float().contiguous() for t in carried) if carried is not None else (hz, hz)
+        if carried is not None:
+            end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
+        s_end, z_end = end if end is not None else (hz, hz)
         BVS = _state_block_v(B * H, D, BV, qw.device)
-        _fwd_states_kernel[(B * H, D // BVS)](fk, log_g, v, hs, hz, L, H, HKV, NT, **(shapes | {"BV": BVS}))
+        _fwd_states_kernel[(B * H, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                              CARRY=carried is not None, **(shapes | {"BV": BVS}))
     else:
         hs = hz = den  # unread
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
@@ -755,14 +775,14 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         SPLIT=cfg.split, NORM=normalize, SHARED=shared, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
-    return inputs, y, parts, ((hs, hz) if cfg.split else ())
+    return inputs, y, parts, ((hs, hz) if cfg.split else ()), end
 
 
 class LizardAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared):
-        inputs, y, parts, states = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize,
-                                            cfg, save, shared)
+        inputs, y, parts, states, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps,
+                                               normalize, cfg, save, shared)
         if save:
             ctx.save_for_backward(*inputs, *parts, *states)
             ctx.window, ctx.scale, ctx.normalize, ctx.cfg, ctx.shared = window, scale, normalize, cfg, shared
@@ -869,10 +889,11 @@ def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, a
 
 @torch.no_grad()
 def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, shared=False,
-                           config=None):
+                           carried=None, config=None):
     """The forward's branches before they are mixed: y_gla, y_win (inputs' dtype), the linear part's
     denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L];
-    with `shared`, also the window's row max [B, H, L] (sinks included)."""
-    _, _, parts, _ = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps), True,
-                              config or Config.default(fq.dtype), True, shared)
-    return parts[:5]
+    with `shared`, also the window's row max [B, H, L] (sinks included). Given `carried` (S, z of
+    earlier tokens), the linear part continues that state, and the state after the last token follows."""
+    _, _, parts, _, end = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps),
+                                   True, config or Config.default(fq.dtype), True, shared, carried)
+    return parts[:5] + ((end,) if carried is not None else ())
