@@ -22,8 +22,8 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
     or right padding), with `can_continue` and no gradient needed to unpadded passes continuing
     `state` or filling a cache (`kernels.lizard_attention_continued`), and without gradients to
-    single-token steps (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype` (the projections' dtype:
-    bf16 under autocast); `query_scale` multiplies fq there only. `options` are
+    single-token steps (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype`
+    (the projections' dtype: bf16 under autocast); `query_scale` multiplies fq there only. `options` are
     `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize); `shared` gives both
     branches one normaliser. `unpadded` says that every token is valid (the call had no attention
     mask): then `valid` is not read back from the device, a host sync per layer that would keep the
@@ -43,7 +43,8 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     one_run, all_valid, lead = (True, True, None) if unpadded else row_layout(valid)
     if not (all_valid if start > 0 else one_run):
         return None
-    operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype), kw.to(dtype), v.to(dtype))
+    operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype),
+                kw.to(dtype), v.to(dtype))
     # An unpadded first prefill that fills a cache continues an empty state: the kernel then returns
     # the new state too, instead of `gla_window.state_after` computing it again over the call.
     fills_cache = caching and all_valid and can_continue and not torch.is_grad_enabled()
