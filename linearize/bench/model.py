@@ -172,8 +172,9 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
 def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
           options: dict | None = None, quick: bool = False, profile: bool = False, **overrides) -> list[Path]:
     """Run both sweeps for softmax and each method (converted with `options`); `overrides` replace entries
-    of FULL / QUICK. With `profile`, each model then writes `profile-<model>-{prefill,decode}.txt` (`softmax` for SDPA): the
-    top ops of a batch-1 prefill of two `prefill_chunk` calls and of one decode step after it."""
+    of FULL / QUICK. With `profile`, each model then writes `profile-<model>-{prefill,decode}.txt`
+    (`softmax` for SDPA): the top ops of a batch-1 prefill of two `prefill_chunk` calls and of one
+    decode step after it."""
     device = default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are unrepresentative
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,8 +1,9 @@
 """`python -m linearize.bench.report DIR...`: merge `linearize bench` results into docs/benchmarks.md.
 
 Every DIR/kernels.json, DIR/model.json and DIR/train.json becomes one section, titled with what was measured, on
-which device and with which method options, and carrying the command that produced it. Sections are found again by title, so merging a rerun
-replaces its section instead of adding a copy; everything else in the document is left as it is.
+which device and with which method options, and carrying the command that produced it. Sections are found again
+by title, so merging a rerun replaces its section instead of adding a copy; everything else in the document is
+left as it is.
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@
 In PyTorch a layer's phi(q), phi(k) and rotated q, k are ~25 kernels (casts, per-head einsums, two
 softmaxes, negations, concatenations, `repeat_kv`, the rotation's halves): at a decode step their
 launches cost more than the arithmetic, and in a prefill each is a full pass over [B, H, L, d] in
-float32. Here one kernel does all four, a program per batch row, query head and block of tokens:
-`_features_kernel` forms x W on tensor cores for blocks of tokens (prefills), `_step_features_kernel`
-on CUDA cores for one token (decode steps, any power-of-two sizes). A KV head's rotated key is
-written by the first of its query heads. `HedgehogFeatureMap` and `attention.base.rotate` are the
-references.
+float32. Here one kernel, `_features_kernel`, does all four, a program per batch row, query head and
+block of tokens: x W on tensor cores for blocks of 16 tokens (prefills), on CUDA cores for one token
+(decode steps, any power-of-two sizes). A KV head's rotated key is written by the first of its query
+heads. `HedgehogFeatureMap` and `attention.base.rotate` are the references.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
     position = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else None
     fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position)
     qw_ref, kw_ref = rotate(q, k, position) if rope else (q, k)
-    pairs = {"fq": (fq, maps[0](q)), "fk": (fk, maps[1](repeat_kv(k, H // HKV))), "qw": (qw, qw_ref), "kw": (kw, kw_ref)}
+    pairs = {"fq": (fq, maps[0](q)), "fk": (fk, maps[1](repeat_kv(k, H // HKV))), "qw": (qw, qw_ref),
+             "kw": (kw, kw_ref)}
     out = {}
     for name, (got, ref) in pairs.items():
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
