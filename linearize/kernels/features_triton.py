@@ -49,7 +49,7 @@ def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
     """Grid (B*H, cdiv(L, BL)). q, k float32 with the given strides (the last one 1); outputs contiguous
     float32: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W on tensor cores
     (3xTF32, about float32 accuracy), else as a broadcast sum (one-token blocks, small F)."""
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # offsets such as bh * L * 2F pass 2^31 at long prefills
     b, h = bh // H, bh % H
     hk = h // N_REP
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
