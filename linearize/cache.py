@@ -55,7 +55,8 @@ class LinearizeCacheLayer(CacheLayerMixin):
                 if state[name].shape != tensor.shape:
                     raise ValueError(f"a frozen cache layer cannot change shape ({name}: {tuple(tensor.shape)} -> "
                                      f"{tuple(state[name].shape)})")
-                tensor.copy_(state[name])
+                if state[name] is not tensor:  # the step kernels write a frozen state in place
+                    tensor.copy_(state[name])
         else:
             # A window slice of a prefill chunk's keys/values is a view that would keep the whole chunk alive.
             self.state = {name: compact(t) for name, t in state.items()}

@@ -53,10 +53,12 @@ class LinearizedAttention(nn.Module):
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
         # Set per call for paths that need them: the projections' output dtype (bf16 under autocast),
-        # in which fused kernels take their operands, whether a cache will store the new state, and
-        # whether the call has no attention mask (every token valid, known without a device read).
+        # in which fused kernels take their operands, whether a cache will store the new state and
+        # whether that cache is frozen (its state may then be written in place), and whether the call
+        # has no attention mask (every token valid, known without a device read).
         self.projection_dtype = torch.float32
         self.caching = False
+        self.frozen_cache = False
         self.unpadded = False
 
     def new_parameters(self) -> list[nn.Parameter]:
@@ -93,6 +95,7 @@ class LinearizedAttention(nn.Module):
         cache = claim_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
         state = cache.state if cache is not None else None
         self.caching = cache is not None
+        self.frozen_cache = cache is not None and cache.frozen
         start = cache.seen if cache is not None else 0
         # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
         # lose too much in bf16.

@@ -16,7 +16,7 @@ def kernels_enabled() -> bool:
 
 
 def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_continue, query_scale=1.0,
-        shared=False, unpadded=False, **options):
+        shared=False, unpadded=False, in_place=False, **options):
     """(y float32, new state or None) through the kernel, or None where it does not apply.
 
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
@@ -27,7 +27,8 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize); `shared` gives both
     branches one normaliser. `unpadded` says that every token is valid (the call had no attention
     mask): then `valid` is not read back from the device, a host sync per layer that would keep the
-    host from queueing work ahead of the GPU.
+    host from queueing work ahead of the GPU. `in_place` lets a step write its new state into
+    `state`'s tensors (a frozen cache's, whose store then copies nothing).
     """
     if not kernels_enabled():
         return None
@@ -35,7 +36,7 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
         if state is None or torch.is_grad_enabled():
             return None
         return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v, valid,
-                                   state, shared=shared, **options)
+                                   state, shared=shared, in_place=in_place, **options)
     if start > 0 and (not can_continue or torch.is_grad_enabled()):
         return None
     if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"]):

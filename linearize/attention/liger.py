@@ -32,8 +32,8 @@ class LigerAttention(LinearizedAttention):
         options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix}
         # The kernel's linear part is unnormalised here; its weight 1 - mix goes into the queries.
         out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
-                        unpadded=self.unpadded, dtype=self.projection_dtype, can_continue=False,
-                        query_scale=1.0 - cfg.mix, normalize=False, **options)
+                        unpadded=self.unpadded, in_place=self.frozen_cache, dtype=self.projection_dtype,
+                        can_continue=False, query_scale=1.0 - cfg.mix, normalize=False, **options)
         if out is not None:
             return out
         return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0 - cfg.mix,

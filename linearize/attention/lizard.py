@@ -58,8 +58,8 @@ class LizardAttention(LinearizedAttention):
                    "eps": cfg.eps}
         shared = cfg.combine == "shared"
         out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
-                        unpadded=self.unpadded, dtype=self.projection_dtype, can_continue=True, shared=shared,
-                        **options)
+                        unpadded=self.unpadded, in_place=self.frozen_cache, dtype=self.projection_dtype,
+                        can_continue=True, shared=shared, **options)
         if out is not None:
             return out
         return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0, normalize=True,

@@ -68,9 +68,10 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
 
 @torch.no_grad()
 def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                shared=False):
+                shared=False, in_place=False):
     """`gla_window_step` (beta = 1) through the decode-step kernels: (y, new state), or None where they
-    do not apply (where the fused kernels would not, or not float32, or window < 2)."""
+    do not apply (where the fused kernels would not, or not float32, or window < 2). `in_place`: the
+    new state is written into `state`'s tensors."""
     if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks):
         return None
     from .decode_triton import lizard_decode_step, step_unsupported
@@ -78,7 +79,7 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
     if step_unsupported(fq, log_g, state, window=window, sinks=sinks):
         return None
     return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
-                              alpha=alpha, normalize=normalize, shared=shared, eps=eps)
+                              alpha=alpha, normalize=normalize, shared=shared, eps=eps, in_place=in_place)
 
 
 @torch.no_grad()

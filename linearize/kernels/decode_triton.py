@@ -6,7 +6,8 @@ time. Here `_step_kernel` (one program per batch row and query head) updates S a
 linear part and the window softmax with its sinks and mixes them (or divides both numerators by one
 shared normaliser); `_shift_window_kernel` (one program per batch row and KV head) then drops the
 oldest window key/value and appends the new one.
-Both write new tensors, so the caller's state is never modified in place.
+Both write new tensors, or with `in_place` the state's own: each program reads its whole block of
+S, z or the window before it writes it, and the step kernel runs before the shift.
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def step_unsupported(fq, log_g, state, *, window, sinks) -> str | None:
 
 
 def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta=1.0,
-                       normalize=True, shared=False, eps=1e-6):
-    """`gla_window_step` in two kernels: (y [B, H, 1, d], new state), new tensors."""
+                       normalize=True, shared=False, eps=1e-6, in_place=False):
+    """`gla_window_step` in two kernels: (y [B, H, 1, d], new state): new tensors, or with `in_place`
+    the state's own (where contiguous), written over."""
     B, H, _, F = fq.shape
     HKV, D = kw.shape[1], qw.shape[-1]
     W1 = window - 1
@@ -128,8 +130,12 @@ def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     S, z, win_k, win_v = (state[name].contiguous() for name in ("S", "z", "win_k", "win_v"))
     valid_bytes = valid.contiguous().view(torch.uint8)
     win_valid = state["win_valid"].contiguous()
-    y, S_out, z_out = torch.empty_like(qw), torch.empty_like(S), torch.empty_like(z)
-    k_out, v_out, valid_out = torch.empty_like(win_k), torch.empty_like(win_v), torch.empty_like(win_valid)
+    y = torch.empty_like(qw)
+    if in_place:  # over the contiguous copies where the state's tensors are not contiguous
+        S_out, z_out, k_out, v_out, valid_out = S, z, win_k, win_v, win_valid
+    else:
+        S_out, z_out = torch.empty_like(S), torch.empty_like(z)
+        k_out, v_out, valid_out = torch.empty_like(win_k), torch.empty_like(win_v), torch.empty_like(win_valid)
     M = 0 if sinks is None else sinks.shape[-1]
     no_sinks = alpha.new_zeros(1)
     _step_kernel[(B * H,)](

@@ -15,6 +15,8 @@ CASES = {
     "all-padding-window": {"fresh": True},
     "shared-gqa-sinks": {"shared": True},
     "shared-vector-nosinks-empty-window": {"shared": True, "vector": True, "M": 0, "fresh": True},
+    "in-place-gqa-sinks": {"in_place": True},
+    "in-place-shared-vector-w2": {"in_place": True, "shared": True, "vector": True, "window": 2},
 }
 
 
@@ -35,12 +37,15 @@ def make_case(device, B=3, H=4, HKV=2, F=16, D=16, window=8, M=2, vector=False, 
     return inputs, options
 
 
-def errors(device, **case) -> dict:
+def errors(device, in_place=False, **case) -> dict:
+    """Max abs errors against the reference step; `in_place`: the kernels write over the input state."""
     from linearize.kernels.decode_triton import lizard_decode_step
 
     inputs, options = make_case(device, **case)
     y_ref, state_ref = gla_window_step(*inputs, **options)
-    y, state = lizard_decode_step(*inputs, **options)
+    given = inputs[-1]
+    y, state = lizard_decode_step(*inputs, **options, in_place=in_place)
+    assert all((state[name] is given[name]) == in_place for name in given)
     out = {"y": (y - y_ref).abs().max().item()}
     for name, ref in state_ref.items():
         assert state[name].shape == ref.shape and state[name].dtype == ref.dtype, name
