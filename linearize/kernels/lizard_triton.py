@@ -19,6 +19,7 @@ Importing this module needs triton; `linearize.kernels` guards that import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -717,11 +718,17 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
     return None
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device, looked up once: every forward and backward asks."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _state_block_v(heads: int, D: int, BV: int, device: torch.device) -> int:
     """Value columns per program of the sequential state passes (`_fwd_states_kernel`,
     `_bwd_states_kernel`): each program walks every chunk, so with few heads (batch 1 at long
     context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more programs."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = _multiprocessors(device) if device.type == "cuda" else 132
     while BV > 32 and heads * (D // BV) < sms:
         BV //= 2
     return BV
