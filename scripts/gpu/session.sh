@@ -10,7 +10,8 @@ set -uo pipefail
 source scripts/gpu/step.sh
 part=${1:?part}
 shift
-tag=$(IFS=-; echo "$part${*:+-$*}")
+# "=" would keep the archive from coming back (the device tool refuses odd names).
+tag=$(IFS=-; echo "$part${*:+-$*}" | tr = _)
 export LOGS=/tmp/res/$tag
 res=$LOGS
 mkdir -p "$res"
