@@ -1,7 +1,8 @@
 """The shared shell of every linearized attention: the teacher's projections, padding, cache, stage 1.
 
 A subclass adds its small new modules and implements `attend(x, q, k, v, rope, valid, state, start)`
-on float32 [B, H, L, d] queries and [B, H_kv, L, d] keys/values, returning (y, new_state).
+on float32 [B, H, L, d] queries and [B, H_kv, L, d] keys/values (in the projections' dtype where it
+sets `native_operands`), returning (y, new_state).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch
 
 class LinearizedAttention(nn.Module):
     """Drop-in replacement for a Llama/Mistral/Qwen2 attention module (same call signature)."""
+
+    # True: `attend` takes q, k, v as the projections give them (bf16 under autocast) and casts what
+    # its own PyTorch path needs; its kernels then read them without a float32 copy in between.
+    native_operands = False
 
     def __init__(self, teacher: nn.Module, cfg, model_config):
         super().__init__()
@@ -99,9 +104,9 @@ class LinearizedAttention(nn.Module):
         start = cache.seen if cache is not None else 0
         # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
         # lose too much in bf16.
+        operands = (q, k, v) if self.native_operands else (q.float(), k.float(), v.float())
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-            y, new_state = self.attend(hidden_states, q.float(), k.float(), v.float(), position_embeddings, valid,
-                                       state, start)
+            y, new_state = self.attend(hidden_states, *operands, position_embeddings, valid, state, start)
         if cache is not None:
             cache.store(new_state, L)
         out = self.o_proj(y.transpose(1, 2).reshape(B, L, -1).to(hidden_states.dtype))

@@ -17,7 +17,8 @@ def kernels_enabled() -> bool:
 
 def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_continue, query_scale=1.0,
         shared=False, unpadded=False, in_place=False, **options):
-    """(y float32, new state or None) through the kernel, or None where it does not apply.
+    """(y, new state or None) through the kernel, or None where it does not apply. y is float32 from a
+    step, in `dtype` from a multi-token pass.
 
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
     or right padding), with `can_continue` and no gradient needed to unpadded passes continuing
@@ -35,8 +36,8 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     if fq.shape[2] == 1:
         if state is None or torch.is_grad_enabled():
             return None
-        return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v, valid,
-                                   state, shared=shared, in_place=in_place, **options)
+        return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v.float(),
+                                   valid, state, shared=shared, in_place=in_place, **options)
     if start > 0 and (not can_continue or torch.is_grad_enabled()):
         return None
     if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"]):
@@ -53,8 +54,7 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
         if start == 0:
             (B, H, _, F), HKV, D = fq.shape, kw.shape[1], qw.shape[-1]
             state = gla_window.init_state(B, H, HKV, F, D, options["window"], device=fq.device)
-        y, new_state = kernels.lizard_attention_continued(*operands, state, shared=shared, **options)
-        return y.float(), new_state
+        return kernels.lizard_attention_continued(*operands, state, shared=shared, **options)
     # Leading padding is rotated to the end of its row: every real token then sees only real tokens
     # before it (padding after them never reaches them), and the outputs are rotated back.
     if lead is None:
@@ -64,16 +64,21 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
         shift = torch.remainder(torch.arange(L, device=valid.device) + lead[:, None], L)
         y = kernels.lizard_attention(*(rotate_rows(t, shift) for t in operands), shared=shared, **options)
         y = rotate_rows(y, torch.argsort(shift, dim=1))
-    new_state = gla_window.state_after(fk, log_g, kw, v, options["window"], valid) if caching else None
-    return y.float(), new_state
+    new_state = None
+    if caching:
+        new_state = gla_window.state_after(fk.float(), log_g, kw.float(), v.float(), options["window"], valid)
+    return y, new_state
 
 
-def features(q, k, w_q, w_k, position_embeddings):
+def features(q, k, w_q, w_k, position_embeddings, dtype):
     """(fq, fk, qw, kw) from `kernels.lizard_features` for passes without gradients, or None where it
-    does not apply (kernels off, gradients needed, or see there)."""
+    does not apply (kernels off, gradients needed, or see there). Prefills get them in `dtype`, the
+    projections' (`run` would cast them to it); single-token steps in float32, as the step kernels
+    take them."""
     if not kernels_enabled() or torch.is_grad_enabled():
         return None
-    return kernels.lizard_features(q, k, w_q, w_k, position_embeddings)
+    dtype = torch.float32 if q.shape[2] == 1 else dtype
+    return kernels.lizard_features(q, k, w_q, w_k, position_embeddings, dtype)
 
 
 def row_layout(valid: torch.Tensor) -> tuple[bool, bool, torch.Tensor | None]:

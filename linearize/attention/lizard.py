@@ -14,6 +14,8 @@ from .base import LinearizedAttention, rotate
 
 
 class LizardAttention(LinearizedAttention):
+    native_operands = True
+
     def __init__(self, teacher: nn.Module, cfg: LizardConfig, model_config):
         super().__init__(teacher, cfg, model_config)
         H = self.num_heads
@@ -40,11 +42,13 @@ class LizardAttention(LinearizedAttention):
 
     def branch_inputs(self, q, k, position_embeddings):
         """(phi_q(q), phi_k(k) for every query head, the window's q and k): one kernel for all four in
-        passes without gradients, where it applies (`fused.features`); the PyTorch ops are the reference."""
+        passes without gradients, where it applies (`fused.features`: in the projections' dtype for
+        prefills); the float32 PyTorch ops are the reference."""
         rope = position_embeddings if self.cfg.rope_in_window else None
-        out = fused.features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope)
+        out = fused.features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, self.projection_dtype)
         if out is not None:
             return out
+        q, k = q.float(), k.float()
         fq = self.feature_map_q(q)
         fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
         return (fq, fk, *(rotate(q, k, rope) if rope is not None else (q, k)))
@@ -62,5 +66,5 @@ class LizardAttention(LinearizedAttention):
                         can_continue=True, shared=shared, **options)
         if out is not None:
             return out
-        return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0, normalize=True,
-                               shared=shared, **options)
+        return gla_window_call(fq.float(), fk.float(), log_g, qw.float(), kw.float(), v.float(), valid, state,
+                               chunk=cfg.chunk_size, beta=1.0, normalize=True, shared=shared, **options)

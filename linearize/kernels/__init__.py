@@ -83,9 +83,9 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
 
 
 @torch.no_grad()
-def lizard_features(q, k, w_q, w_k, position_embeddings=None):
+def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float32):
     """Lizard's Hedgehog features and window queries/keys in one kernel (`features_triton.lizard_features`:
-    (fq, fk per query head, qw, kw)), or None where it does not apply (no kernels here, or see
+    (fq, fk per query head, qw, kw) in `dtype`), or None where it does not apply (no kernels here, or see
     `features_triton.features_unsupported`)."""
     if not available():
         return None
@@ -94,7 +94,7 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None):
 
     if features_unsupported(q, k, w_q):
         return None
-    return features(q, k, w_q, w_k, position_embeddings)
+    return features(q, k, w_q, w_k, position_embeddings, dtype)
 
 
 @torch.no_grad()

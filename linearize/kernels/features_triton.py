@@ -46,9 +46,9 @@ def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
                      sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                      H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BL: tl.constexpr,
                      ROPE: tl.constexpr, DOT: tl.constexpr):
-    """Grid (B*H, cdiv(L, BL)). q, k float32 with the given strides (the last one 1); outputs contiguous
-    float32: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W on tensor cores
-    (3xTF32, about float32 accuracy), else as a broadcast sum (one-token blocks, small F)."""
+    """Grid (B*H, cdiv(L, BL)). q, k with the given strides (the last one 1), read as float32; outputs
+    contiguous, in their own dtype: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W
+    on tensor cores (3xTF32, about float32 accuracy), else as a broadcast sum (one-token blocks, small F)."""
     bh = tl.program_id(0).to(tl.int64)  # offsets such as bh * L * 2F pass 2^31 at long prefills
     b, h = bh // H, bh % H
     hk = h // N_REP
@@ -57,8 +57,8 @@ def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
     d, f = tl.arange(0, D), tl.arange(0, F)
     q_at = q + b * sq_b + h * sq_h + rows[:, None] * sq_l
     k_at = k + b * sk_b + hk * sk_h + rows[:, None] * sk_l
-    x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0)
-    x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0)
+    x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     weights = h * D * F + d[:, None] * F + f[None, :]
     W_q = tl.load(w_q + weights).to(tl.float32)
     W_k = tl.load(w_k + weights).to(tl.float32)
@@ -75,11 +75,11 @@ def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
         at = b * sc_b + rows[:, None] * sc_l + d[None, :]
         c = tl.load(cos + at, mask=live[:, None], other=0.0).to(tl.float32)
         s = tl.load(sin + at, mask=live[:, None], other=0.0).to(tl.float32)
-        q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0)
+        q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         out = bh * L * D + rows[:, None] * D + d[None, :]
         tl.store(qw + out, _rotate(x_q, q_partner, c, s, d, D), mask=live[:, None])
         if h % N_REP == 0:
-            k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0)
+            k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             out = (b * (H // N_REP) + hk) * L * D + rows[:, None] * D + d[None, :]
             tl.store(kw + out, _rotate(x_k, k_partner, c, s, d, D), mask=live[:, None])
 
@@ -91,8 +91,8 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def features_unsupported(q, k, w_q) -> str | None:
     """What keeps `lizard_features` from these inputs, or None."""
     D, F = w_q.shape[1], w_q.shape[2]
-    if q.dtype != torch.float32 or k.dtype != torch.float32:
-        return "the attention math runs on float32 q and k"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != q.dtype:
+        return "q and k must share a float dtype"
     if D & (D - 1) or F & (F - 1) or D < 2:
         return "head and feature dims must be powers of two"
     if q.shape[2] > 1 and min(D, F) < 16:
@@ -102,17 +102,19 @@ def features_unsupported(q, k, w_q) -> str | None:
     return None
 
 
-def lizard_features(q, k, w_q, w_k, position_embeddings=None):
-    """(fq, fk, qw, kw) for q [B, H, L, d] and k [B, H_kv, L, d] (float32, any strides but the last):
-    `HedgehogFeatureMap` with weights w_q and w_k [H, d, f] on q and on each query head's KV head, and,
-    given `position_embeddings` (cos, sin) [B or 1, L, d], `rotate(q, k, ...)` (else qw, kw are q, k)."""
+def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float32):
+    """(fq, fk, qw, kw) in `dtype` for q [B, H, L, d] and k [B, H_kv, L, d] (any strides but the last;
+    computed in float32 from any float dtype): `HedgehogFeatureMap` with weights w_q and w_k [H, d, f]
+    on q and on each query head's KV head, and, given `position_embeddings` (cos, sin) [B or 1, L, d],
+    `rotate(q, k, ...)` (else qw, kw are q, k in `dtype`). Taking the projections' bf16 q, k and giving
+    the kernels' bf16 operands saves a prefill two float32 round trips per tensor."""
     B, H, L, D = q.shape
     HKV, F = k.shape[1], w_q.shape[-1]
-    fq = torch.empty(B, H, L, 2 * F, device=q.device, dtype=torch.float32)
+    fq = torch.empty(B, H, L, 2 * F, device=q.device, dtype=dtype)
     fk = torch.empty_like(fq)
     rope = position_embeddings is not None
-    qw = torch.empty(B, H, L, D, device=q.device, dtype=torch.float32) if rope else q
-    kw = torch.empty(B, HKV, L, D, device=q.device, dtype=torch.float32) if rope else k
+    qw = torch.empty(B, H, L, D, device=q.device, dtype=dtype) if rope else q.to(dtype)
+    kw = torch.empty(B, HKV, L, D, device=q.device, dtype=dtype) if rope else k.to(dtype)
     cos, sin = (_unit_last(t.expand(B, L, D)) for t in position_embeddings) if rope else (q[:, 0], q[:, 0])
     BL = 1 if L == 1 else TOKENS_PER_PROGRAM
     _features_kernel[(B * H, triton.cdiv(L, BL))](

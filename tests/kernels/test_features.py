@@ -16,12 +16,18 @@ CASES = {
     "prefill-L37-gqa-rope-projection-strides": {"L": 37},
     "prefill-L16-gqa4-D64-F32-one-position": {"L": 16, "H": 8, "HKV": 2, "D": 64, "F": 32, "cos_batch": 1},
     "prefill-L50-no-rope-bf16-weights": {"L": 50, "rope": False, "weight_dtype": torch.bfloat16},
+    "prefill-L37-bf16-in-and-out": {"L": 37, "dtype": torch.bfloat16},
+    "prefill-L20-no-rope-bf16-in-and-out": {"L": 20, "rope": False, "dtype": torch.bfloat16},
+    "step-bf16-in-float32-out": {"L": 1, "dtype": torch.bfloat16, "out_dtype": torch.float32},
 }
 
 
-def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, weight_dtype=torch.float32) -> dict:
+def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, weight_dtype=torch.float32,
+           dtype=torch.float32, out_dtype=None) -> dict:
     """Max abs errors of the kernel's outputs. q and k are transposed views of [B, L, heads, D], as the
-    attention module's projections give them; `cos_batch=1`: one row of positions for the whole batch."""
+    attention module's projections give them, in `dtype`; the outputs are in `out_dtype` (default
+    `dtype`), against the float32 references rounded to it. `cos_batch=1`: one row of positions for the
+    whole batch."""
     from linearize.kernels.features_triton import lizard_features
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -29,17 +35,21 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
     maps = [HedgehogFeatureMap(H, D, F).to(device) for _ in range(2)]
     for m in maps:
         m.weight.data = (m.weight.data + 0.3 * r(H, D, F)).to(weight_dtype)
-    q, k = 2 * r(B, L, H, D).transpose(1, 2), 2 * r(B, L, HKV, D).transpose(1, 2)
+    q, k = (2 * r(B, L, n, D).to(dtype).transpose(1, 2) for n in (H, HKV))
     angles = r(cos_batch or B, L, D // 2) * 30
     position = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else None
-    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position)
+    out_dtype = out_dtype or dtype
+    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position, out_dtype)
+    q, k = q.float(), k.float()
     qw_ref, kw_ref = rotate(q, k, position) if rope else (q, k)
     pairs = {"fq": (fq, maps[0](q)), "fk": (fk, maps[1](repeat_kv(k, H // HKV))), "qw": (qw, qw_ref),
              "kw": (kw, kw_ref)}
     out = {}
     for name, (got, ref) in pairs.items():
-        assert got.shape == ref.shape and got.dtype == ref.dtype, name
-        out[name] = (got - ref).abs().max().item()
+        assert got.shape == ref.shape and got.dtype == out_dtype, name
+        # Outputs rounded to bf16 (8 significant bits): within half a unit in the last place of the reference.
+        half_ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref).exponent - 9)
+        out[name] = ((got.float() - ref).abs() - (half_ulp if out_dtype == torch.bfloat16 else 0)).max().item()
     return out
 
 
