@@ -805,7 +805,7 @@ class LizardAttentionFunction(torch.autograd.Function):
         dy_gla = dy_win = dy
         dlse = dm = dden_ext = den  # unread unless shared
         if shared:
-            dy_gla, dy_win, dlse, dm, dden_ext = _shared_split(dy, y_gla, y_win, den, lse, row_max)
+            dy_gla, dy_win, dlse, dm, dden_ext = shared_split(dy, y_gla, y_win, den, lse, row_max)
             alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
         B, H, L, F = fq.shape
         HKV, D = kw.shape[1], kw.shape[-1]
@@ -870,11 +870,50 @@ class LizardAttentionFunction(torch.autograd.Function):
         return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7
 
 
-def _shared_split(dy, y_gla, y_win, den, lse, row_max):
+SPLIT_ROWS = 32  # rows (tokens of a head) per program of `_shared_split_kernel`
+
+
+@triton.jit
+def _shared_split_kernel(dy, y_gla, y_win, den, lse, row_max, dy_gla, dy_win, dlse, dm, dden, R,
+                         D: tl.constexpr, BR: tl.constexpr):
+    """Grid (cdiv(R, BR),) over the R = B*H*L rows of contiguous [., D] and [.] tensors: `shared_split_reference`
+    in one pass (read dy and both branches' outputs once, write the two float32 dy's and three row terms)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    live = rows < R
+    at = rows[:, None] * D + tl.arange(0, D)[None, :]
+    g_y = tl.load(dy + at, mask=live[:, None], other=0.0).to(tl.float32)
+    y_g = tl.load(y_gla + at, mask=live[:, None], other=0.0).to(tl.float32)
+    y_w = tl.load(y_win + at, mask=live[:, None], other=0.0).to(tl.float32)
+    n = tl.load(den + rows, mask=live, other=1.0)
+    share = tl.exp(tl.load(lse + rows, mask=live, other=0.0) - tl.load(row_max + rows, mask=live, other=0.0))
+    c = share / (share + n)
+    g = c * (1 - c) * tl.sum(g_y * (y_w - y_g), axis=1)
+    tl.store(dy_gla + at, (1 - c)[:, None] * g_y, mask=live[:, None])
+    tl.store(dy_win + at, c[:, None] * g_y, mask=live[:, None])
+    tl.store(dlse + rows, g, mask=live)
+    tl.store(dm + rows, -g, mask=live)
+    tl.store(dden + rows, -g / n, mask=live)
+
+
+def shared_split(dy, y_gla, y_win, den, lse, row_max):
+    """`shared_split_reference` through `_shared_split_kernel`: one pass instead of ~10 PyTorch passes
+    over [B, H, L, D] (the shared normaliser's forward+backward cost ~45% more than the alpha mix's
+    with them, docs/kernels.md). Inputs contiguous; same outputs."""
+    D = dy.shape[-1]
+    R = dy.numel() // D
+    dy_gla, dy_win = (torch.empty(dy.shape, device=dy.device, dtype=torch.float32) for _ in range(2))
+    dlse, dm, dden = torch.empty_like(den), torch.empty_like(den), torch.empty_like(den)
+    _shared_split_kernel[(triton.cdiv(R, SPLIT_ROWS),)](dy, y_gla, y_win, den, lse, row_max, dy_gla, dy_win, dlse,
+                                                        dm, dden, R, D=D, BR=SPLIT_ROWS, num_warps=4)
+    return dy_gla, dy_win, dlse, dm, dden
+
+
+def shared_split_reference(dy, y_gla, y_win, den, lse, row_max):
     """The shared normaliser's backward, before the kernels: y = c y_win + (1 - c) y_gla with the window's
     share c = l / (l + den), l = e^(lse - max) its softmax sum relative to the row max (sinks included).
-    Returns dy_win = c dy and dy_gla = (1 - c) dy for the two branches' kernels, and the gradients
-    that c passes to lse, to the row max and to den: g, -g and -g / den, g = c (1 - c) dy.(y_win - y_gla)."""
+    Returns dy_gla = (1 - c) dy and dy_win = c dy (float32) for the two branches' kernels, and the
+    gradients that c passes to lse, to the row max and to den: g, -g and -g / den,
+    g = c (1 - c) dy.(y_win - y_gla)."""
     c = (lse - row_max).exp()
     c = c / (c + den)
     dyf = dy.float()
