@@ -80,3 +80,29 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch):
     assert decoder.path == "eager (graph capture failed: RuntimeError: operation not permitted when stream is capturing)"
     expected = model(torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncompiled(monkeypatch):
+    """`compile_backend`: the step through torch.compile (aot_eager on CPU: dynamo's trace, no codegen)
+    decodes the uncached model's tokens; a step that fails to compile runs uncompiled and says why."""
+    from transformers import DynamicCache
+
+    model = student("lizard")
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+    expected = uncached_greedy(model, ids, 4)
+
+    def decode(compile_fails: bool):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        if compile_fails:
+            monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: lambda: 1 / 0)
+        decoder = StaticDecoder(model, cache, batch=2, cuda_graph=False, compile_backend="aot_eager")
+        tokens = [token]
+        for _ in range(3):
+            tokens.append(decoder.step(tokens[-1])[:, -1:].argmax(-1))
+        assert torch.equal(torch.cat(tokens, 1), expected)
+        return decoder.path
+
+    assert decode(compile_fails=False) == "eager, compiled (aot_eager)"
+    assert decode(compile_fails=True) == "eager, not compiled (ZeroDivisionError: division by zero)"

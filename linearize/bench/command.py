@@ -63,6 +63,8 @@ def register(subparsers) -> None:
                    help="seconds for the whole sweep; points that would end later are skipped (default 420)")
     p.add_argument("--profile", action="store_true",
                    help="also write each model's top ops in a prefill and a decode step (torch.profiler) to files")
+    p.add_argument("--compile-decode", metavar="BACKEND", nargs="?", const="inductor",
+                   help="torch.compile a linear model's decode step before its CUDA graph (default backend inductor)")
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_model)
 
@@ -99,7 +101,7 @@ def run_model(args) -> None:
                       options=options, quick=args.quick, profile=args.profile,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
-                      time_limit=args.time_limit))
+                      time_limit=args.time_limit, compile_decode=args.compile_decode))
 
 
 def run_train(args) -> None:

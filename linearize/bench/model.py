@@ -65,9 +65,9 @@ SHORT_PREFILL_REPEATS = 3
 
 FULL = {"contexts": parse_sizes("1k,2k,4k,8k,16k,32k,64k,128k,256k,512k,1m"), "batches": [1, 4, 16, 64],
         "batch_context": 4096, "decode_steps": 32, "decode_warmup": 3, "prefill_chunk": 16384,
-        "teacher_max": 128 * 1024, "time_limit": 420.0}
+        "teacher_max": 128 * 1024, "time_limit": 420.0, "compile_decode": None}
 QUICK = {"contexts": [64, 256], "batches": [1, 2], "batch_context": 64, "decode_steps": 3, "decode_warmup": 1,
-         "prefill_chunk": 128, "teacher_max": 256, "time_limit": 120.0}
+         "prefill_chunk": 128, "teacher_max": 256, "time_limit": 120.0, "compile_decode": None}
 
 
 def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype):
@@ -123,7 +123,7 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
     decoder = None
     if getattr(model.config, "linearize", None):
         # A linear model decodes on its fixed-shape cache: a CUDA graph per step where the method allows.
-        decoder = StaticDecoder(model, last["cache"], batch=batch)
+        decoder = StaticDecoder(model, last["cache"], batch=batch, compile_backend=settings["compile_decode"])
 
         def step():
             last["token"] = decoder.step(last["token"])[:, -1:].argmax(-1)

@@ -23,9 +23,13 @@ END = "<!-- end of bench section -->"
 
 
 def title(results: dict) -> str:
-    """The run's title, plus its method options (`--set`): a run with other options is another section."""
-    options = ", ".join(f"{k}={v}" for k, v in results["settings"].get("options", {}).items())
-    return f"{results['title']} ({options})" if options else results["title"]
+    """The run's title, plus its method options (`--set`) and a compiled decode step: a run with other
+    options is another section."""
+    settings = results["settings"]
+    options = [f"{k}={v}" for k, v in settings.get("options", {}).items()]
+    if settings.get("compile_decode"):
+        options.append(f"decode compiled ({settings['compile_decode']})")
+    return f"{results['title']} ({', '.join(options)})" if options else results["title"]
 
 
 def section(results: dict) -> str:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE...]] | fsdp (2 GPUs) | model [SHAPE] | rows NAME...
+# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
+# | rows NAME...
 # (recipes/NAME.json)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
@@ -36,6 +37,7 @@ case $part in
     shape=${1:-llama3-8b}
     extra=()
     [ "$shape" = llama3-8b ] && extra=(--batch-context 32k --batches 1,16,64)
+    [ "${2:-}" = compile ] && extra+=(--compile-decode)
     step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" --set combine=shared \
       --set rope_in_window=true "${extra[@]}" --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows)

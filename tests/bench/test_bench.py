@@ -30,7 +30,7 @@ def outputs(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("runs")
     run("bench", "kernels", "--out", root / "kernels", "--quick")
     run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick", "--set", "combine=shared",
-        "--profile")
+        "--profile", "--compile-decode", "aot_eager")
     run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile",
         "--set", "combine=shared", "--set", "rope_in_window=true")
     return root
@@ -68,6 +68,7 @@ def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(
     batch = [p for p in points if p["sweep"] == "batch"]
     assert {p["batch"] for p in batch} == set(results["settings"]["batches"])
     assert all(p["decode_tokens_per_s"] > 0 and p["prefill_ms"] > 0 for p in points)
+    assert {p["decode_path"] for p in points if p["model"] == "lizard"} == {"eager, compiled (aot_eager)"}
     if not torch.cuda.is_available():
         assert all(p["decode_peak_bytes"] is None for p in points)
     assert {p.name for p in (outputs / "model").glob("*.png")} == {
@@ -109,7 +110,7 @@ def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
         results = json.loads((outputs / name / f"{name}.json").read_text())
         assert f"### {results['title']}" in first
         if name == "model":  # its run had --set options: they name its section, so other options get another
-            assert f"### {results['title']} (combine=shared)\n" in first
+            assert f"### {results['title']} (combine=shared, decode compiled (aot_eager))\n" in first
         assert results["command"] in first
     assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
     assert doc.read_text() == first
