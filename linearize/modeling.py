@@ -25,10 +25,13 @@ from transformers import (
 
 from .attention import ATTENTION_CLASSES, LinearizedAttention
 from .config import make_method_config
+from .norms import fuse_norms
 
 
 def swap_attention(model: nn.Module, spec: dict) -> None:
-    """Replace each decoder layer's attention per `spec`, keeping the teacher's projections."""
+    """Replace each decoder layer's attention per `spec`, keeping the teacher's projections, and the
+    teacher's RMSNorms by the fused op (`norms.fuse_norms`)."""
+    fuse_norms(model)
     cfg = make_method_config(spec["method"], **spec.get("options", {}))
     softmax_layers = set(spec.get("softmax_layers", []))
     attention_class = ATTENTION_CLASSES[spec["method"]]
