@@ -40,7 +40,8 @@ def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = 
                           feature_passes: list | None = None):
     """Count the passes that take a kernel path (a first pass, or a continued prefill), the decode
     steps that run on the step kernels and the padding layouts read back from the device; list the
-    lengths of the passes whose features come from the features kernel."""
+    lengths of the passes whose features come from the features kernel ("grad" for one with
+    gradients)."""
     first_pass, continued, step = kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step
     layout = fused.row_layout
     kernels.lizard_attention = lambda *a, **k: calls.append(1) or first_pass(*a, **k)
@@ -57,13 +58,20 @@ def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = 
         feature_passes.extend([q.shape[2]] if out is not None else [])
         return out
 
+    def counted_features_with_grad(*a, **k):
+        out = features_with_grad(*a, **k)
+        feature_passes.extend(["grad"] if out is not None else [])
+        return out
+
     features, feature_passes = kernels.lizard_features, [] if feature_passes is None else feature_passes
+    features_with_grad = kernels.lizard_features_with_grad
     kernels.lizard_step, kernels.lizard_features = counted_step, counted_features
+    kernels.lizard_features_with_grad = counted_features_with_grad
     try:
         yield
     finally:
         kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step = first_pass, continued, step
-        kernels.lizard_features = features
+        kernels.lizard_features, kernels.lizard_features_with_grad = features, features_with_grad
         fused.row_layout = layout
 
 
@@ -102,12 +110,14 @@ def check(device: str, dtype=torch.float32, length: int = 37, method: str = "liz
     assert len(on[1]) == len(off[1])
     # No attention mask: every pass knows its rows are unpadded without a device read (a host sync).
     assert not layout_reads, f"{len(layout_reads)} padding layouts read back from the device"
-    # Lizard's passes without gradients take their features from one kernel too: every step, and the
-    # prefills where the dims fit its tensor-core tiles (F >= 16). Liger's feature map has no weights.
+    # Lizard takes its features from one kernel too: every step, and the training pass and prefills
+    # where the dims fit its tensor-core tiles (F >= 16). Liger's feature map has no weights.
     lizard = method.startswith("lizard")
     blocks = lizard and model.model.layers[0].self_attn.features >= 32
+    layers = len(model.model.layers)
     assert feature_passes.count(1) == (len(steps) if lizard else 0), (feature_passes, len(steps))
-    assert sum(n > 1 for n in feature_passes) == (2 * len(model.model.layers) if blocks else 0)
+    assert feature_passes.count("grad") == (layers if blocks else 0), feature_passes
+    assert sum(n != "grad" and n > 1 for n in feature_passes) == (2 * layers if blocks else 0)
     errors = {"kernel_calls": len(calls), "step_calls": len(steps), "logits": _rel(on[0], off[0]),
               "cached": _rel(on[2], off[2])}
     if dtype == torch.float32:

@@ -71,12 +71,14 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
 
 
 def features(q, k, w_q, w_k, position_embeddings, dtype):
-    """(fq, fk, qw, kw) from `kernels.lizard_features` for passes without gradients, or None where it
-    does not apply (kernels off, gradients needed, or see there). Prefills get them in `dtype`, the
-    projections' (`run` would cast them to it); single-token steps in float32, as the step kernels
-    take them."""
-    if not kernels_enabled() or torch.is_grad_enabled():
+    """(fq, fk, qw, kw) from the features kernel, or None where it does not apply (kernels off, or see
+    `kernels.lizard_features`). Multi-token passes get them in `dtype`, the projections' (`run` would
+    cast them to it); single-token steps in float32, as the step kernels take them. Where a gradient
+    is needed (training), through `kernels.lizard_features_with_grad`."""
+    if not kernels_enabled():
         return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, w_q, w_k)):
+        return kernels.lizard_features_with_grad(q, k, w_q, w_k, position_embeddings, dtype)
     dtype = torch.float32 if q.shape[2] == 1 else dtype
     return kernels.lizard_features(q, k, w_q, w_k, position_embeddings, dtype)
 

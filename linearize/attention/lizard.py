@@ -41,9 +41,9 @@ class LizardAttention(LinearizedAttention):
         return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
 
     def branch_inputs(self, q, k, position_embeddings):
-        """(phi_q(q), phi_k(k) for every query head, the window's q and k): one kernel for all four in
-        passes without gradients, where it applies (`fused.features`: in the projections' dtype for
-        prefills); the float32 PyTorch ops are the reference."""
+        """(phi_q(q), phi_k(k) for every query head, the window's q and k): one kernel for all four
+        where it applies, forward and backward (`fused.features`: in the projections' dtype for
+        multi-token passes); the float32 PyTorch ops are the reference."""
         rope = position_embeddings if self.cfg.rope_in_window else None
         out = fused.features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, self.projection_dtype)
         if out is not None:

@@ -97,6 +97,21 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     return features(q, k, w_q, w_k, position_embeddings, dtype)
 
 
+def lizard_features_with_grad(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float32):
+    """`lizard_features` for training: differentiable in q, k and both weights
+    (`features_triton.LizardFeaturesFunction`), or None where it does not apply. Without
+    `position_embeddings` the window's qw, kw are q and k in `dtype`."""
+    if not available():
+        return None
+    from .features_triton import LizardFeaturesFunction, features_unsupported
+
+    if features_unsupported(q, k, w_q) or min(q.shape[-1], w_q.shape[-1]) < 16:  # the backward's tiles
+        return None
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    out = LizardFeaturesFunction.apply(q, k, w_q, w_k, cos, sin, dtype)
+    return out if cos is not None else (*out, q.to(dtype), k.to(dtype))
+
+
 @torch.no_grad()
 def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale, sinks, alpha, eps=1e-6,
                                shared=False):

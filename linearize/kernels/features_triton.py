@@ -122,3 +122,118 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
         H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, num_warps=4)
     return fq, fk, qw, kw
+
+
+BWD_TOKENS_PER_PROGRAM = 64  # rows of a backward block; fewer blocks, fewer partial weight gradients
+
+
+@triton.jit
+def _signed_softmax_grad(x, W, g_at, rows, live, f, F: tl.constexpr):
+    """d u for phi = [softmax(u), softmax(-u)], u = x W, given d phi at `g_at` [., 2F] rows `rows`."""
+    u = tl.dot(x, W, input_precision="tf32x3")
+    up = tl.exp(u - tl.max(u, axis=1)[:, None])
+    up = up / tl.sum(up, axis=1)[:, None]
+    down = tl.exp(tl.min(u, axis=1)[:, None] - u)
+    down = down / tl.sum(down, axis=1)[:, None]
+    at = g_at + rows[:, None] * (2 * F) + f[None, :]
+    g_up = tl.load(at, mask=live[:, None], other=0.0).to(tl.float32)
+    g_down = tl.load(at + F, mask=live[:, None], other=0.0).to(tl.float32)
+    return (up * (g_up - tl.sum(g_up * up, axis=1)[:, None])
+            - down * (g_down - tl.sum(g_down * down, axis=1)[:, None]))
+
+
+@triton.jit
+def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
+    """d x from d (x cos + rotate_half(x) sin) at `g_at` [., D], rows `rows`."""
+    g = tl.load(g_at + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    partner = (d + D // 2) % D
+    c = tl.load(c_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    s_partner = tl.load(s_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    g_partner = tl.load(g_at + rows[:, None] * D + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    # rotate_half's transpose: x[e] gets sign(p(e)) s[p(e)] g[p(e)], p(e) = e +- D/2 and sign(p(e)) = -sign(e).
+    return g * c - tl.where(d < D // 2, -1.0, 1.0)[None, :] * g_partner * s_partner
+
+
+@triton.jit
+def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, dw_q, dw_k, L, NB,
+                         sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
+                         H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+                         BL: tl.constexpr, ROPE: tl.constexpr, GRAD_X: tl.constexpr, GRAD_W: tl.constexpr):
+    """Grid (B*H_kv, NB = cdiv(L, BL)): `_features_kernel`'s backward for a KV head and its query heads
+    over a block of tokens. Gradients in, contiguous: dfq, dfk [B, H, L, 2F] and, with ROPE, dqw
+    [B, H, L, D], dkw [B, H_kv, L, D]. Out, float32 and contiguous: with GRAD_X, dq [B, H, L, D] and dk
+    [B, H_kv, L, D] (the group's phi_k terms summed); with GRAD_W, each block's share of the weights'
+    gradients, dw_q, dw_k [B, H, NB, D, F] (summed over batch and blocks afterwards)."""
+    bk = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b, hk = bk // (H // N_REP), bk % (H // N_REP)
+    rows = blk * BL + tl.arange(0, BL)
+    live = rows < L
+    d, f = tl.arange(0, D), tl.arange(0, F)
+    c_at, s_at = cos + b * sc_b + rows[:, None] * sc_l, sin + b * sc_b + rows[:, None] * sc_l
+    x_k = tl.load(k + b * sk_b + hk * sk_h + rows[:, None] * sk_l + d[None, :], mask=live[:, None],
+                  other=0.0).to(tl.float32)
+    d_k = tl.zeros([BL, D], dtype=tl.float32)
+    for r in tl.static_range(N_REP):
+        h = hk * N_REP + r
+        bh = b * H + h
+        weights = h * D * F + d[:, None] * F + f[None, :]
+        W_q = tl.load(w_q + weights).to(tl.float32)
+        W_k = tl.load(w_k + weights).to(tl.float32)
+        x_q = tl.load(q + b * sq_b + h * sq_h + rows[:, None] * sq_l + d[None, :], mask=live[:, None],
+                      other=0.0).to(tl.float32)
+        du_q = _signed_softmax_grad(x_q, W_q, dfq + bh * L * 2 * F, rows, live, f, F)
+        du_k = _signed_softmax_grad(x_k, W_k, dfk + bh * L * 2 * F, rows, live, f, F)
+        if GRAD_X:
+            d_q = tl.dot(du_q, tl.trans(W_q), input_precision="tf32x3")
+            if ROPE:
+                d_q += _rotation_grad(dqw + bh * L * D, c_at, s_at, rows, live, d, D)
+            tl.store(dq + bh * L * D + rows[:, None] * D + d[None, :], d_q, mask=live[:, None])
+            d_k += tl.dot(du_k, tl.trans(W_k), input_precision="tf32x3")
+        if GRAD_W:
+            part = (bh * NB + blk) * D * F + d[:, None] * F + f[None, :]
+            tl.store(dw_q + part, tl.dot(tl.trans(x_q), du_q, input_precision="tf32x3"))
+            tl.store(dw_k + part, tl.dot(tl.trans(x_k), du_k, input_precision="tf32x3"))
+    if GRAD_X:
+        if ROPE:
+            d_k += _rotation_grad(dkw + bk * L * D, c_at, s_at, rows, live, d, D)
+        tl.store(dk + bk * L * D + rows[:, None] * D + d[None, :], d_k, mask=live[:, None])
+
+
+class LizardFeaturesFunction(torch.autograd.Function):
+    """`lizard_features` with gradients for q, k and the two weights (training): the forward kernel,
+    then `_features_bwd_kernel`, which recomputes x W rather than storing phi's inputs. Returns
+    (fq, fk, qw, kw) given cos and sin, else (fq, fk): the window then takes q and k themselves."""
+
+    @staticmethod
+    def forward(ctx, q, k, w_q, w_k, cos, sin, dtype):
+        rope = cos is not None
+        fq, fk, qw, kw = lizard_features(q, k, w_q, w_k, (cos, sin) if rope else None, dtype)
+        ctx.save_for_backward(q, k, w_q, w_k, *((cos, sin) if rope else ()))
+        ctx.rope = rope
+        return (fq, fk, qw, kw) if rope else (fq, fk)
+
+    @staticmethod
+    def backward(ctx, dfq, dfk, *d_rotated):
+        q, k, w_q, w_k, *position = ctx.saved_tensors
+        B, H, L, D = q.shape
+        HKV, F = k.shape[1], w_q.shape[-1]
+        grad_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        NB = triton.cdiv(L, BWD_TOKENS_PER_PROGRAM)
+        f32 = {"device": q.device, "dtype": torch.float32}
+        unused = dfq  # a placeholder where the kernel reads or writes nothing
+        dq = torch.empty(B, H, L, D, **f32) if grad_x else unused
+        dk = torch.empty(B, HKV, L, D, **f32) if grad_x else unused
+        dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
+        dw_k = torch.empty_like(dw_q) if grad_w else unused
+        cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if ctx.rope else (unused, unused)
+        dqw, dkw = (t.contiguous() for t in d_rotated) if ctx.rope else (unused, unused)
+        _features_bwd_kernel[(B * HKV, NB)](
+            q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq.contiguous(), dfk.contiguous(), dqw, dkw,
+            dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=ctx.rope,
+            GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)
+        dq, dk = (dq.to(q.dtype), dk.to(k.dtype)) if grad_x else (None, None)
+        dw_q, dw_k = (dw_q.sum((0, 2)).to(w_q.dtype), dw_k.sum((0, 2)).to(w_k.dtype)) if grad_w else (None, None)
+        return dq, dk, dw_q, dw_k, None, None, None

@@ -71,3 +71,64 @@ def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation():
 def test_features_kernel_on_cuda_equals_the_feature_maps_and_rotation(name):
     errs = errors("cuda", **CASES[name])
     assert max(errs.values()) < 1e-4, errs  # x W on tensor cores (3xTF32): about, not exactly, float32
+
+
+GRADIENT_CASES = {
+    "gqa-rope-L37-inputs-and-weights": {"L": 37},
+    "gqa4-rope-L70-weights-only": {"L": 70, "H": 8, "HKV": 2, "wrt": "weights"},
+    "mha-no-rope-L20-inputs-only": {"L": 20, "HKV": 4, "rope": False, "wrt": "inputs"},
+    "gqa-no-rope-L16-D32-F16-one-position": {"L": 16, "D": 32, "rope": False, "cos_batch": 1},
+}
+
+
+def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, wrt="both") -> dict:
+    """Max abs errors of `LizardFeaturesFunction`'s outputs and of the gradients it gives q, k and the
+    two weights (`wrt`: inputs, weights or both; stage 2 and stage 1 need one each), against autograd
+    through the feature maps, repeat_kv and rotate, for random upstream gradients. float32."""
+    from linearize.kernels.features_triton import LizardFeaturesFunction
+
+    g = torch.Generator(device=device).manual_seed(1)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)
+    maps = [HedgehogFeatureMap(H, D, F).to(device) for _ in range(2)]
+    for m in maps:
+        m.weight.data += 0.3 * r(H, D, F)
+        m.weight.requires_grad_(wrt != "inputs")
+    q = (2 * r(B, L, H, D)).requires_grad_(wrt != "weights")
+    k = (2 * r(B, L, HKV, D)).requires_grad_(wrt != "weights")
+    angles = r(cos_batch or B, L, D // 2) * 30
+    cos, sin = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else (None, None)
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)  # as the projections give them
+    ours = LizardFeaturesFunction.apply(qh, kh, maps[0].weight, maps[1].weight, cos, sin, torch.float32)
+    ref = [maps[0](qh), maps[1](repeat_kv(kh, H // HKV))]
+    if rope:
+        ref += list(rotate(qh, kh, (cos, sin)))
+    upstream = [r(*t.shape) for t in ref]
+    leaves = [t for t in (q, k, maps[0].weight, maps[1].weight) if t.requires_grad]
+    used = [i for i, t in enumerate(ref) if t.requires_grad]  # rotations carry no weight gradient
+    got = torch.autograd.grad([ours[i] for i in used], leaves, [upstream[i] for i in used])
+    want = torch.autograd.grad([ref[i] for i in used], leaves, [upstream[i] for i in used])
+    out = {f"out{i}": (a - b).abs().max().item() for i, (a, b) in enumerate(zip(ours, ref, strict=True))}
+    out.update({f"grad{i}": ((a - b).abs().max() / b.abs().max()).item()
+                for i, (a, b) in enumerate(zip(got, want, strict=True))})
+    return out
+
+
+_GRADIENT_SCRIPT = """
+import json
+from test_features import GRADIENT_CASES, gradient_errors
+print(json.dumps({name: gradient_errors("cpu", **case) for name, case in GRADIENT_CASES.items()}))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_interpreted_features_gradients_equal_autograd_through_the_reference():
+    for name, errs in interpreted(_GRADIENT_SCRIPT).items():
+        assert max(errs.values()) < 1e-5, (name, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
+def test_features_gradients_on_cuda_equal_autograd_through_the_reference(name):
+    errs = gradient_errors("cuda", **GRADIENT_CASES[name])
+    assert max(errs.values()) < 1e-4, errs  # 3xTF32 products: about float32
