@@ -78,6 +78,10 @@ def features(q, k, w_q, w_k, position_embeddings, dtype):
     if not kernels_enabled():
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, w_q, w_k)):
+        # LINEARIZE_FEATURES_BACKWARD=0 keeps training's features on the PyTorch ops alone (A/B timings,
+        # or a GPU where the backward kernel fails) while every other kernel stays on.
+        if os.environ.get("LINEARIZE_FEATURES_BACKWARD", "1") == "0":
+            return None
         return kernels.lizard_features_with_grad(q, k, w_q, w_k, position_embeddings, dtype)
     dtype = torch.float32 if q.shape[2] == 1 else dtype
     return kernels.lizard_features(q, k, w_q, w_k, position_embeddings, dtype)
