@@ -22,6 +22,19 @@ CASES = {
 }
 
 
+def _inputs(device, seed, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype=torch.float32, dtype=torch.float32):
+    """(randn, two feature maps with weights perturbed from the identity, q [B, L, H, D] and k
+    [B, L, H_kv, D] as the projections lay them out, (cos, sin) [cos_batch or B, L, D] or None)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)
+    maps = [HedgehogFeatureMap(H, D, F).to(device) for _ in range(2)]
+    for m in maps:
+        m.weight.data = (m.weight.data + 0.3 * r(H, D, F)).to(weight_dtype)
+    q, k = (2 * r(B, L, n, D).to(dtype) for n in (H, HKV))
+    angles = torch.cat([r(cos_batch or B, L, D // 2) * 30] * 2, -1)
+    return r, maps, q, k, (angles.cos(), angles.sin()) if rope else None
+
+
 def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, weight_dtype=torch.float32,
            dtype=torch.float32, out_dtype=None) -> dict:
     """Max abs errors of the kernel's outputs. q and k are transposed views of [B, L, heads, D], as the
@@ -30,14 +43,8 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
     whole batch."""
     from linearize.kernels.features_triton import lizard_features
 
-    g = torch.Generator(device=device).manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=device)
-    maps = [HedgehogFeatureMap(H, D, F).to(device) for _ in range(2)]
-    for m in maps:
-        m.weight.data = (m.weight.data + 0.3 * r(H, D, F)).to(weight_dtype)
-    q, k = (2 * r(B, L, n, D).to(dtype).transpose(1, 2) for n in (H, HKV))
-    angles = r(cos_batch or B, L, D // 2) * 30
-    position = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else None
+    _, maps, q, k, position = _inputs(device, 0, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype, dtype)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     out_dtype = out_dtype or dtype
     fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position, out_dtype)
     q, k = q.float(), k.float()
@@ -65,6 +72,7 @@ def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation():
     for name, errs in interpreted(_SCRIPT).items():
         assert max(errs.values()) < 1e-5, (name, errs)
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 @pytest.mark.parametrize("name", list(CASES))
@@ -87,16 +95,11 @@ def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch
     through the feature maps, repeat_kv and rotate, for random upstream gradients. float32."""
     from linearize.kernels.features_triton import LizardFeaturesFunction
 
-    g = torch.Generator(device=device).manual_seed(1)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=device)
-    maps = [HedgehogFeatureMap(H, D, F).to(device) for _ in range(2)]
+    r, maps, q, k, position = _inputs(device, 1, L, B, H, HKV, D, F, rope, cos_batch)
     for m in maps:
-        m.weight.data += 0.3 * r(H, D, F)
         m.weight.requires_grad_(wrt != "inputs")
-    q = (2 * r(B, L, H, D)).requires_grad_(wrt != "weights")
-    k = (2 * r(B, L, HKV, D)).requires_grad_(wrt != "weights")
-    angles = r(cos_batch or B, L, D // 2) * 30
-    cos, sin = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else (None, None)
+    q, k = q.requires_grad_(wrt != "weights"), k.requires_grad_(wrt != "weights")
+    cos, sin = position or (None, None)
     qh, kh = q.transpose(1, 2), k.transpose(1, 2)  # as the projections give them
     ours = LizardFeaturesFunction.apply(qh, kh, maps[0].weight, maps[1].weight, cos, sin, torch.float32)
     ref = [maps[0](qh), maps[1](repeat_kv(kh, H // HKV))]
