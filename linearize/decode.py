@@ -58,11 +58,13 @@ class StaticDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None  # why capture failed, when it did
         # Compiled once at the first step: a replayed graph never calls it again. Stepping eagerly, it
-        # may recompile as the token count changes, until dynamo makes that count dynamic.
+        # may recompile as the token count changes, until dynamo makes that count dynamic. STILL's steps
+        # read Python ints that change at every step (see GRAPH_METHODS): they are never compiled.
         self.compile_backend = compile_backend
         self.compile_error: str | None = None
-        self._compiled = None if compile_backend is None else torch.compile(self._forward, backend=compile_backend,
-                                                                             dynamic=False)
+        self._compiled = None
+        if compile_backend is not None and method in GRAPH_METHODS:
+            self._compiled = torch.compile(self._forward, backend=compile_backend, dynamic=False)
 
     @property
     def path(self) -> str:
