@@ -178,7 +178,8 @@ def plot_rows(run_dirs: list[Path], path: Path) -> Path:
 
     panels = [("ppl", "perplexity (log scale)"), ("passkey", "passkey accuracy (%)"),
               ("niah_single", "niah_single accuracy (%)")]
-    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    # The legend goes below the panels, three rows' names to a line: inside a panel it hid the curves.
+    fig = Figure(figsize=(16, 4.5 + 0.22 * -(-len(run_dirs) // 3)), layout="constrained")
     axes = fig.subplots(1, len(panels))
     lengths = set()
     for i, run_dir in enumerate(run_dirs):
@@ -198,7 +199,8 @@ def plot_rows(run_dirs: list[Path], path: Path) -> Path:
         ax.set(xlabel="context length (tokens)", ylabel=label, title=task)
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
-    axes[0].legend(fontsize=7)
+    handles = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3, fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
