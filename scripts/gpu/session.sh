@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
+# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
 # | rows NAME...
 # (recipes/NAME.json)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
@@ -22,9 +22,17 @@ case $part in
   kernels)
     step check 300 python -m linearize.kernels.check --no-check ;;
   train)
+    # KEY=VALUE words set method options; LINEARIZE_*=VALUE words set that environment variable for
+    # this part alone (e.g. LINEARIZE_FEATURES_BACKWARD=0 for an A/B timing).
     sets=()
-    for option in "${@:4}"; do sets+=(--set "$option"); done
-    step train 200 python -m linearize.cli bench train --model smollm2 --method "${1:-lizard}" \
+    envs=()
+    for option in "${@:4}"; do
+      case $option in
+        LINEARIZE_*=*) envs+=("$option") ;;
+        *) sets+=(--set "$option") ;;
+      esac
+    done
+    step train 200 env "${envs[@]}" python -m linearize.cli bench train --model smollm2 --method "${1:-lizard}" \
       --seq-len "${2:-2048}" --batch "${3:-8}" "${sets[@]}" --profile --out "$res/train" ;;
   after)
     while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
