@@ -27,6 +27,16 @@ def test_float32_values_and_gradients_equal_the_teachers_norm():
     torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
 
 
+def test_autocast_keeps_the_inputs_precision():
+    """Under bf16 autocast (training) a float32 residual stream is normalised in float32, as by HF."""
+    teacher, fused = pair(torch.float32)
+    x = 3 * torch.randn(2, 7, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, ref = fused(x), teacher(x)
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_inputs(weight_dtype):
     """bf16 weights: one rounding instead of two, so within a unit in the last place; float32 weights
