@@ -26,8 +26,8 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:  # HF's mixed-dtype result: rounded to x's dtype, then scaled and promoted
-            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-            return self.weight * normed.to(x.dtype)
+            xf = x.float()
+            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
         # As HF's norm, whatever autocast would do with the op: the input's own precision.
         with torch.autocast(device_type=x.device.type, enabled=False):
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)

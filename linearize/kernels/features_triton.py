@@ -150,8 +150,9 @@ def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
     c = tl.load(c_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     s_partner = tl.load(s_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     g_partner = tl.load(g_at + rows[:, None] * D + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    # rotate_half's transpose: x[e] gets sign(p(e)) s[p(e)] g[p(e)], p(e) = e +- D/2 and sign(p(e)) = -sign(e).
-    return g * c - tl.where(d < D // 2, -1.0, 1.0)[None, :] * g_partner * s_partner
+    # rotate_half's transpose: x[e] gets sign(p(e)) s[p(e)] g[p(e)], p(e) = e +- D/2 and sign(p(e)) = -sign(e),
+    # which is the forward rotation of g with -s[p(e)] in place of s[e].
+    return _rotate(g, g_partner, c, -s_partner, d, D)
 
 
 @triton.jit
