@@ -21,3 +21,26 @@ def test_training_features_take_the_kernel_unless_switched_off(monkeypatch):
     monkeypatch.setenv("LINEARIZE_KERNELS", "0")
     with torch.no_grad():
         assert fused.features(q, k, w, w, None, torch.bfloat16) is None
+
+
+def test_float32_features_beside_bf16_values_take_the_kernel(monkeypatch):
+    """The PyTorch feature maps give float32 fq, fk, qw, kw while v stays in the projections' bf16:
+    `run` casts all of them to that dtype, so the kernel still applies (it once fell back here)."""
+    calls = []
+
+    def fake_attention(*operands, **options):
+        calls.append({t.dtype for t in operands if t.dim() == 4 and t.shape[-1] != 1})
+        return operands[-1]
+
+    monkeypatch.setattr(kernels, "unsupported_reason", lambda *operands, **kw: (
+        None if len({t.dtype for t in (operands[0], operands[1], operands[3], operands[4], operands[5])}) == 1
+        else "dtypes differ"))
+    monkeypatch.setattr(kernels, "lizard_attention", fake_attention)
+    B, H, L, D = 1, 2, 5, 16
+    fq, fk, qw, kw = (torch.randn(B, H, L, D) for _ in range(4))
+    v = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    log_g = torch.zeros(B, H, L, 1)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    y, state = fused.run(fq, fk, log_g, qw, kw, v, valid, state=None, start=0, caching=False, dtype=torch.bfloat16,
+                         can_continue=True, unpadded=True, window=4, scale=1.0, sinks=None, alpha=None)
+    assert calls == [{torch.bfloat16}] and y.dtype == torch.bfloat16 and state is None
