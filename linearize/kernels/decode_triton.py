@@ -128,7 +128,9 @@ def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     W1 = window - 1
     fq, fk, log_g, qw, kw, v = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v))
     S, z, win_k, win_v = (state[name].contiguous() for name in ("S", "z", "win_k", "win_v"))
-    valid_bytes = valid.contiguous().view(torch.uint8)
+    # Bool tensors go to the kernels as they are (Triton reads them as bytes): a `.view(torch.uint8)`
+    # here made inductor (torch 2.11) fail to compile the step (`torch.iinfo` of bool).
+    valid = valid.contiguous()
     win_valid = state["win_valid"].contiguous()
     y = torch.empty_like(qw)
     if in_place:  # over the contiguous copies where the state's tensors are not contiguous
@@ -139,12 +141,12 @@ def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     M = 0 if sinks is None else sinks.shape[-1]
     no_sinks = alpha.new_zeros(1)
     _step_kernel[(B * H,)](
-        fq, fk, log_g, qw, kw, v, valid_bytes, S, z, win_k, win_v, win_valid.view(torch.uint8),
+        fq, fk, log_g, qw, kw, v, valid, S, z, win_k, win_v, win_valid,
         no_sinks if sinks is None else sinks.contiguous(), alpha.contiguous().float(), y, S_out, z_out,
         scale, float(beta), eps, H=H, N_REP=H // HKV, F=F, D=D, W1=W1, BW=triton.next_power_of_2(W1 + 1), M=M,
         BM=triton.next_power_of_2(max(M, 1)), VEC=log_g.shape[-1] != 1, NORM=normalize, SHARED=shared,
         num_warps=4)
     _shift_window_kernel[(B * HKV,)](
-        kw, v, valid_bytes, win_k, win_v, win_valid.view(torch.uint8), k_out, v_out, valid_out.view(torch.uint8),
+        kw, v, valid, win_k, win_v, win_valid, k_out, v_out, valid_out,
         HKV=HKV, D=D, W1=W1, BW=max(2, triton.next_power_of_2(W1)), num_warps=4)
     return y, {"S": S_out, "z": z_out, "win_k": k_out, "win_v": v_out, "win_valid": valid_out}
