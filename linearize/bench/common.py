@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -120,13 +121,21 @@ def environment(device: torch.device) -> dict:
     }
 
 
+def switches() -> dict[str, str]:
+    """The LINEARIZE_* environment variables that change which code runs (LINEARIZE_KERNELS=0, ...):
+    a run with any set is another measurement. LINEARIZE_CACHE only says where assets live."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("LINEARIZE_") and k != "LINEARIZE_CACHE"}
+
+
 def new_results(bench: str, subject: str, device: torch.device, settings: dict) -> dict:
-    """The provenance every result file starts with; the title names the subject and the device."""
+    """The provenance every result file starts with; the title names the subject and the device, and the
+    command carries the code-path switches that were set, so that it reruns the same measurement."""
     env = environment(device)
+    env["switches"] = switches()
     return {
         "bench": bench,
         "title": f"{subject} on {env['device']}",
-        "command": shlex.join(sys.orig_argv),
+        "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env["switches"].items()), shlex.join(sys.orig_argv)]),
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "environment": env,
         "settings": settings,

@@ -23,10 +23,11 @@ END = "<!-- end of bench section -->"
 
 
 def title(results: dict) -> str:
-    """The run's title, plus its method options (`--set`) and a compiled decode step: a run with other
-    options is another section."""
+    """The run's title, plus its method options (`--set`), a compiled decode step and the code-path
+    switches set in its environment: a run with other options is another section."""
     settings = results["settings"]
     options = [f"{k}={v}" for k, v in settings.get("options", {}).items()]
+    options += [f"{k}={v}" for k, v in results["environment"].get("switches", {}).items()]
     if settings.get("compile_decode"):
         options.append(f"decode compiled ({settings['compile_decode']})")
     return f"{results['title']} ({', '.join(options)})" if options else results["title"]

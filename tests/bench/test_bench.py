@@ -7,8 +7,9 @@ import torch
 
 from linearize.bench import model as model_bench
 from linearize.bench.command import register
-from linearize.bench.common import parse_sizes
+from linearize.bench.common import new_results, parse_sizes
 from linearize.bench.report import main as report_main
+from linearize.bench.report import title
 from linearize.cli import _Parser
 
 
@@ -114,6 +115,20 @@ def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
         assert results["command"] in first
     assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
     assert doc.read_text() == first
+
+
+def test_code_path_switches_name_the_section_and_lead_the_command(monkeypatch):
+    """A run with LINEARIZE_FEATURES_BACKWARD=0 measures other code: its section must not replace the
+    default run's, and its command must rerun it. LINEARIZE_CACHE (where assets live) changes neither."""
+    monkeypatch.setenv("LINEARIZE_FEATURES_BACKWARD", "0")
+    monkeypatch.setenv("LINEARIZE_CACHE", "/somewhere")
+    results = new_results("train", "Training throughput", torch.device("cpu"), {"options": {"combine": "shared"}})
+    assert results["environment"]["switches"] == {"LINEARIZE_FEATURES_BACKWARD": "0"}
+    assert results["command"].startswith("LINEARIZE_FEATURES_BACKWARD=0 ") and "/somewhere" not in results["command"]
+    assert title(results).endswith("(combine=shared, LINEARIZE_FEATURES_BACKWARD=0)")
+    monkeypatch.delenv("LINEARIZE_FEATURES_BACKWARD")
+    plain = new_results("train", "Training throughput", torch.device("cpu"), {})
+    assert plain["environment"]["switches"] == {} and title(plain) == plain["title"]
 
 
 def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_path, monkeypatch):
