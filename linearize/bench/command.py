@@ -77,6 +77,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=positive_int, help="timed optimizer steps per mode (default 10)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option, as in distill (repeatable)")
     p.add_argument("--profile", action="store_true", help="also write each mode's top ops (torch.profiler) to a file")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay each optimizer step from a CUDA graph, as distill --cuda-graph trains")
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_train)
 
@@ -110,4 +112,5 @@ def run_train(args) -> None:
 
     options = parse_set_options(args.set or [], [args.method])
     wrote(train.bench(args.out, model=args.model, method=args.method, options=options, quick=args.quick,
-                      profile=args.profile, seq_len=args.seq_len, batch=args.batch, steps=args.steps))
+                      profile=args.profile, cuda_graph=args.cuda_graph, seq_len=args.seq_len, batch=args.batch,
+                      steps=args.steps))

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with A
 from ..train.config import DistillConfig
 from ..train.distillation import build_student, prepare_stage, stage_loss
 from ..train.runtime import Runtime
+from ..train.step import WARMUP_STEPS, TrainStep, graphable_optimizer
 from .common import (
     GIB,
     cell,
@@ -53,32 +54,35 @@ def build(cfg: DistillConfig, stage: int | None):
 def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, settings: dict,
             profile_to: Path | None = None) -> dict:
     model.to(rt.device).train()
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr(stage or 2), betas=cfg.betas, weight_decay=cfg.weight_decay)
+    graphed = settings.get("cuda_graph", False) and rt.device.type == "cuda"
+    options = {"betas": cfg.betas, "weight_decay": cfg.weight_decay}
+    groups = [{"params": params, "lr": cfg.lr(stage or 2)}]
+    optimizer = graphable_optimizer(groups, rt.device, **options) if graphed else torch.optim.AdamW(groups, **options)
     ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len), device=rt.device)
-
-    def step():
-        with rt.autocast():
-            loss = stage_loss(model, ids, stage or 2)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_step = TrainStep(lambda batch: stage_loss(model, batch, stage or 2), params, optimizer, cfg.clip,
+                           rt.autocast, cuda_graph=settings.get("cuda_graph", False))
 
     reset_peak(rt.device)
-    ms = time_ms(step, rt.device, warmup=settings["warmup"], iters=settings["steps"])
+    # A graphed step's warm-up covers its eager steps and the capture.
+    warmup = max(settings["warmup"], WARMUP_STEPS + 1) if graphed else settings["warmup"]
+    ms = time_ms(lambda: train_step([ids]), rt.device, warmup=warmup, iters=settings["steps"])
     if profile_to is not None:
-        write_profile(step, rt.device, profile_to)
+        write_profile(lambda: train_step([ids]), rt.device, profile_to)
     return {"step_ms": ms, "tokens_per_s": cfg.batch * cfg.seq_len * 1e3 / ms, "peak_bytes": peak_bytes(rt.device),
-            "trained_parameters": sum(p.numel() for p in params)}
+            "trained_parameters": sum(p.numel() for p in params), "step_path": train_step.path}
 
 
 def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", options: dict | None = None,
-          quick: bool = False, profile: bool = False, **overrides) -> list[Path]:
+          quick: bool = False, profile: bool = False, cuda_graph: bool = False, **overrides) -> list[Path]:
     """Time the three modes; `overrides` (seq_len, batch, steps) replace entries of FULL / QUICK.
 
-    With `profile`, each mode also writes `profile-<stage>.txt` (the top ops of one more step).
+    With `profile`, each mode also writes `profile-<stage>.txt` (the top ops of one more step). With
+    `cuda_graph`, each mode's step replays a CUDA graph, as `distill --cuda-graph` trains (each row's
+    `step_path` says whether it did).
     """
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
+    if cuda_graph:
+        settings["cuda_graph"] = True
     rt = Runtime.start(None, "auto")
     settings.update(model=model, method=method, options=options or {},
                     precision="bf16 autocast" if rt.bf16 else "float32", quick=quick,
@@ -130,6 +134,8 @@ def tables(results: dict) -> list[str]:
     for r in results["rows"]:
         lines.append(f"| {r['mode']} | " + " | ".join(cell(r, fmt) for fmt in columns) + " |")
     reasons = [f"- {r['mode']}: {r['reason']}" for r in results["rows"] if r.get("reason")]
+    if s.get("cuda_graph"):
+        reasons += [f"- {r['mode']}: step {r['step_path']}" for r in results["rows"] if r.get("step_path")]
     return lines + [""] + reasons + ([""] if reasons else [])
 
 

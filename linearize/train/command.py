@@ -42,6 +42,8 @@ def register(subparsers) -> None:
     p.add_argument("--fsdp-replicate", action="store_true",
                    help="multi-GPU stage 2: whole weights on every rank (HSDP, shards of one), gradients all-reduced")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in backward to save memory")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="one GPU: capture an optimizer step as a CUDA graph and replay it (fewer host launches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -69,7 +71,7 @@ def config_from_args(args):
                          softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp_reshard=args.fsdp_reshard,
-                         fsdp_replicate=args.fsdp_replicate,
+                         fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,
                          precision=args.precision, **lrs)
 
 

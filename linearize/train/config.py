@@ -44,6 +44,7 @@ class DistillConfig:
     val_batches: int = 4
     seed: int = 0
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, more time
+    cuda_graph: bool = False  # one GPU: replay each optimizer step from a CUDA graph (linearize/train/step.py)
     device: str | None = None  # None: cuda if available
     precision: str = "auto"  # auto: bf16 autocast on cuda, float32 on cpu
 
@@ -85,6 +86,6 @@ class DistillConfig:
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
-        free = {"out", "save_every", "eval_every", "device", "fsdp_reshard", "fsdp_replicate"}
+        free = {"out", "save_every", "eval_every", "device", "fsdp_reshard", "fsdp_replicate", "cuda_graph"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

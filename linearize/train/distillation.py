@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from . import checkpoint
 from .config import DistillConfig
 from .runtime import Runtime, shard
+from .step import TrainStep, graphable_optimizer, rates_on_device
 
 LOG_NAME = "train_log.jsonl"
 CONFIG_NAME = "distill_config.json"
@@ -205,13 +206,19 @@ class Run:
             shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
-        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        graphed = cfg.cuda_graph and rt.device.type == "cuda" and not rt.distributed
+        if graphed:
+            optimizer = graphable_optimizer(groups, rt.device, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(groups, betas=cfg.betas, weight_decay=cfg.weight_decay)
         total = cfg.steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
         loader = self.make_loader(self.train_blocks, seed=cfg.seed + stage)
         step, tokens = 0, 0
         if state is not None:
             checkpoint.restore(state, model=model, optimizer=optimizer, distributed=sharded)
+            if graphed:
+                rates_on_device(optimizer, rt.device)
             scheduler.load_state_dict(state["scheduler"])
             loader.load_state_dict(state["loader"])
             step, tokens = state["step"], state["tokens"]
@@ -228,29 +235,21 @@ class Run:
         batches = forever(loader)
         bar = tqdm(total=total, initial=step, desc=f"stage {stage}", disable=not self.progress, unit="step")
         model.train()
+        average = (lambda: rt.average_gradients(params)) if rt.distributed and not sharded else None
+        train_step = TrainStep(lambda ids: stage_loss(model, ids, stage), params, optimizer, cfg.clip, rt.autocast,
+                               cuda_graph=cfg.cuda_graph and not rt.distributed, before_clip=average)
         started, tokens_at_start = time.perf_counter(), tokens
         layer_errors = None  # stage 1's per-layer MSE at the last validation
         try:
             while step < total:
                 step_started = time.perf_counter()
-                # Summed on the device and read once a step: a read per micro-batch would stop the host
-                # from queueing the next one while the GPU still runs this one's backward.
-                loss_sum = torch.zeros((), device=rt.device, dtype=torch.float64)
-                for _ in range(cfg.grad_accum):
-                    ids = next(batches).to(rt.device)
-                    with rt.autocast():
-                        loss = stage_loss(model, ids, stage)
-                    (loss / cfg.grad_accum).backward()
-                    loss_sum += loss.detach().double() / cfg.grad_accum
-                if rt.distributed and not sharded:
-                    rt.average_gradients(params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                # The loss is summed on the device and read once a step: a read per micro-batch would
+                # stop the host from queueing the next one while the GPU still runs this one's backward.
+                lr = float(scheduler.get_last_lr()[0])
+                loss_sum, grad_norm = train_step([next(batches).to(rt.device) for _ in range(cfg.grad_accum)])
                 if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                     grad_norm = grad_norm.full_tensor()
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
                 scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
                 step += 1
                 tokens += cfg.batch * cfg.seq_len
                 snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
@@ -259,8 +258,9 @@ class Run:
                 # tokens_per_s: the stage so far (what the bar shows); step_s: this optimizer step alone,
                 # without validation, checkpoints or the first step's kernel compilation in other steps.
                 speed = (tokens - tokens_at_start) / max(now - started, 1e-9)
-                self.log({"stage": stage, "step": step, "tokens": tokens, "loss": loss_value, "lr": lr,
-                          "grad_norm": float(grad_norm), "tokens_per_s": speed, "step_s": now - step_started})
+                record = {"stage": stage, "step": step, "tokens": tokens, "loss": loss_value, "lr": lr,
+                          "grad_norm": float(grad_norm), "tokens_per_s": speed, "step_s": now - step_started}
+                self.log(record | ({"step_path": train_step.path} if cfg.cuda_graph else {}))
                 bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{speed:,.0f}")
                 bar.update(1)
                 if step % cfg.eval_every == 0 or step == total:

@@ -42,8 +42,12 @@ class Runtime:
         bf16 = precision == "bf16" or (precision == "auto" and target.type == "cuda")
         return cls(rank=rank, world_size=world_size, device=target, bf16=bf16)
 
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+    def autocast(self, cache: bool = True):
+        """bf16 autocast where the run is bf16; `cache=False` for a CUDA-graph capture, which must not
+        keep autocast's casts of the weights across steps."""
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
     def mean(self, value: float) -> float:
         return self.means([value])[0]

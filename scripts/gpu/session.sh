@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
+# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
 # | rows NAME...
 # (recipes/NAME.json)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
@@ -24,11 +24,13 @@ case $part in
   train)
     # KEY=VALUE words set method options; LINEARIZE_*=VALUE words set that environment variable for
     # this part alone (e.g. LINEARIZE_FEATURES_BACKWARD=0 for an A/B timing).
+    # The word "graph" replays each step from a CUDA graph (--cuda-graph).
     sets=()
     envs=()
     for option in "${@:4}"; do
       case $option in
         LINEARIZE_*=*) envs+=("$option") ;;
+        graph) sets+=(--cuda-graph) ;;
         *) sets+=(--set "$option") ;;
       esac
     done

@@ -32,7 +32,7 @@ def outputs(tmp_path_factory, teacher_dir):
     run("bench", "kernels", "--out", root / "kernels", "--quick")
     run("bench", "model", "--out", root / "model", "--model", teacher_dir, "--quick", "--set", "combine=shared",
         "--profile", "--compile-decode", "aot_eager")
-    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile",
+    run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile", "--cuda-graph",
         "--set", "combine=shared", "--set", "rope_in_window=true")
     return root
 
@@ -85,6 +85,9 @@ def test_train_times_both_stages_and_the_full_fine_tune(outputs):
     assert all(0 < r["trained_parameters"] < full for r in rows.values())
     assert results["settings"]["attention"] == "PyTorch ops"  # no GPU here: what the record must say
     assert results["settings"]["options"] == {"combine": "shared", "rope_in_window": "true"}
+    # --cuda-graph on the CPU: every mode stepped eagerly, and its row and the table say why
+    assert {r["step_path"] for r in rows.values()} == {"eager (parameters not on a CUDA device)"}
+    assert "- stage 2 (LoRA): step eager (parameters not on a CUDA device)" in (outputs / "train" / "train.md").read_text()
 
 
 def test_train_profile_lists_each_modes_top_ops(outputs):
@@ -112,6 +115,8 @@ def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
         assert f"### {results['title']}" in first
         if name == "model":  # its run had --set options: they name its section, so other options get another
             assert f"### {results['title']} (combine=shared, decode compiled (aot_eager))\n" in first
+        if name == "train":
+            assert f"### {results['title']} (combine=shared, rope_in_window=true, cuda graph)\n" in first
         assert results["command"] in first
     assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
     assert doc.read_text() == first

@@ -153,3 +153,14 @@ def test_softmax_by_error_reverts_the_worst_stage1_layer(workspace, tmp_path):
 def test_softmax_by_error_needs_stage_one(workspace, tmp_path):
     with pytest.raises(ValueError, match="needs both stages"):
         config(workspace, tmp_path / "run", softmax_by_error=1, stage="2")
+
+
+def test_cuda_graph_on_the_cpu_trains_as_the_default_and_logs_why_it_stepped_eagerly(workspace, tmp_path):
+    """`--cuda-graph` changes how a step is issued, not what it computes: on the CPU it steps eagerly,
+    every record says so, and the run equals the default one (tests/train/test_step.py checks the
+    graphed step against the eager loop on a GPU)."""
+    plain = distill(config(workspace, tmp_path / "plain", stage="1"), progress=False)
+    graphed = distill(config(workspace, tmp_path / "graphed", stage="1", cuda_graph=True), progress=False)
+    steps = [r for r in log(graphed) if "loss" in r]
+    assert {r["step_path"] for r in steps} == {"eager (parameters not on a CUDA device)"}
+    assert [r["loss"] for r in steps] == [r["loss"] for r in log(plain) if "loss" in r]

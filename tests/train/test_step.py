@@ -1,0 +1,106 @@
+"""`TrainStep`: one optimizer step, eager or replayed from a CUDA graph, equal to the plain loop."""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from tiny_models import TINY_OPTIONS, tiny_teacher
+
+from linearize.convert import convert
+from linearize.train.distillation import stage_loss
+from linearize.train.step import WARMUP_STEPS, TrainStep, graphable_optimizer, rates_on_device
+
+
+def student(device="cpu"):
+    model = convert(tiny_teacher(), "lizard", **TINY_OPTIONS["lizard"]).to(device).train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(("model.embed", "lm_head")))
+    return model
+
+
+def batches(steps, accum, device="cpu"):
+    generator = torch.Generator().manual_seed(3)
+    return [[torch.randint(3, 128, (2, 24), generator=generator).to(device) for _ in range(accum)]
+            for _ in range(steps)]
+
+
+def plain_loop(model, optimizer, params, data, autocast=nullcontext):
+    """The loop TrainStep replaces, written out."""
+    losses, norms = [], []
+    for micro_batches in data:
+        loss_sum = 0.0
+        for ids in micro_batches:
+            with autocast():
+                loss = stage_loss(model, ids, 2)
+            (loss / len(micro_batches)).backward()
+            loss_sum += loss.item() / len(micro_batches)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss_sum)
+    return losses, norms
+
+
+def trained(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_eager_step_equals_the_plain_loop_with_accumulation(cuda_graph):
+    """On the CPU, asking for a graph steps eagerly and says why."""
+    data = batches(3, accum=2)
+    reference = student()
+    ref_losses, ref_norms = plain_loop(reference, torch.optim.AdamW(trained(reference), lr=1e-2), trained(reference),
+                                       data)
+    model = student()
+    step = TrainStep(lambda ids: stage_loss(model, ids, 2), trained(model), torch.optim.AdamW(trained(model), lr=1e-2),
+                     1.0, lambda cache: nullcontext(), cuda_graph=cuda_graph)
+    results = [step(micro_batches) for micro_batches in data]
+    assert step.path == ("eager (parameters not on a CUDA device)" if cuda_graph else "eager")
+    assert [float(loss) for loss, _ in results] == pytest.approx(ref_losses, rel=1e-6)
+    assert [float(norm) for _, norm in results] == pytest.approx(ref_norms, rel=1e-6)
+    for p, q in zip(trained(model), trained(reference), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert all(p.grad is None for p in trained(model))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)` before")
+def test_a_graphable_optimizer_keeps_device_rates_that_a_scheduler_fills_in_place():
+    """A replayed step reads the rate through the tensor the graph captured: the scheduler must fill that
+    tensor, never replace it. A checkpoint of an eager run brings float rates back: they become tensors."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = graphable_optimizer([{"params": [p], "lr": 0.5}], torch.device("cpu"), betas=(0.9, 0.99))
+    rate = optimizer.param_groups[0]["lr"]
+    assert isinstance(rate, torch.Tensor) and optimizer.defaults["capturable"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] is rate and float(rate) == pytest.approx(0.25)
+    optimizer.param_groups[0]["lr"] = 0.125
+    rates_on_device(optimizer, torch.device("cpu"))
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor) and float(optimizer.param_groups[0]["lr"]) == 0.125
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_graphed_step_trains_as_the_eager_loop_does(accum):
+    """Warm-up steps, the capture, then replays on new micro-batches: same losses and parameters as the
+    plain loop, under bf16 autocast as the trainer runs (float32 master weights)."""
+    device = torch.device("cuda")
+    data = batches(WARMUP_STEPS + 4, accum, device)
+
+    def autocast(cache=True):
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
+
+    reference = student(device)
+    groups = [{"params": trained(reference), "lr": 1e-3}]
+    ref_losses, _ = plain_loop(reference, graphable_optimizer(groups, device), trained(reference), data,
+                               autocast=lambda: autocast())
+    model = student(device)
+    optimizer = graphable_optimizer([{"params": trained(model), "lr": 1e-3}], device)
+    step = TrainStep(lambda ids: stage_loss(model, ids, 2), trained(model), optimizer, 1.0, autocast, cuda_graph=True)
+    losses = [float(step(micro_batches)[0]) for micro_batches in data]
+    assert step.path == "cuda graph"
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    for p, q in zip(trained(model), trained(reference), strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
