@@ -14,6 +14,7 @@ CASES = {
     "bf16-nosinks": {"dtype": "torch.bfloat16", "sinks": 0},
     "shared-scalar-w32": {"shared": True},
     "shared-vector-w64-longer-than-call": {"gate": "vector", "window": 64, "shared": True},
+    "bf16-shared": {"dtype": "torch.bfloat16", "shared": True},
 }
 TOLERANCE = {"torch.bfloat16": 2e-2}
 _SCRIPT = """

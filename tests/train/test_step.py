@@ -64,7 +64,7 @@ def test_eager_step_equals_the_plain_loop_with_accumulation(cuda_graph):
     assert all(p.grad is None for p in trained(model))
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)` before")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_a_graphable_optimizer_keeps_device_rates_that_a_scheduler_fills_in_place():
     """A replayed step reads the rate through the tensor the graph captured: the scheduler must fill that
     tensor, never replace it. A checkpoint of an eager run brings float rates back: they become tensors."""
