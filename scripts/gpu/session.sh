@@ -18,7 +18,7 @@ res=$LOGS
 mkdir -p "$res"
 case $part in
   tests)
-    step tests 420 python -m pytest -q -m gpu tests/test_gpu.py tests/kernels -p no:cacheprovider ;;
+    step tests 420 python -m pytest -q -m gpu tests/test_gpu.py tests/kernels tests/train/test_step.py -p no:cacheprovider ;;
   kernels)
     step check 300 python -m linearize.kernels.check --no-check ;;
   train)
