@@ -88,9 +88,16 @@ def cmd_convert(args) -> None:
 
 
 def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: bool = False,
-                  temperature: float = 0.0, seed: int = 0) -> str:
+                  temperature: float = 0.0, seed: int = 0, static: bool = False, compile_step: bool = False) -> str:
+    """HF's `generate`, or with `static` greedy steps on the frozen fixed-shape cache of a fully
+    linearized model (`linearize.decode.greedy_decode`: a CUDA graph per step on a GPU; with
+    `compile_step`, the step through torch.compile first), cut at the first end-of-sequence token."""
     import torch
 
+    if (static or compile_step) and temperature > 0:
+        raise CommandError("--static decodes greedily: leave out --temperature")
+    if compile_step and not static:
+        raise CommandError("--compile applies to --static decoding")
     if chat:
         messages = [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -99,6 +106,13 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).to(model.device)
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
+    if static:
+        from .decode import greedy_decode
+
+        new = greedy_decode(model, inputs["input_ids"], max_new_tokens,
+                            compile_backend="inductor" if compile_step else None)[0]
+        ends = (new == tokenizer.eos_token_id).nonzero()
+        return tokenizer.decode(new[: ends[0, 0]] if len(ends) else new, skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                              **sampling)
@@ -111,7 +125,7 @@ def cmd_generate(args) -> None:
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model)
     print(generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                        temperature=args.temperature, seed=args.seed))
+                        temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile))
 
 
 def cmd_demo(args) -> None:
@@ -180,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--static", action="store_true",
+                   help="fully linearized models: greedy steps on the fixed-shape cache (a CUDA graph per step on a GPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="with --static: compile the step with torch.compile first (about a minute once, faster steps)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.set_defaults(func=cmd_generate)

@@ -140,8 +140,10 @@ class StaticDecoder:
 
 
 @torch.no_grad()
-def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None):
-    """Greedy continuation of unpadded `input_ids` [B, L] by a fully linearized model: [B, max_new_tokens]."""
+def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None,
+                  compile_backend: str | None = None):
+    """Greedy continuation of unpadded `input_ids` [B, L] by a fully linearized model: [B, max_new_tokens].
+    `compile_backend`: see StaticDecoder."""
     from transformers import DynamicCache
 
     if max_new_tokens < 1:
@@ -150,7 +152,8 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_g
     logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1:].argmax(-1)
     generated = [token]
-    decoder = StaticDecoder(model, cache, batch=input_ids.shape[0], cuda_graph=cuda_graph)
+    decoder = StaticDecoder(model, cache, batch=input_ids.shape[0], cuda_graph=cuda_graph,
+                            compile_backend=compile_backend)
     for _ in range(max_new_tokens - 1):
         token = decoder.step(token)[:, -1:].argmax(-1)
         generated.append(token)

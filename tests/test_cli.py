@@ -38,6 +38,24 @@ def test_convert_writes_a_loadable_model(teacher_dir, tmp_path, capsys):
     assert len(tiny_tokenizer()(text.rstrip("\n"))["input_ids"]) <= 5
 
 
+def test_static_generation_gives_hf_generates_greedy_text(teacher_dir, tmp_path, capsys):
+    """`generate --static` (greedy steps on the frozen cache) writes what HF's greedy `generate` writes;
+    it refuses a model whose cache grows (the teacher), sampling, and --compile without --static."""
+    out = tmp_path / "lizard"
+    assert run(capsys, "convert", "--model", teacher_dir, "--method", "lizard", "--out", out, "--set", "window=8")[0] == 0
+    prompt = ["--prompt", "the cat sat on the mat", "--max-new-tokens", "12"]
+    code, hf_text, err = run(capsys, "generate", "--model", out, *prompt)
+    assert code == 0, err
+    code, static_text, err = run(capsys, "generate", "--model", out, *prompt, "--static")
+    assert code == 0, err
+    assert static_text == hf_text and hf_text.strip()
+    for argv, needle in ((["--model", teacher_dir, "--static"], "fully linearized"),
+                         (["--model", out, "--static", "--temperature", "0.7"], "decodes greedily"),
+                         (["--model", out, "--compile"], "applies to --static")):
+        code, _, err = run(capsys, "generate", *argv, *prompt)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--method", "mamba"], "invalid choice"),
     (["--method", "lizard", "--set", "window=0"], "window must be > 0"),

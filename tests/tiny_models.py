@@ -47,7 +47,8 @@ def tiny_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({chr(c): len(vocab) for c in range(32, 127)})
+    for c in range(32, 127):  # ids 4..98, one per printable ASCII character
+        vocab[chr(c)] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
