@@ -18,3 +18,13 @@ def interpreted(script: str, *args: str, timeout: int = 900):
                           timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interpreted_cases(module: str, cases: str = "CASES", errors: str = "errors") -> dict:
+    """{name: module.errors("cpu", *case or **case)} for every case of `module.cases`, interpreted."""
+    return interpreted(f"""
+import json
+from {module} import {cases} as cases, {errors} as errors
+print(json.dumps({{name: errors("cpu", **case) if isinstance(case, dict) else errors("cpu", *case)
+                  for name, case in cases.items()}}))
+""")

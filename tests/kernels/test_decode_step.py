@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from interpreted import interpreted
+from interpreted import interpreted_cases
 from test_lizard_triton import HAS_TRITON
 
 from linearize.ops.gla_window import gla_window_step
@@ -53,16 +53,9 @@ def errors(device, in_place=False, **case) -> dict:
     return out
 
 
-_SCRIPT = """
-import json
-from test_decode_step import CASES, errors
-print(json.dumps({name: errors("cpu", **case) for name, case in CASES.items()}))
-"""
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_interpreted_step_kernels_equal_the_reference_step():
-    for name, errs in interpreted(_SCRIPT).items():
+    for name, errs in interpreted_cases("test_decode_step").items():
         assert max(errs.values()) < 1e-5, (name, errs)
 
 @pytest.mark.gpu

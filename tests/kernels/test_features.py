@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from interpreted import interpreted
+from interpreted import interpreted_cases
 from test_lizard_triton import HAS_TRITON
 
 from linearize.attention.base import rotate
@@ -60,16 +60,9 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
     return out
 
 
-_SCRIPT = """
-import json
-from test_features import CASES, errors
-print(json.dumps({name: errors("cpu", **case) for name, case in CASES.items()}))
-"""
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation():
-    for name, errs in interpreted(_SCRIPT).items():
+    for name, errs in interpreted_cases("test_features").items():
         assert max(errs.values()) < 1e-5, (name, errs)
 
 
@@ -116,16 +109,9 @@ def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch
     return out
 
 
-_GRADIENT_SCRIPT = """
-import json
-from test_features import GRADIENT_CASES, gradient_errors
-print(json.dumps({name: gradient_errors("cpu", **case) for name, case in GRADIENT_CASES.items()}))
-"""
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_interpreted_features_gradients_equal_autograd_through_the_reference():
-    for name, errs in interpreted(_GRADIENT_SCRIPT).items():
+    for name, errs in interpreted_cases("test_features", "GRADIENT_CASES", "gradient_errors").items():
         assert max(errs.values()) < 1e-5, (name, errs)
 
 

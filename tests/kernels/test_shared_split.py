@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from interpreted import interpreted
+from interpreted import interpreted_cases
 from test_lizard_triton import HAS_TRITON
 
 # (B, H, L, D, dtype of dy and the branch outputs): odd lengths leave a partial block of rows.
@@ -32,16 +32,9 @@ def errors(device, B, H, L, D, dtype) -> list[float]:
     return out
 
 
-_SCRIPT = """
-import json
-from test_shared_split import CASES, errors
-print(json.dumps({name: errors("cpu", *case) for name, case in CASES.items()}))
-"""
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_interpreted_shared_split_equals_the_reference():
-    for name, errs in interpreted(_SCRIPT).items():
+    for name, errs in interpreted_cases("test_shared_split").items():
         assert max(errs) < 1e-6, (name, errs)
 
 
