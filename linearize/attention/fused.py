@@ -40,14 +40,16 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
                                    valid, state, shared=shared, in_place=in_place, **options)
     if start > 0 and (not can_continue or torch.is_grad_enabled()):
         return None
-    # Checked on the operands as cast: the PyTorch feature maps give float32 beside bf16 values.
-    operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype),
-                kw.to(dtype), v.to(dtype))
-    if kernels.unsupported_reason(*operands, window=options["window"], sinks=options["sinks"]):
+    # Checked for the operands as they will be cast (the PyTorch feature maps give float32 beside bf16
+    # values), before any cast: a pass the kernel does not take copies nothing.
+    if kernels.unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"],
+                                  dtype=dtype):
         return None
     one_run, all_valid, lead = (True, True, None) if unpadded else row_layout(valid)
     if not (all_valid if start > 0 else one_run):
         return None
+    operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype),
+                kw.to(dtype), v.to(dtype))
     # An unpadded first prefill that fills a cache continues an empty state: the kernel then returns
     # the new state too, instead of `gla_window.state_after` computing it again over the call.
     fills_cache = caching and all_valid and can_continue and not torch.is_grad_enabled()

@@ -37,13 +37,14 @@ def available() -> bool:
     return _triton_importable() and (torch.cuda.is_available() or _interpreting())
 
 
-def unsupported_reason(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
-    """None when `lizard_attention` would take the kernel path for these inputs, else why not."""
+def unsupported_reason(fq, fk, log_g, qw, kw, v, *, window, sinks, dtype=None) -> str | None:
+    """None when `lizard_attention` would take the kernel path for these inputs (cast to `dtype` where
+    given), else why not."""
     if not available():
         return "triton or a CUDA device (or TRITON_INTERPRET=1) missing"
     from .lizard_triton import supports
 
-    return supports(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks)
+    return supports(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks, dtype=dtype)
 
 
 def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,

@@ -693,13 +693,15 @@ def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, ARG, DM, DKW, DV_WI
 # Launch
 
 
-def supports(fq, fk, log_g, qw, kw, v, *, window, sinks) -> str | None:
-    """None when the kernels handle these inputs, else the reason they do not."""
+def supports(fq, fk, log_g, qw, kw, v, *, window, sinks, dtype=None) -> str | None:
+    """None when the kernels handle these inputs, else the reason they do not. `dtype`: the one dtype
+    that fq, fk, qw, kw, v will be cast to before the kernels (None: they go as they are)."""
     if not (fq.is_cuda or (INTERPRET and fq.device.type == "cpu")):
         return f"device {fq.device.type}"
     if len({t.device for t in (fq, fk, log_g, qw, kw, v)}) != 1:
         return "inputs on several devices"
-    if fq.dtype not in DOT_DTYPES or any(t.dtype != fq.dtype for t in (fk, qw, kw, v)):
+    dtypes = {dtype} if dtype is not None else {t.dtype for t in (fq, fk, qw, kw, v)}
+    if len(dtypes) != 1 or not dtypes <= DOT_DTYPES.keys():
         return "fq, fk, qw, kw, v must share one dtype: float32, bfloat16 or float16"
     if fq.shape[2] == 0:
         return "empty sequence"
