@@ -54,17 +54,20 @@ def build(cfg: DistillConfig, stage: int | None):
 def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, settings: dict,
             profile_to: Path | None = None) -> dict:
     model.to(rt.device).train()
-    graphed = settings.get("cuda_graph", False) and rt.device.type == "cuda"
+    cuda_graph = settings.get("cuda_graph", False)
     options = {"betas": cfg.betas, "weight_decay": cfg.weight_decay}
     groups = [{"params": params, "lr": cfg.lr(stage or 2)}]
-    optimizer = graphable_optimizer(groups, rt.device, **options) if graphed else torch.optim.AdamW(groups, **options)
+    if cuda_graph and rt.device.type == "cuda":
+        optimizer = graphable_optimizer(groups, rt.device, **options)
+    else:
+        optimizer = torch.optim.AdamW(groups, **options)
     ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len), device=rt.device)
     train_step = TrainStep(lambda batch: stage_loss(model, batch, stage or 2), params, optimizer, cfg.clip,
-                           rt.autocast, cuda_graph=settings.get("cuda_graph", False))
+                           rt.autocast, cuda_graph=cuda_graph)
 
     reset_peak(rt.device)
     # A graphed step's warm-up covers its eager steps and the capture.
-    warmup = max(settings["warmup"], WARMUP_STEPS + 1) if graphed else settings["warmup"]
+    warmup = max(settings["warmup"], WARMUP_STEPS + 1) if train_step.graphed else settings["warmup"]
     ms = time_ms(lambda: train_step([ids]), rt.device, warmup=warmup, iters=settings["steps"])
     if profile_to is not None:
         write_profile(lambda: train_step([ids]), rt.device, profile_to)
