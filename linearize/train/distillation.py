@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint
 from .config import DistillConfig
+from .masking import unpadded_attention
 from .runtime import Runtime, shard
 from .step import TrainStep, graphable_optimizer, rates_on_device
 
@@ -101,11 +102,14 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
 
 
 def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
-    if stage == 2:
-        return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-    # Through the full model (FSDP's root) but with logits for one position only: stage 1 needs
-    # just the per-layer losses recorded on the way.
-    model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    """One packed (unpadded) batch's loss: next-token cross-entropy in stage 2, the mean of the layers'
+    attention-transfer errors in stage 1."""
+    with unpadded_attention(model):
+        if stage == 2:
+            return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        # Through the full model (FSDP's root) but with logits for one position only: stage 1 needs
+        # just the per-layer losses recorded on the way.
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
     losses = [layer.transfer_loss for layer in linearized_layers(model)]
     return torch.stack(losses).mean()
 

@@ -8,8 +8,10 @@ against 107 ms of GPU time a step). Captured once as a CUDA graph, the step repl
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 
@@ -120,9 +122,22 @@ class TrainStep:
                 self.outputs = self._forward_backward(self.inputs, cache=False)
         except Exception as e:  # noqa: BLE001 (capture fails in many ways: the step stays eager, saying why)
             self.graphed, self.inputs, self.outputs = False, [], None
-            self.reason = f"graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.reason = (f"graph capture failed at {failing_line(e)}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}")
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             return False
         self.graph = graph
         return True
+
+
+def failing_line(error: BaseException) -> str:
+    """Where `error` was raised, as `file:line (function)`: the innermost frame outside torch itself,
+    the code that asked for what capture forbids (torch's own frames only say which check refused it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    torch_root = str(Path(torch.__file__).parent)
+    outside = [f for f in frames if not f.filename.startswith(torch_root)] or frames
+    if not outside:
+        return "an unknown place"
+    frame = outside[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
+# PART: tests [PATH...] | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
 # | rows NAME...
 # (recipes/NAME.json)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
@@ -12,13 +12,16 @@ source scripts/gpu/step.sh
 part=${1:?part}
 shift
 # "=" would keep the archive from coming back (the device tool refuses odd names).
-tag=$(IFS=-; echo "$part${*:+-$*}" | tr = _)
+tag=$(IFS=-; echo "$part${*:+-$*}" | tr '=/' '__')
 export LOGS=/tmp/res/$tag
 res=$LOGS
 mkdir -p "$res"
 case $part in
   tests)
-    step tests 420 python -m pytest -q -m gpu tests/test_gpu.py tests/kernels tests/train/test_step.py -p no:cacheprovider ;;
+    # PATH words narrow the run to those test files (the whole GPU set takes ~5 minutes).
+    paths=("$@")
+    [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py)
+    step tests 420 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
     step check 300 python -m linearize.kernels.check --no-check ;;
   train)

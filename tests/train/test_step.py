@@ -8,7 +8,7 @@ from tiny_models import TINY_OPTIONS, tiny_teacher
 
 from linearize.convert import convert
 from linearize.train.distillation import stage_loss
-from linearize.train.step import WARMUP_STEPS, TrainStep, graphable_optimizer, rates_on_device
+from linearize.train.step import WARMUP_STEPS, TrainStep, failing_line, graphable_optimizer, rates_on_device
 
 
 def student(device="cpu"):
@@ -78,6 +78,20 @@ def test_a_graphable_optimizer_keeps_device_rates_that_a_scheduler_fills_in_plac
     optimizer.param_groups[0]["lr"] = 0.125
     rates_on_device(optimizer, torch.device("cpu"))
     assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor) and float(optimizer.param_groups[0]["lr"]) == 0.125
+
+
+def test_a_failure_is_placed_at_the_code_that_called_into_torch():
+    """A capture refused deep inside torch is reported where our (or HF's) code asked for it."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([float("nan"), 0.0])
+
+    def clip():
+        torch.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+
+    with pytest.raises(RuntimeError) as caught:
+        clip()
+    assert failing_line(caught.value).startswith("test_step.py:")
+    assert failing_line(caught.value).endswith("(clip)")
 
 
 @pytest.mark.gpu
