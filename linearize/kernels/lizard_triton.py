@@ -862,8 +862,12 @@ class LizardAttentionFunction(torch.autograd.Function):
         _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, dv_win, hds, dv, L, NT, F=F, D=D,
                                                       BV=BV, **split)
 
-        dA = da_q + da_k if vec else (da_q.sum(0) + da_k.sum(0))[..., None]
-        d_log_g = dA.flip(2).cumsum(2).flip(2)  # d log g_t = sum over s >= t of dA_s
+        # d log g_t = sum over s >= t of dA_s. A scalar gate's scan runs along the last (contiguous) axis:
+        # along axis 2 of [B, H, L, 1], torch's scan took ~85 us a call in stage 1 at batch 8 x 2K.
+        if vec:
+            d_log_g = (da_q + da_k).flip(2).cumsum(2).flip(2)
+        else:
+            d_log_g = (da_q.sum(0) + da_k.sum(0)).flip(-1).cumsum(-1).flip(-1)[..., None]
         if group > 1:
             dkw = dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype)
             dv = dv.view(B, HKV, group, L, D).sum(2).to(v.dtype)
