@@ -90,9 +90,13 @@ class LinearizedAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, L, _ = hidden_states.shape
         shape = (B, L, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        device_type = hidden_states.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        # Under autocast each projection would cast the (float32) hidden states again: cast them once.
+        x = hidden_states.to(torch.get_autocast_dtype(device_type)) if autocast else hidden_states
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype
         self.unpadded = attention_mask is None
@@ -105,11 +109,13 @@ class LinearizedAttention(nn.Module):
         # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
         # lose too much in bf16.
         operands = (q, k, v) if self.native_operands else (q.float(), k.float(), v.float())
-        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        with torch.autocast(device_type=device_type, enabled=False):
             y, new_state = self.attend(hidden_states, *operands, position_embeddings, valid, state, start)
         if cache is not None:
             cache.store(new_state, L)
-        out = self.o_proj(y.transpose(1, 2).reshape(B, L, -1).to(hidden_states.dtype))
+        y = y.transpose(1, 2).reshape(B, L, -1)
+        # Under autocast o_proj casts y itself; a cast to the float32 residual dtype first would be undone.
+        out = self.o_proj(y if autocast else y.to(hidden_states.dtype))
 
         if self.attention_transfer:
             with torch.no_grad():

@@ -15,7 +15,7 @@ import torch
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
 from ..train.config import DistillConfig
-from ..train.distillation import build_student, prepare_stage, stage_loss
+from ..train.distillation import build_student, frozen_projections_to, prepare_stage, stage_loss
 from ..train.runtime import Runtime
 from ..train.step import WARMUP_STEPS, TrainStep, graphable_optimizer
 from .common import (
@@ -54,6 +54,8 @@ def build(cfg: DistillConfig, stage: int | None):
 def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, settings: dict,
             profile_to: Path | None = None) -> dict:
     model.to(rt.device).train()
+    if rt.bf16:
+        frozen_projections_to(model, torch.bfloat16)  # as the trainer stores them (a no-op for the full fine-tune)
     cuda_graph = settings.get("cuda_graph", False)
     options = {"betas": cfg.betas, "weight_decay": cfg.weight_decay}
     groups = [{"params": params, "lr": cfg.lr(stage or 2)}]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from . import checkpoint
@@ -99,6 +100,27 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
     if not names:
         raise ValueError(f"stage {stage} of {cfg.method} has nothing to train")
     return model, names
+
+
+# The teacher's projections and MLP: HF and the linearized layers call them under autocast.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def frozen_projections_to(model, dtype: torch.dtype) -> int:
+    """Store the frozen teacher projections (peft's base layers of them included) in `dtype`, the
+    autocast dtype; returns how many. Autocast caches its casts only for weights that require grad,
+    so it cast each frozen one again at every call (~8 casts a layer and forward in stage 1, with the
+    target's o_proj), to the same values this stores once. Not under FSDP2, which shards a layer's
+    parameters in one dtype. The export rebuilds the model from the teacher: it never sees these."""
+    count = 0
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        owner = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+        if isinstance(module, nn.Linear) and owner in PROJECTIONS and not any(
+                p.requires_grad for p in module.parameters()):
+            module.to(dtype)
+            count += 1
+    return count
 
 
 def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
@@ -208,6 +230,8 @@ class Run:
         sharded = rt.distributed and stage == 2
         if sharded:
             shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
+        elif rt.bf16:
+            frozen_projections_to(model, torch.bfloat16)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
         graphed = cfg.cuda_graph and rt.device.type == "cuda" and not rt.distributed

@@ -116,6 +116,43 @@ def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_frozen_projections_in_bf16_change_nothing_under_autocast(workspace, stage):
+    """Autocast casts a frozen weight at every call; storing it cast gives the same loss and gradients,
+    and only the frozen teacher projections change dtype (never a trained tensor, the Lizard gate, the
+    feature maps, norms or embeddings)."""
+    from linearize.train.distillation import (
+        PROJECTIONS,
+        build_student,
+        frozen_projections_to,
+        prepare_stage,
+        stage_loss,
+    )
+
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    cfg = config(workspace, workspace / "unused")
+    results = []
+    for cast in (False, True):
+        torch.manual_seed(0)
+        model, names = prepare_stage(build_student(cfg, None), cfg, stage)
+        model.train()
+        if cast:
+            layers = model.config.num_hidden_layers
+            assert frozen_projections_to(model, torch.bfloat16) == layers * len(PROJECTIONS)
+            bf16 = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
+            assert bf16 and not bf16 & names
+            assert all(n.split(".")[-2 if "base_layer" not in n else -3] in PROJECTIONS for n in bf16), bf16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = stage_loss(model, ids, stage)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if n in names}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(workspace, stage):
     from linearize.train.distillation import build_student, prepare_stage, stage_loss
 
