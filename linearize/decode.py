@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .cache import LinearizeCacheLayer
+from .fused_projections import fuse_projections
 
 # STILL reads the absolute position (chunk completion, routing order) as a Python int in its step,
 # which a captured graph would freeze; those models step eagerly.
@@ -37,7 +38,7 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 class StaticDecoder:
     def __init__(self, model, cache, *, batch: int, cuda_graph: bool | None = None,
-                 compile_backend: str | None = None):
+                 compile_backend: str | None = None, fuse: bool = True):
         layers = list(getattr(cache, "layers", []))
         if not layers or not all(isinstance(layer, LinearizeCacheLayer) and layer.state is not None
                                  for layer in layers):
@@ -52,11 +53,14 @@ class StaticDecoder:
         self.graphed = wanted and method in GRAPH_METHODS
         for layer in layers:
             layer.freeze()
+        # Fewer, larger weight reads a step (`fuse_projections`), until `close`.
+        self._unfuse = fuse_projections(model) if fuse else None
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None  # why capture failed, when it did
+        self.closed = False
         # Compiled once at the first step: a replayed graph never calls it again. Stepping eagerly, it
         # may recompile as the token count changes, until dynamo makes that count dynamic. STILL's steps
         # read Python ints that change at every step (see GRAPH_METHODS): they are never compiled.
@@ -73,6 +77,8 @@ class StaticDecoder:
             path = "cuda graph"
         else:
             path = f"eager (graph capture failed: {self.graph_error})" if self.graph_error else "eager"
+        if self._unfuse is not None:
+            path += ", fused projections"
         if self.compile_error:
             return f"{path}, not compiled ({self.compile_error})"
         return f"{path}, compiled ({self.compile_backend})" if self._compiled else path
@@ -97,9 +103,20 @@ class StaticDecoder:
                          logits_to_keep=1)
         return out.logits
 
+    def close(self) -> None:
+        """Give the model its own projections back (see `fuse`) and drop the graph, which read the fused
+        ones. The cache stays as the last step left it."""
+        self.graph, self.graphed, self._compiled = None, False, None
+        if self._unfuse is not None:
+            self._unfuse()
+            self._unfuse = None
+        self.closed = True
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([B, 1]); returns the logits [B, 1, vocab] (a buffer reused by the next step)."""
+        if self.closed:
+            raise RuntimeError("this StaticDecoder is closed")
         self.tokens.copy_(tokens)
         self.position.fill_(self.seen)
         if self.graph is None and self.graphed:
@@ -154,7 +171,10 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_g
     generated = [token]
     decoder = StaticDecoder(model, cache, batch=input_ids.shape[0], cuda_graph=cuda_graph,
                             compile_backend=compile_backend)
-    for _ in range(max_new_tokens - 1):
-        token = decoder.step(token)[:, -1:].argmax(-1)
-        generated.append(token)
+    try:
+        for _ in range(max_new_tokens - 1):
+            token = decoder.step(token)[:, -1:].argmax(-1)
+            generated.append(token)
+    finally:
+        decoder.close()
     return torch.cat(generated, 1)

@@ -77,7 +77,8 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch):
 
     monkeypatch.setattr(decoder, "_capture", fail)
     logits = decoder.step(token)
-    assert decoder.path == "eager (graph capture failed: RuntimeError: operation not permitted when stream is capturing)"
+    assert decoder.path == ("eager (graph capture failed: RuntimeError: operation not permitted when stream is "
+                            "capturing), fused projections")
     expected = model(torch.cat([ids, token], 1), use_cache=False).logits[:, -1:]
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
@@ -102,7 +103,11 @@ def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncomp
         for _ in range(3):
             tokens.append(decoder.step(tokens[-1])[:, -1:].argmax(-1))
         assert torch.equal(torch.cat(tokens, 1), expected)
-        return decoder.path
+        path = decoder.path
+        decoder.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            decoder.step(tokens[-1])
+        return path
 
-    assert decode(compile_fails=False) == "eager, compiled (aot_eager)"
-    assert decode(compile_fails=True) == "eager, not compiled (ZeroDivisionError: division by zero)"
+    assert decode(compile_fails=False) == "eager, fused projections, compiled (aot_eager)"
+    assert decode(compile_fails=True) == "eager, fused projections, not compiled (ZeroDivisionError: division by zero)"

@@ -62,6 +62,8 @@ class LinearizedAttention(nn.Module):
         # whether that cache is frozen (its state may then be written in place), and whether the call
         # has no attention mask (every token valid, known without a device read).
         self.projection_dtype = torch.float32
+        # q, k, v as one GEMM while decoding (`linearize.fused_projections`); None: three.
+        self.fused_qkv = None
         self.caching = False
         self.frozen_cache = False
         self.unpadded = False
@@ -94,9 +96,9 @@ class LinearizedAttention(nn.Module):
         autocast = torch.is_autocast_enabled(device_type)
         # Under autocast each projection would cast the (float32) hidden states again: cast them once.
         x = hidden_states.to(torch.get_autocast_dtype(device_type)) if autocast else hidden_states
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        projected = self.fused_qkv.split(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x),
+                                                                                  self.v_proj(x))
+        q, k, v = (t.view(shape).transpose(1, 2) for t in projected)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype
         self.unpadded = attention_mask is None

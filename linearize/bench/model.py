@@ -136,8 +136,11 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
     step_ms = time_ms(step, device, warmup=settings["decode_warmup"], iters=settings["decode_steps"])
     if profile_to:
         write_profile(step, device, Path(f"{profile_to}-decode.txt"))
+    path = "eager" if decoder is None else decoder.path
+    if decoder is not None:
+        decoder.close()
     return dict(point, decode_ms=step_ms, decode_tokens_per_s=batch * 1e3 / step_ms,
-                decode_peak_bytes=peak_bytes(device), decode_path="eager" if decoder is None else decoder.path)
+                decode_peak_bytes=peak_bytes(device), decode_path=path)
 
 
 def sweep(model, variant: str, name: str, points: list[tuple[int, int]], settings: dict, device, deadline: float,

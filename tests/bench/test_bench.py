@@ -69,7 +69,7 @@ def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(
     batch = [p for p in points if p["sweep"] == "batch"]
     assert {p["batch"] for p in batch} == set(results["settings"]["batches"])
     assert all(p["decode_tokens_per_s"] > 0 and p["prefill_ms"] > 0 for p in points)
-    assert {p["decode_path"] for p in points if p["model"] == "lizard"} == {"eager, compiled (aot_eager)"}
+    assert {p["decode_path"] for p in points if p["model"] == "lizard"} == {"eager, fused projections, compiled (aot_eager)"}
     if not torch.cuda.is_available():
         assert all(p["decode_peak_bytes"] is None for p in points)
     assert {p.name for p in (outputs / "model").glob("*.png")} == {
