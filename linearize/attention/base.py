@@ -57,6 +57,9 @@ class LinearizedAttention(nn.Module):
         # and keep the MSE of our own output against it.
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
+        # Stage 1: q and k with RoPE as `attend` computed them for its own use (`keep_rotated`); the
+        # target starts from them instead of rotating again (~10 kernels a layer and step).
+        self.rotated: tuple[torch.Tensor, torch.Tensor] | None = None
         # Set per call for paths that need them: the projections' output dtype (bf16 under autocast),
         # in which fused kernels take their operands, whether a cache will store the new state and
         # whether that cache is frozen (its state may then be written in place), and whether the call
@@ -126,10 +129,22 @@ class LinearizedAttention(nn.Module):
             return target, None
         return out, None
 
+    def keep_rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` passes its RoPE'd q [B, H, L, d] and k [B, H_kv, L, d] through here: in stage 1 the
+        target reuses them. Rotated in float32 (the PyTorch ops on float32 operands, or the features
+        kernel), as HF's teacher rotates its bf16 projections against float32 cos and sin."""
+        if self.attention_transfer:
+            self.rotated = (q, k)
+        return q, k
+
     def softmax_attention(self, q, k, v, position_embeddings, attention_mask) -> torch.Tensor:
         """The teacher's own attention output, from the same projections."""
         B, _, L, _ = q.shape
-        q, k = rotate(q, k, position_embeddings)
+        if self.rotated is not None:
+            q, k = (t.to(v.dtype) for t in self.rotated)
+            self.rotated = None
+        else:
+            q, k = rotate(q, k, position_embeddings)
         n_rep = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if attention_mask is None:

@@ -27,7 +27,7 @@ class LigerAttention(LinearizedAttention):
         # Gate: mean-pool of each KV head's key over the head dim, shared by its query heads.
         log_g = repeat_kv(nn.functional.logsigmoid(k.mean(-1, keepdim=True)) / cfg.gate_normalizer, n_rep)
         fq, fk = self.feature_map(q), self.feature_map(repeat_kv(k, n_rep))
-        qw, kw = rotate(q, k, position_embeddings)
+        qw, kw = self.keep_rotated(*rotate(q, k, position_embeddings))
         mix = torch.full((self.num_heads,), cfg.mix, device=q.device)
         options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix}
         # The kernel's linear part is unnormalised here; its weight 1 - mix goes into the queries.

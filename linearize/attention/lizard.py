@@ -46,12 +46,14 @@ class LizardAttention(LinearizedAttention):
         multi-token passes); the float32 PyTorch ops are the reference."""
         rope = position_embeddings if self.cfg.rope_in_window else None
         out = fused.features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, self.projection_dtype)
-        if out is not None:
-            return out
-        q, k = q.float(), k.float()
-        fq = self.feature_map_q(q)
-        fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
-        return (fq, fk, *(rotate(q, k, rope) if rope is not None else (q, k)))
+        if out is None:
+            q, k = q.float(), k.float()
+            fq = self.feature_map_q(q)
+            fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
+            out = (fq, fk, *(rotate(q, k, rope) if rope is not None else (q, k)))
+        if rope is not None:
+            self.keep_rotated(*out[2:])
+        return out
 
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg

@@ -25,7 +25,7 @@ class LolcatsAttention(LinearizedAttention):
 
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
-        q, k = rotate(q, k, position_embeddings)
+        q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
         options = {"window": cfg.window, "scale": self.scaling, "factor": torch.sigmoid(self.window_factors.float()),
                        "eps": cfg.eps}
         if state is None:

@@ -28,7 +28,7 @@ class StillAttention(LinearizedAttention):
     def attend(self, x, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         B, H, L, d = q.shape
-        q, k = rotate(q, k, position_embeddings)
+        q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
         gate = None
         if cfg.gate:
             gate = self.gate(x.to(self.gate.weight.dtype)).float().sigmoid().view(B, L, H, d).transpose(1, 2)

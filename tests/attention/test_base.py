@@ -37,3 +37,32 @@ def test_the_hidden_states_are_cast_once_and_the_output_not_round_tripped(method
         out, _ = attention(hidden, position_embeddings=position_embeddings, attention_mask=None)
     assert out.dtype == torch.bfloat16
     assert counter.casts == [(torch.float32, torch.bfloat16)] * 2, counter.casts
+
+
+STUDENTS = {**{method: (method, TINY_OPTIONS[method]) for method in METHODS},
+            "lizard-rope-in-window": ("lizard", {**TINY_OPTIONS["lizard"], "rope_in_window": True})}
+
+
+@pytest.mark.parametrize("student", STUDENTS)
+def test_the_stage1_target_is_the_teachers_attention_output(student):
+    """In stage 1 a layer returns the teacher's softmax attention output, whether `attend` left its
+    rotated q and k for it (Liger, LoLCATs, STILL, Lizard with RoPE in the window) or not; and its
+    transfer loss is the MSE of its own output against that."""
+    method, options = STUDENTS[student]
+    teacher = tiny_teacher()
+    B, L = 2, 12
+    hidden = torch.randn(B, L, TINY["hidden_size"])
+    position_embeddings = teacher.model.rotary_emb(hidden, torch.arange(L)[None])
+    with torch.no_grad():
+        expected, _ = teacher.model.layers[0].self_attn(hidden, position_embeddings=position_embeddings,
+                                                        attention_mask=None)
+    attention = convert(teacher, method, **options).model.layers[0].self_attn
+    attention.attention_transfer = True
+    with torch.no_grad():
+        target, _ = attention(hidden, position_embeddings=position_embeddings, attention_mask=None)
+    torch.testing.assert_close(target, expected, rtol=1e-5, atol=1e-6)
+    assert attention.rotated is None
+    attention.attention_transfer = False
+    with torch.no_grad():
+        own, _ = attention(hidden, position_embeddings=position_embeddings, attention_mask=None)
+    torch.testing.assert_close(attention.transfer_loss, torch.nn.functional.mse_loss(own, expected))
