@@ -8,6 +8,9 @@ Without a GPU the same step runs eagerly, so the path is testable anywhere.
 
     decoder = StaticDecoder(model, cache, batch=B, cuda_graph=True)   # cache: after the prefill
     logits = decoder.step(next_tokens)                                # [B, 1, vocab]
+    decoder.close()                                                   # the model's own projections back
+
+While it is open, the model's q/k/v and gate/up projections run fused (`linearize.fused_projections`).
 
 `compile_backend="inductor"` also runs the step through `torch.compile` before capturing it, so that
 the graph replays fused kernels for the glue between the projections (RMSNorm, SiLU, casts, the gate)
