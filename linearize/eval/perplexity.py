@@ -21,9 +21,11 @@ from linearize.eval.generation import rows_per_batch
 
 DEFAULT_MAX_TOKENS = 65536
 DEFAULT_BUCKETS = 48
-LOSS_CHUNK = 2048  # positions per float32 logits slice, to bound memory at long lengths
-# Tokens per forward pass: the model returns logits for every position (65536 x 49152 bf16 = 6 GB).
-PPL_BATCH_TOKENS = 65536
+# Tokens whose logits exist at once (8192 x 49152 in float32: 1.6 GB). The whole forward's logits,
+# as `model(...).logits` gives them, were 6 GB for 65536 tokens, and a float32 copy of all of a
+# batch's rows at once (128 rows of 512) 13 GB more: four evaluations then no longer fit on one H200.
+LOSS_TOKENS = 8192
+PPL_BATCH_TOKENS = 65536  # tokens per forward pass
 
 
 def text_tokens(tokenizer, path: str | Path) -> torch.Tensor:
@@ -33,15 +35,15 @@ def text_tokens(tokenizer, path: str | Path) -> torch.Tensor:
 
 @torch.inference_mode()
 def token_nll(model, windows: torch.Tensor) -> torch.Tensor:
-    """Per-token negative log-likelihood [rows, L - 1] of each window's tokens 2..L."""
+    """Per-token negative log-likelihood [rows, L - 1] of each window's tokens 2..L: the decoder's
+    hidden states once, the output head over LOSS_TOKENS of them at a time."""
     ids = windows.to(model.device)
-    logits = model(input_ids=ids, use_cache=False).logits
-    losses = []
-    for start in range(0, ids.shape[1] - 1, LOSS_CHUNK):
-        end = min(start + LOSS_CHUNK, ids.shape[1] - 1)
-        chunk = logits[:, start:end].float()
-        losses.append(F.cross_entropy(chunk.transpose(1, 2), ids[:, start + 1 : end + 1], reduction="none"))
-    return torch.cat(losses, dim=1).cpu()
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)
+    head = model.get_output_embeddings()
+    losses = [F.cross_entropy(head(hidden[start : start + LOSS_TOKENS]).float(), targets[start : start + LOSS_TOKENS],
+                              reduction="none") for start in range(0, len(targets), LOSS_TOKENS)]
+    return torch.cat(losses).view(ids.shape[0], -1).cpu()
 
 
 def log_buckets(length: int, count: int) -> list[tuple[int, int]]:

@@ -61,3 +61,14 @@ def test_log_buckets_cover_every_position_once():
         assert all(a[1] == b[0] for a, b in pairwise(buckets))
         assert all(lo < hi for lo, hi in buckets)
         assert len(buckets) <= count
+
+
+def test_the_head_over_slices_that_straddle_rows_gives_each_tokens_nll(model, tokenizer, ppl_text, monkeypatch):
+    """The output head runs over LOSS_TOKENS hidden states at a time, across rows: slices of 37 cut
+    windows of 64 mid-row."""
+    from linearize.eval import perplexity as module
+
+    monkeypatch.setattr(module, "LOSS_TOKENS", 37)
+    windows = text_tokens(tokenizer, ppl_text)[: 5 * 64].view(5, 64)
+    torch.testing.assert_close(module.token_nll(model, windows).double(), hand_nll(model, windows), rtol=1e-5,
+                               atol=1e-5)
