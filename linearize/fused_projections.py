@@ -62,8 +62,10 @@ class FusedGatedMLP(nn.Module):
 
 
 def _fusable(linears: list[nn.Module]) -> bool:
-    """Plain Linear layers (not peft's LoRA layers, not quantized ones) on one device, in one dtype."""
-    if not all(type(m) is nn.Linear for m in linears):
+    """Plain Linear layers (not peft's LoRA layers, not quantized ones, none that accelerate offloads
+    or hooks) on one device, in one dtype."""
+    if not all(type(m) is nn.Linear and not hasattr(m, "_hf_hook") and not m._forward_pre_hooks
+               and not m._forward_hooks for m in linears):
         return False
     return len({(m.weight.device, m.weight.dtype) for m in linears}) == 1
 

@@ -56,3 +56,12 @@ def test_layers_with_lora_are_left_alone():
 
     model = get_peft_model(student(), LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj"]))
     assert fuse_projections(model.base_model.model) is None
+
+
+def test_hooked_layers_are_left_alone():
+    """A hook (accelerate's offloading, a user's probe) expects its own layer's call: no fusing there."""
+    model = student()
+    for layer in model.get_decoder().layers:
+        layer.self_attn.k_proj.register_forward_hook(lambda *args: None)
+        layer.mlp.up_proj.register_forward_pre_hook(lambda *args: None)
+    assert fuse_projections(model) is None
