@@ -130,10 +130,13 @@ def tables(results: dict) -> list[str]:
         (f"Batch {s['batch']} × {s['seq_len']} tokens, {s['precision']}, AdamW; median of {s['steps']} optimizer "
          f"steps after {s['warmup']} warm-up steps.{attention}"),
         "",
-        "| mode | trained parameters | tokens/s | ms per step | peak GiB |",
-        "|---|---|---|---|---|",
+        "| mode | trained parameters | tokens/s | vs the full fine-tune | ms per step | peak GiB |",
+        "|---|---|---|---|---|---|",
     ]
+    # The targets are ratios to the teacher's full fine-tune measured in the same run.
+    full = next((r for r in results["rows"] if r["stage"] is None and r["status"] == "ok"), None)
     columns = (lambda r: f"{r['trained_parameters']:,}", lambda r: number(r["tokens_per_s"]),
+               lambda r: "–" if full is None else f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x",
                lambda r: number(r["step_ms"]),
                lambda r: "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / GIB:.2f}")
     for r in results["rows"]:
