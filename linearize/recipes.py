@@ -242,6 +242,10 @@ def register(subparsers) -> None:
     t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
     t.add_argument("--plot", type=Path, help="also draw the rows' perplexity and retrieval by length into this PNG")
     t.set_defaults(func=_table_command)
+    g = sub.add_parser("plot", help="draw chosen finished runs' perplexity and retrieval by length (no table)")
+    g.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them, in legend order")
+    g.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    g.set_defaults(func=_plot_command)
 
 
 def _run_command(args) -> int:
@@ -254,11 +258,23 @@ def _run_command(args) -> int:
     return 0
 
 
-def _table_command(args) -> int:
-    for path in args.runs:
+def _finished_runs_of(paths: list[Path]) -> list[Path]:
+    for path in paths:
         if not path.is_dir():
             raise RecipeError(f"{path} is not a directory")
-    runs = finished_runs(args.runs)
+    runs = finished_runs(paths)
+    if not runs:
+        raise RecipeError(f"no finished runs (run.json and eval.json) in {', '.join(map(str, paths))}")
+    return runs
+
+
+def _plot_command(args) -> int:
+    print(f"wrote {plot_rows(_finished_runs_of(args.runs), args.out)}")
+    return 0
+
+
+def _table_command(args) -> int:
+    runs = _finished_runs_of(args.runs)
     text = table(runs)
     if args.plot:
         print(f"wrote {plot_rows(runs, args.plot)}")

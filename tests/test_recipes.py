@@ -138,6 +138,22 @@ def test_the_ruler_column_averages_the_ruler_tasks_at_each_length_they_share(tmp
     assert cells["RULER 4K"] == "50.0" and "RULER 8K" not in cells and cells["niah_single 8K"] == "100.0"
 
 
+def test_plot_draws_chosen_runs_without_touching_a_table(tmp_path, capsys):
+    for name, ppl in (("a", 50.0), ("b", 80.0)):
+        run_dir = tmp_path / "runs" / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": name, "row": name.upper()}}))
+        tasks = {"ppl": {"by_length": [{"length": n, "ppl": ppl} for n in (512, 1024)]},
+                 "passkey": {"grid": [], "by_length": [{"length": n, "score": 0.5} for n in (512, 1024)]}}
+        (run_dir / "eval.json").write_text(json.dumps({"provenance": {}, "tasks": tasks}))
+    out = tmp_path / "plots" / "two.png"
+    assert main(["recipe", "plot", str(tmp_path / "runs" / "b"), str(tmp_path / "runs" / "a"), "--out", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert main(["recipe", "plot", str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "no finished runs" in capsys.readouterr().err
+
+
 def test_write_into_replaces_only_its_section(tmp_path):
     page = tmp_path / "results.md"
     page.write_text("# Results\n\nintro\n")
