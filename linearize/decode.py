@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .cache import LinearizeCacheLayer
-from .fused_projections import fuse_projections
+from .fused_projections import fuse_projections, projections_fused
 
 # STILL reads the absolute position (chunk completion, routing order) as a Python int in its step,
 # which a captured graph would freeze; those models step eagerly.
@@ -56,7 +56,8 @@ class StaticDecoder:
         self.graphed = wanted and method in GRAPH_METHODS
         for layer in layers:
             layer.freeze()
-        # Fewer, larger weight reads a step (`fuse_projections`), until `close`.
+        # Fewer, larger weight reads a step (`fuse_projections`), until `close`; a model fused already
+        # stays as it is, and fused, after `close`.
         self._unfuse = fuse_projections(model) if fuse else None
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -80,7 +81,7 @@ class StaticDecoder:
             path = "cuda graph"
         else:
             path = f"eager (graph capture failed: {self.graph_error})" if self.graph_error else "eager"
-        if self._unfuse is not None:
+        if projections_fused(self.model):
             path += ", fused projections"
         if self.compile_error:
             return f"{path}, not compiled ({self.compile_error})"

@@ -103,3 +103,9 @@ def fuse_projections(model) -> Callable[[], None] | None:
         undos.clear()
 
     return undo if undos else None
+
+
+def projections_fused(model) -> bool:
+    """Whether any decoder layer of `model` runs fused projections."""
+    return any(getattr(layer.self_attn, "fused_qkv", None) is not None or isinstance(layer.mlp, FusedGatedMLP)
+               for layer in model.get_decoder().layers)

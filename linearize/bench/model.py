@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..cache import cache_nbytes
 from ..convert import convert
 from ..decode import StaticDecoder
+from ..fused_projections import fuse_projections
 from .common import (
     GIB,
     cell,
@@ -84,6 +85,9 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
             model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
     if variant != SOFTMAX:
         convert(model, variant, **settings.get("options", {}))
+        # Once for the whole sweep, prefill and decode alike: fused anew per decoder, every point's new fused
+        # weights could fail the compiled step's guards and compile it again (~1 min each at the 8B shape).
+        fuse_projections(model)
     return model.eval()
 
 
@@ -138,7 +142,7 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
         write_profile(step, device, Path(f"{profile_to}-decode.txt"))
     path = "eager" if decoder is None else decoder.path
     if decoder is not None:
-        decoder.close()
+        decoder.close()  # frees its graph now (the projections stay fused: `build` fused them)
     return dict(point, decode_ms=step_ms, decode_tokens_per_s=batch * 1e3 / step_ms,
                 decode_peak_bytes=peak_bytes(device), decode_path=path)
 
