@@ -41,7 +41,7 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 class StaticDecoder:
     def __init__(self, model, cache, *, batch: int, cuda_graph: bool | None = None,
-                 compile_backend: str | None = None, fuse: bool = True):
+                 compile_backend: str | None = None):
         layers = list(getattr(cache, "layers", []))
         if not layers or not all(isinstance(layer, LinearizeCacheLayer) and layer.state is not None
                                  for layer in layers):
@@ -58,7 +58,7 @@ class StaticDecoder:
             layer.freeze()
         # Fewer, larger weight reads a step (`fuse_projections`), until `close`; a model fused already
         # stays as it is, and fused, after `close`.
-        self._unfuse = fuse_projections(model) if fuse else None
+        self._unfuse = fuse_projections(model)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.logits: torch.Tensor | None = None
@@ -108,8 +108,8 @@ class StaticDecoder:
         return out.logits
 
     def close(self) -> None:
-        """Give the model its own projections back (see `fuse`) and drop the graph, which read the fused
-        ones. The cache stays as the last step left it."""
+        """Give the model its own projections back (where this decoder fused them) and drop the graph,
+        which read the fused ones. The cache stays as the last step left it."""
         self.graph, self.graphed, self._compiled = None, False, None
         if self._unfuse is not None:
             self._unfuse()

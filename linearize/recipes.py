@@ -176,6 +176,9 @@ def plot_rows(run_dirs: list[Path], path: Path) -> Path:
     """The rows side by side: perplexity, passkey and niah_single against context length."""
     from matplotlib.figure import Figure
 
+    if not run_dirs:
+        raise RecipeError("no finished runs (directories with run.json and eval.json) to plot")
+
     panels = [("ppl", "perplexity (log scale)"), ("passkey", "passkey accuracy (%)"),
               ("niah_single", "niah_single accuracy (%)")]
     # The legend goes below the panels, three rows' names to a line: inside a panel it hid the curves.
@@ -262,10 +265,7 @@ def _finished_runs_of(paths: list[Path]) -> list[Path]:
     for path in paths:
         if not path.is_dir():
             raise RecipeError(f"{path} is not a directory")
-    runs = finished_runs(paths)
-    if not runs:
-        raise RecipeError(f"no finished runs (run.json and eval.json) in {', '.join(map(str, paths))}")
-    return runs
+    return finished_runs(paths)
 
 
 def _plot_command(args) -> int:

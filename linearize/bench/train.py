@@ -17,7 +17,7 @@ from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with A
 from ..train.config import DistillConfig
 from ..train.distillation import build_student, frozen_projections_to, prepare_stage, stage_loss
 from ..train.runtime import Runtime
-from ..train.step import WARMUP_STEPS, TrainStep, graphable_optimizer
+from ..train.step import WARMUP_STEPS, TrainStep, step_optimizer
 from .common import (
     GIB,
     cell,
@@ -57,12 +57,8 @@ def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, s
     if rt.bf16:
         frozen_projections_to(model, torch.bfloat16)  # as the trainer stores them (a no-op for the full fine-tune)
     cuda_graph = settings.get("cuda_graph", False)
-    options = {"betas": cfg.betas, "weight_decay": cfg.weight_decay}
-    groups = [{"params": params, "lr": cfg.lr(stage or 2)}]
-    if cuda_graph and rt.device.type == "cuda":
-        optimizer = graphable_optimizer(groups, rt.device, **options)
-    else:
-        optimizer = torch.optim.AdamW(groups, **options)
+    optimizer = step_optimizer([{"params": params, "lr": cfg.lr(stage or 2)}], rt.device, cuda_graph=cuda_graph,
+                               betas=cfg.betas, weight_decay=cfg.weight_decay)
     ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len), device=rt.device)
     train_step = TrainStep(lambda batch: stage_loss(model, batch, stage or 2), params, optimizer, cfg.clip,
                            rt.autocast, cuda_graph=cuda_graph)

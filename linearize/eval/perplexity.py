@@ -23,7 +23,7 @@ DEFAULT_MAX_TOKENS = 65536
 DEFAULT_BUCKETS = 48
 # Tokens whose logits exist at once (8192 x 49152 in float32: 1.6 GB). The whole forward's logits,
 # as `model(...).logits` gives them, were 6 GB for 65536 tokens, and a float32 copy of all of a
-# batch's rows at once (128 rows of 512) 13 GB more: four evaluations then no longer fit on one H200.
+# batch's rows at once (128 rows of 512) 13 GB more: evaluations side by side ran out of memory on one H200.
 LOSS_TOKENS = 8192
 PPL_BATCH_TOKENS = 65536  # tokens per forward pass
 

@@ -24,7 +24,7 @@ from . import checkpoint
 from .config import DistillConfig
 from .masking import unpadded_attention
 from .runtime import Runtime, shard
-from .step import TrainStep, graphable_optimizer, rates_on_device
+from .step import TrainStep, rates_on_device, step_optimizer
 
 LOG_NAME = "train_log.jsonl"
 CONFIG_NAME = "distill_config.json"
@@ -234,18 +234,15 @@ class Run:
             frozen_projections_to(model, torch.bfloat16)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
-        graphed = cfg.cuda_graph and rt.device.type == "cuda" and not rt.distributed
-        if graphed:
-            optimizer = graphable_optimizer(groups, rt.device, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        else:
-            optimizer = torch.optim.AdamW(groups, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        graphed = cfg.cuda_graph and not rt.distributed
+        optimizer = step_optimizer(groups, rt.device, cuda_graph=graphed, betas=cfg.betas, weight_decay=cfg.weight_decay)
         total = cfg.steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
         loader = self.make_loader(self.train_blocks, seed=cfg.seed + stage)
         step, tokens = 0, 0
         if state is not None:
             checkpoint.restore(state, model=model, optimizer=optimizer, distributed=sharded)
-            if graphed:
+            if optimizer.defaults["capturable"]:
                 rates_on_device(optimizer, rt.device)
             scheduler.load_state_dict(state["scheduler"])
             loader.load_state_dict(state["loader"])
@@ -265,7 +262,7 @@ class Run:
         model.train()
         average = (lambda: rt.average_gradients(params)) if rt.distributed and not sharded else None
         train_step = TrainStep(lambda ids: stage_loss(model, ids, stage), params, optimizer, cfg.clip, rt.autocast,
-                               cuda_graph=cfg.cuda_graph and not rt.distributed, before_clip=average)
+                               cuda_graph=graphed, before_clip=average)
         started, tokens_at_start = time.perf_counter(), tokens
         layer_errors = None  # stage 1's per-layer MSE at the last validation
         try:

@@ -28,6 +28,14 @@ def graphable_optimizer(groups: list[dict], device: torch.device, **options) -> 
     return torch.optim.AdamW(groups, capturable=True, **options)
 
 
+def step_optimizer(groups: list[dict], device: torch.device, *, cuda_graph: bool, **options) -> torch.optim.AdamW:
+    """The AdamW a TrainStep steps: `graphable_optimizer`'s where that step will be captured
+    (`cuda_graph` on a CUDA device), else the plain one."""
+    if cuda_graph and device.type == "cuda":
+        return graphable_optimizer(groups, device, **options)
+    return torch.optim.AdamW(groups, **options)
+
+
 def rates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """After `load_state_dict`, which may bring plain-float rates back from an eager run's checkpoint."""
     for group in optimizer.param_groups:
