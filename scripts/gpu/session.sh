@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests [PATH...] | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs) | model [SHAPE [compile]]
+# PART: tests [PATH...] | kernels | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
+# | model [SHAPE [compile|eager [CONTEXTS/BATCHES]]]
 # | rows NAME...
 # (recipes/NAME.json)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
@@ -51,6 +52,8 @@ case $part in
     extra=()
     [ "$shape" = llama3-8b ] && extra=(--batch-context 32k --batches 1,16,64)
     [ "${2:-}" = compile ] && extra+=(--compile-decode)
+    # A third word narrows the sweep: CONTEXTS/BATCHES, e.g. 1k,32k/1,64.
+    [ -n "${3:-}" ] && extra+=(--contexts "${3%/*}" --batches "${3#*/}")
     step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" --set combine=shared \
       --set rope_in_window=true "${extra[@]}" --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows)
