@@ -67,6 +67,11 @@ class StillConfig:
     def per_chunk(self) -> int:
         return (self.budget - self.window) // self.max_chunks
 
+    def folds_within(self, length: int) -> bool:
+        """Whether any of `length` tokens can reach the linear state (False: none does): one its chunk did
+        not pick, once it leaves the window, or one pushed out of full salient slots."""
+        return (self.per_chunk < self.chunk_size and length > self.window) or length > self.budget
+
 
 @dataclass
 class LolcatsConfig:

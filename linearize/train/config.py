@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import make_method_config
+
 
 @dataclass
 class DistillConfig:
@@ -62,6 +64,14 @@ class DistillConfig:
             raise ValueError("softmax_by_error picks layers by their stage-1 error: it needs both stages")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.method == "still" and 1 in self.stages:
+            still = make_method_config("still", **self.options)
+            if not still.folds_within(self.seq_len):
+                raise ValueError(
+                    f"STILL's softmax budget ({still.budget} slots, {still.per_chunk} picks per "
+                    f"{still.chunk_size}-token chunk) holds every token of a {self.seq_len}-token sequence: "
+                    "its linear state would see none, so stage 1 would train nothing. Train on longer "
+                    "sequences (--seq-len) or give it a smaller budget")
         self.betas = tuple(self.betas)
         self.lora_targets = tuple(self.lora_targets)
 

@@ -1,8 +1,11 @@
 """The STILL op: parallel form == recurrence (values, gradients, routing state) and the routing rule."""
 
+import itertools
+
 import pytest
 import torch
 
+from linearize.config import StillConfig
 from linearize.feature_maps import NormPreservingFeatureMap
 from linearize.ops import still
 
@@ -187,3 +190,21 @@ def test_eviction_replay_equals_routing_one_by_one(seed):
     assert torch.equal(ids, ref_ids)
     for name in ref_slots:
         assert torch.equal(slots[name], ref_slots[name]), name
+
+
+def test_folds_within_says_when_the_linear_state_gets_tokens():
+    """No token reaches S where `folds_within` says so; one always does once a whole chunk has left the
+    window with fewer picks than tokens, or once more tokens came than the budget holds."""
+    for window, chunk, budget, max_chunks, L in itertools.product([4, 8], [2, 4], [8, 12, 20], [1, 2, 4],
+                                                                  [6, 9, 13, 17, 21, 25]):
+        if budget < window:
+            continue
+        cfg = StillConfig(window=window, chunk_size=chunk, budget=budget, max_chunks=max_chunks)
+        (q, k, v, _), _, phi_q, phi_k = setup(L, gate=False)
+        opts = {"window": window, "chunk": chunk, "per_chunk": cfg.per_chunk, "routing": "saliency", "scale": D**-0.5}
+        with torch.no_grad():
+            _, state = still.still_parallel(q, k, v, torch.ones(B, L, dtype=torch.bool), None, state0(window, budget),
+                                            phi_q, phi_k, start=0, **opts)
+        folded = bool(state["S"].ne(0).any())
+        assert folded or not (L > budget or (cfg.per_chunk < chunk and L >= window + chunk)), (cfg, L)
+        assert cfg.folds_within(L) or not folded, (cfg, L)

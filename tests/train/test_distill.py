@@ -97,6 +97,11 @@ def test_bad_settings_are_rejected():
         DistillConfig(model="m", method="lizard", out="o", batch=6, grad_accum=4)
     with pytest.raises(ValueError, match="head_lr_scale must be > 0"):
         DistillConfig(model="m", method="lizard", out="o", head_lr_scale=0)
+    # Every token of a 1,024-token sequence fits 1,536 slots: STILL's linear state would see none.
+    with pytest.raises(ValueError, match="stage 1 would train nothing"):
+        DistillConfig(model="m", method="still", out="o", seq_len=1024, options={"budget": 1536})
+    DistillConfig(model="m", method="still", out="o", seq_len=2048, options={"budget": 1536})
+    DistillConfig(model="m", method="still", out="o", seq_len=1024, stage="2", options={"budget": 1536})
 
 
 def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
