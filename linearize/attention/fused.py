@@ -17,14 +17,14 @@ def kernels_enabled() -> bool:
 
 def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_continue, query_scale=1.0,
         shared=False, unpadded=False, in_place=False, **options):
-    """(y, new state or None) through the kernel, or None where it does not apply. y is float32 from a
-    step, in `dtype` from a multi-token pass.
+    """(y in `dtype`, new state or None) through the kernel, or None where it does not apply.
 
     It applies to multi-token passes from an empty state whose rows are each one run of tokens (left
     or right padding), with `can_continue` and no gradient needed to unpadded passes continuing
     `state` or filling a cache (`kernels.lizard_attention_continued`), and without gradients to
-    single-token steps (`kernels.lizard_step`, float32 operands as given). Operands go in `dtype`
-    (the projections' dtype: bf16 under autocast); `query_scale` multiplies fq there only. `options` are
+    single-token steps (`kernels.lizard_step`: float32 features, the rest as given, converted in the
+    kernel). Operands of multi-token passes go in `dtype` (the projections' dtype: bf16 under autocast),
+    sinks and alpha in float32; `query_scale` multiplies fq there only. `options` are
     `kernels.lizard_attention`'s (window, scale, sinks, alpha, eps, normalize); `shared` gives both
     branches one normaliser. `unpadded` says that every token is valid (the call had no attention
     mask): then `valid` is not read back from the device, a host sync per layer that would keep the
@@ -36,8 +36,9 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     if fq.shape[2] == 1:
         if state is None or torch.is_grad_enabled():
             return None
-        return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v.float(),
-                                   valid, state, shared=shared, in_place=in_place, **options)
+        return kernels.lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v, valid,
+                                   state, shared=shared, in_place=in_place, out_dtype=dtype, **options)
+    options |= float32_head_scalars(options)
     if start > 0 and (not can_continue or torch.is_grad_enabled()):
         return None
     # Checked for the operands as they will be cast (the PyTorch feature maps give float32 beside bf16
@@ -71,6 +72,13 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     if caching:
         new_state = gla_window.state_after(fk.float(), log_g, kw.float(), v.float(), options["window"], valid)
     return y, new_state
+
+
+def float32_head_scalars(options: dict) -> dict:
+    """`options`' sinks and alpha in float32 (what the multi-token kernels and the PyTorch ops take; a
+    bf16 model keeps them in bf16, and only its decode steps take them as they are)."""
+    sinks = options["sinks"]
+    return {"sinks": None if sinks is None else sinks.float(), "alpha": options["alpha"].float()}
 
 
 def features(q, k, w_q, w_k, position_embeddings, dtype):

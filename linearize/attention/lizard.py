@@ -59,9 +59,9 @@ class LizardAttention(LinearizedAttention):
         cfg = self.cfg
         fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
         log_g = self.log_gate(x)
-        sinks = self.sinks.float() if cfg.num_sinks else None
-        options = {"window": cfg.window, "scale": self.scaling, "sinks": sinks, "alpha": self.alpha.float(),
-                   "eps": cfg.eps}
+        # In the model's dtype: a decode step's kernel converts them itself (`fused.run` casts for the rest).
+        options = {"window": cfg.window, "scale": self.scaling, "sinks": self.sinks if cfg.num_sinks else None,
+                   "alpha": self.alpha, "eps": cfg.eps}
         shared = cfg.combine == "shared"
         out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
                         unpadded=self.unpadded, in_place=self.frozen_cache, dtype=self.projection_dtype,
@@ -69,4 +69,5 @@ class LizardAttention(LinearizedAttention):
         if out is not None:
             return out
         return gla_window_call(fq.float(), fk.float(), log_g, qw.float(), kw.float(), v.float(), valid, state,
-                               chunk=cfg.chunk_size, beta=1.0, normalize=True, shared=shared, **options)
+                               chunk=cfg.chunk_size, beta=1.0, normalize=True, shared=shared,
+                               **(options | fused.float32_head_scalars(options)))

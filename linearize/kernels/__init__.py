@@ -69,18 +69,20 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
 
 @torch.no_grad()
 def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                shared=False, in_place=False):
-    """`gla_window_step` (beta = 1) through the decode-step kernels: (y, new state), or None where they
-    do not apply (where the fused kernels would not, or not float32, or window < 2). `in_place`: the
-    new state is written into `state`'s tensors."""
-    if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks):
+                shared=False, in_place=False, out_dtype=torch.float32):
+    """`gla_window_step` (beta = 1) through the decode-step kernels: (y in `out_dtype`, new state), or
+    None where they do not apply (where the fused kernels would not, or the features, gate or state
+    not float32, or window < 2). `in_place`: the new state is written into `state`'s tensors."""
+    # The step kernels convert qw, kw and v as they load them: checked as the float32 they become.
+    if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks, dtype=torch.float32):
         return None
     from .decode_triton import lizard_decode_step, step_unsupported
 
     if step_unsupported(fq, log_g, state, window=window, sinks=sinks):
         return None
     return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
-                              alpha=alpha, normalize=normalize, shared=shared, eps=eps, in_place=in_place)
+                              alpha=alpha, normalize=normalize, shared=shared, eps=eps, in_place=in_place,
+                              out_dtype=out_dtype)
 
 
 @torch.no_grad()

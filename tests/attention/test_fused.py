@@ -51,5 +51,5 @@ def test_float32_features_beside_bf16_values_take_the_kernel(monkeypatch):
     log_g = torch.zeros(B, H, L, 1)
     valid = torch.ones(B, L, dtype=torch.bool)
     y, state = fused.run(fq, fk, log_g, qw, kw, v, valid, state=None, start=0, caching=False, dtype=torch.bfloat16,
-                         can_continue=True, unpadded=True, window=4, scale=1.0, sinks=None, alpha=None)
+                         can_continue=True, unpadded=True, window=4, scale=1.0, sinks=None, alpha=torch.ones(H))
     assert calls == [{torch.bfloat16}] and y.dtype == torch.bfloat16 and state is None

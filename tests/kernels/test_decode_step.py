@@ -17,6 +17,9 @@ CASES = {
     "shared-vector-nosinks-empty-window": {"shared": True, "vector": True, "M": 0, "fresh": True},
     "in-place-gqa-sinks": {"in_place": True},
     "in-place-shared-vector-w2": {"in_place": True, "shared": True, "vector": True, "window": 2},
+    # A bf16 model's step: window q, k, v, sinks and alpha in bf16 (converted by the kernels), y out in bf16.
+    "bf16-operands-gqa-sinks": {"low": torch.bfloat16},
+    "bf16-operands-shared-in-place": {"low": torch.bfloat16, "shared": True, "in_place": True},
 }
 
 
@@ -37,16 +40,27 @@ def make_case(device, B=3, H=4, HKV=2, F=16, D=16, window=8, M=2, vector=False, 
     return inputs, options
 
 
-def errors(device, in_place=False, **case) -> dict:
-    """Max abs errors against the reference step; `in_place`: the kernels write over the input state."""
+def errors(device, in_place=False, low=None, **case) -> dict:
+    """Max abs errors against the reference step; `in_place`: the kernels write over the input state.
+    `low`: qw, kw, v, sinks and alpha go in rounded to that dtype (the reference takes the rounded
+    values in float32) and y comes out in it (compared with the reference's y rounded the same way)."""
     from linearize.kernels.decode_triton import lizard_decode_step
 
     inputs, options = make_case(device, **case)
-    y_ref, state_ref = gla_window_step(*inputs, **options)
     given = inputs[-1]
-    y, state = lizard_decode_step(*inputs, **options, in_place=in_place)
+    kernel_inputs, kernel_options = list(inputs), dict(options)
+    if low is not None:
+        kernel_inputs[3:6] = (t.to(low) for t in inputs[3:6])
+        kernel_options |= {name: None if options[name] is None else options[name].to(low) for name in ("sinks", "alpha")}
+        inputs = [t.float() if i in (3, 4, 5) else t for i, t in enumerate(kernel_inputs)]
+        options |= {name: None if kernel_options[name] is None else kernel_options[name].float()
+                    for name in ("sinks", "alpha")}
+    y_ref, state_ref = gla_window_step(*inputs, **options)
+    y, state = lizard_decode_step(*kernel_inputs, **kernel_options, in_place=in_place,
+                                  out_dtype=low or torch.float32)
     assert all((state[name] is given[name]) == in_place for name in given)
-    out = {"y": (y - y_ref).abs().max().item()}
+    assert y.dtype == (low or torch.float32)
+    out = {"y": (y.float() - y_ref.to(y.dtype).float()).abs().max().item()}
     for name, ref in state_ref.items():
         assert state[name].shape == ref.shape and state[name].dtype == ref.dtype, name
         out[name] = (state[name].float() - ref.float()).abs().max().item()

@@ -27,6 +27,16 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
         assert max(plain.values()) < 1e-4 and max(padded.values()) < 1e-4, (method, plain, padded)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_bf16_model_steps_through_the_interpreted_kernels():
+    """A bf16 model's decode steps hand the step kernels bf16 window q, k, v, sinks and alpha, and take
+    y back in bf16, with no casts around them."""
+    errors = interpreted("import json, torch, attention_kernel_check as c; "
+                         "print(json.dumps(c.check('cpu', torch.bfloat16, method='lizard-shared')))")
+    assert errors.pop("kernel_calls") == CALLS["lizard-shared"] and errors.pop("step_calls") == STEP_CALLS
+    assert max(errors.values()) < 2e-2, errors
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 @pytest.mark.parametrize("method", ["lizard", "liger", "lizard-shared"])
