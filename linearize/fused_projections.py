@@ -1,5 +1,5 @@
-"""One GEMM where a decoder layer runs several on the same input: q, k and v of a linearized attention,
-gate_proj and up_proj of the MLP.
+"""One GEMM where a decoder layer runs several on the same input: q, k and v of a linearized attention
+(with its method's own projections of that input: Lizard's gate), gate_proj and up_proj of the MLP.
 
 A batch-1 decode step reads every weight once; at the Llama-3-8B shape k_proj and v_proj are 8 MB
 each, too little to keep the GPU's memory system busy (they ran at ~1.6 TB/s against ~4 TB/s for the
@@ -37,8 +37,10 @@ class FusedProjection:
     def _bias_parts(self) -> list[torch.Tensor | None]:
         return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def split(self, x: torch.Tensor, head: int | None = None) -> tuple:
+        """Each layer's output; with `head`, the first `head` of them, then a tuple of the rest."""
+        outputs = nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return outputs if head is None else (*outputs[:head], outputs[head:])
 
     def undo(self) -> None:
         for m in self.linears:
@@ -77,9 +79,11 @@ def fuse_projections(model) -> Callable[[], None] | None:
     undos: list[Callable[[], None]] = []
     for layer in model.get_decoder().layers:
         attention = layer.self_attn
-        projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-        if isinstance(attention, LinearizedAttention) and attention.fused_qkv is None and _fusable(projections):
-            attention.fused_qkv = FusedProjection(projections)
+        qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+        if isinstance(attention, LinearizedAttention) and attention.fused_qkv is None and _fusable(qkv):
+            # The method's own input projections join where they can (not in another dtype, say).
+            extra = attention.input_projections()
+            attention.fused_qkv = FusedProjection(qkv + extra if _fusable(qkv + extra) else qkv)
 
             def unfuse_attention(attention=attention):
                 attention.fused_qkv.undo()

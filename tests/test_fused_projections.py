@@ -27,6 +27,9 @@ def test_fused_layers_give_the_same_logits_and_undo_restores_the_model(method, a
     assert undo is not None and fuse_projections(model) is None  # already fused: nothing more to do
     layers = model.get_decoder().layers
     assert all(isinstance(layer.mlp, FusedGatedMLP) and layer.self_attn.fused_qkv is not None for layer in layers)
+    # Lizard's gate reads the same input as q, k and v: it joins their GEMM.
+    assert all(layer.self_attn.fused_qkv.linears[3:] == layer.self_attn.input_projections() for layer in layers)
+    assert any(layer.self_attn.input_projections() for layer in layers) == (method == "lizard")
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
     undo()
     after = model.state_dict()
@@ -49,6 +52,19 @@ def test_fusing_costs_no_memory_and_undo_separates_the_weights_again():
     pointers = {m.weight.untyped_storage().data_ptr() for m in (attention.q_proj, attention.k_proj, attention.v_proj,
                                                                mlp.gate_proj, mlp.up_proj)}
     assert len(pointers) == 5
+
+
+def test_an_input_projection_in_another_dtype_stays_out_of_the_fused_gemm():
+    model = student()
+    attention = model.get_decoder().layers[0].self_attn
+    attention.gate.double()
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        fuse_projections(model)
+        fused = model(ids).logits
+    assert attention.fused_qkv.linears == [attention.q_proj, attention.k_proj, attention.v_proj]
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_with_lora_are_left_alone():

@@ -65,8 +65,11 @@ class LinearizedAttention(nn.Module):
         # whether that cache is frozen (its state may then be written in place), and whether the call
         # has no attention mask (every token valid, known without a device read).
         self.projection_dtype = torch.float32
-        # q, k, v as one GEMM while decoding (`linearize.fused_projections`); None: three.
+        # q, k, v (and `input_projections`) as one GEMM while decoding (`linearize.fused_projections`);
+        # None: separate GEMMs. `fused_outputs`: this call's outputs of the `input_projections`, in order,
+        # where the fused GEMM computed them (else empty).
         self.fused_qkv = None
+        self.fused_outputs: tuple[torch.Tensor, ...] = ()
         self.caching = False
         self.frozen_cache = False
         self.unpadded = False
@@ -75,6 +78,11 @@ class LinearizedAttention(nn.Module):
         """Parameters this method adds on top of the teacher's projections."""
         inherited = {id(p) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj) for p in m.parameters()}
         return [p for p in self.parameters() if id(p) not in inherited]
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The method's own Linear layers on the attention input (what q, k and v are computed from),
+        which decoding may fuse into the q/k/v GEMM: their outputs then come in `fused_outputs`."""
+        return []
 
     def head_scalars(self) -> list[nn.Parameter]:
         """New parameters with a few numbers per head (mixing weights, sinks, gate biases): see
@@ -99,8 +107,10 @@ class LinearizedAttention(nn.Module):
         autocast = torch.is_autocast_enabled(device_type)
         # Under autocast each projection would cast the (float32) hidden states again: cast them once.
         x = hidden_states.to(torch.get_autocast_dtype(device_type)) if autocast else hidden_states
-        projected = self.fused_qkv.split(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x),
-                                                                                  self.v_proj(x))
+        if self.fused_qkv is not None:
+            *projected, self.fused_outputs = self.fused_qkv.split(x, 3)
+        else:
+            projected, self.fused_outputs = (self.q_proj(x), self.k_proj(x), self.v_proj(x)), ()
         q, k, v = (t.view(shape).transpose(1, 2) for t in projected)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype

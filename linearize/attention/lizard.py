@@ -28,6 +28,9 @@ class LizardAttention(LinearizedAttention):
         self.alpha = nn.Parameter(torch.full((H,), cfg.alpha_init))
         self._param_like(self)
 
+    def input_projections(self) -> list[nn.Linear]:
+        return [self.gate] if self.cfg.gate != "none" else []
+
     def head_scalars(self) -> list[nn.Parameter]:
         gate_bias = [self.gate.bias] if self.cfg.gate == "scalar" else []
         return [self.alpha, self.sinks, *gate_bias]
@@ -37,7 +40,8 @@ class LizardAttention(LinearizedAttention):
         B, L, _ = x.shape
         if self.cfg.gate == "none":
             return x.new_zeros(B, self.num_heads, L, 1, dtype=torch.float32)
-        logits = self.gate(x.to(self.gate.weight.dtype)).float().view(B, L, self.num_heads, -1).transpose(1, 2)
+        logits = self.fused_outputs[0] if self.fused_outputs else self.gate(x.to(self.gate.weight.dtype))
+        logits = logits.float().view(B, L, self.num_heads, -1).transpose(1, 2)
         return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
 
     def branch_inputs(self, q, k, position_embeddings):
