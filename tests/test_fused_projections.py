@@ -27,9 +27,9 @@ def test_fused_layers_give_the_same_logits_and_undo_restores_the_model(method, a
     assert undo is not None and fuse_projections(model) is None  # already fused: nothing more to do
     layers = model.get_decoder().layers
     assert all(isinstance(layer.mlp, FusedGatedMLP) and layer.self_attn.fused_qkv is not None for layer in layers)
-    # Lizard's gate reads the same input as q, k and v: it joins their GEMM.
+    # Lizard's and STILL's gates read the same input as q, k and v: they join their GEMM.
     assert all(layer.self_attn.fused_qkv.linears[3:] == layer.self_attn.input_projections() for layer in layers)
-    assert any(layer.self_attn.input_projections() for layer in layers) == (method == "lizard")
+    assert any(layer.self_attn.input_projections() for layer in layers) == (method in ("lizard", "still"))
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
     undo()
     after = model.state_dict()

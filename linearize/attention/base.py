@@ -66,10 +66,9 @@ class LinearizedAttention(nn.Module):
         # has no attention mask (every token valid, known without a device read).
         self.projection_dtype = torch.float32
         # q, k, v (and `input_projections`) as one GEMM while decoding (`linearize.fused_projections`);
-        # None: separate GEMMs. `fused_outputs`: this call's outputs of the `input_projections`, in order,
-        # where the fused GEMM computed them (else empty).
+        # None: separate GEMMs. `projected`: this call's outputs of the `input_projections`, in order.
         self.fused_qkv = None
-        self.fused_outputs: tuple[torch.Tensor, ...] = ()
+        self.projected: tuple[torch.Tensor, ...] = ()
         self.caching = False
         self.frozen_cache = False
         self.unpadded = False
@@ -80,8 +79,9 @@ class LinearizedAttention(nn.Module):
         return [p for p in self.parameters() if id(p) not in inherited]
 
     def input_projections(self) -> list[nn.Linear]:
-        """The method's own Linear layers on the attention input (what q, k and v are computed from),
-        which decoding may fuse into the q/k/v GEMM: their outputs then come in `fused_outputs`."""
+        """The method's own Linear layers on the attention input (a gate's): computed beside q, k and v,
+        from the same input, in the same precision (bf16 under autocast, as a bf16 model decodes), and
+        fused into their GEMM while decoding. `attend` finds their outputs in `self.projected`."""
         return []
 
     def head_scalars(self) -> list[nn.Parameter]:
@@ -107,10 +107,15 @@ class LinearizedAttention(nn.Module):
         autocast = torch.is_autocast_enabled(device_type)
         # Under autocast each projection would cast the (float32) hidden states again: cast them once.
         x = hidden_states.to(torch.get_autocast_dtype(device_type)) if autocast else hidden_states
+        extra = self.input_projections()
         if self.fused_qkv is not None:
-            *projected, self.fused_outputs = self.fused_qkv.split(x, 3)
+            *projected, fused = self.fused_qkv.split(x, 3)
+            extra = extra[len(fused):]  # those the fused GEMM left out (another dtype) follow its own
         else:
-            projected, self.fused_outputs = (self.q_proj(x), self.k_proj(x), self.v_proj(x)), ()
+            projected, fused = (self.q_proj(x), self.k_proj(x), self.v_proj(x)), ()
+        # Under autocast a Linear casts for itself; else an odd dtype (a gate kept in float32) gets its own.
+        self.projected = fused + tuple(m(x if autocast or x.dtype == m.weight.dtype else x.to(m.weight.dtype))
+                                       for m in extra)
         q, k, v = (t.view(shape).transpose(1, 2) for t in projected)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype
@@ -125,7 +130,7 @@ class LinearizedAttention(nn.Module):
         # lose too much in bf16.
         operands = (q, k, v) if self.native_operands else (q.float(), k.float(), v.float())
         with torch.autocast(device_type=device_type, enabled=False):
-            y, new_state = self.attend(hidden_states, *operands, position_embeddings, valid, state, start)
+            y, new_state = self.attend(*operands, position_embeddings, valid, state, start)
         if cache is not None:
             cache.store(new_state, L)
         y = y.transpose(1, 2).reshape(B, L, -1)
@@ -135,7 +140,10 @@ class LinearizedAttention(nn.Module):
         if self.attention_transfer:
             with torch.no_grad():
                 target = self.softmax_attention(q, k, v, position_embeddings, attention_mask)
-            self.transfer_loss = nn.functional.mse_loss(out.float(), target.float())
+            # In the outputs' dtype: mse_loss squares and sums in float32 either way (its gradient too);
+            # float32 copies of both [B, L, hidden] outputs cost ~4% of a bf16 stage-1 step. The value
+            # itself is then rounded to bf16 (~0.2%).
+            self.transfer_loss = nn.functional.mse_loss(out, target)
             return target, None
         return out, None
 
@@ -161,8 +169,10 @@ class LinearizedAttention(nn.Module):
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
         else:
             mask = attention_mask[..., -L:]
+            # Rows of padding see no key: NaN.
             y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=self.scaling)
-        return self.o_proj(y.nan_to_num(0.0).transpose(1, 2).reshape(B, L, -1))
+            y = y.nan_to_num(0.0)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
-    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, start):
         raise NotImplementedError

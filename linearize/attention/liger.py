@@ -21,7 +21,7 @@ class LigerAttention(LinearizedAttention):
         super().__init__(teacher, cfg, model_config)
         self.feature_map = SoftmaxFeatureMap(self.head_dim)
 
-    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         n_rep = self.num_heads // self.num_kv_heads
         # Gate: mean-pool of each KV head's key over the head dim, shared by its query heads.

@@ -35,14 +35,14 @@ class LizardAttention(LinearizedAttention):
         gate_bias = [self.gate.bias] if self.cfg.gate == "scalar" else []
         return [self.alpha, self.sinks, *gate_bias]
 
-    def log_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """log gamma as [B, H, L, 1] (scalar gate) or [B, H, L, F] (vector gate)."""
-        B, L, _ = x.shape
+    def log_gate(self, B: int, L: int, device: torch.device) -> torch.Tensor:
+        """log gamma as [B, H, L, 1] (scalar gate) or [B, H, L, F] (vector gate), from this call's gate
+        logits (`projected`)."""
         if self.cfg.gate == "none":
-            return x.new_zeros(B, self.num_heads, L, 1, dtype=torch.float32)
-        logits = self.fused_outputs[0] if self.fused_outputs else self.gate(x.to(self.gate.weight.dtype))
-        logits = logits.float().view(B, L, self.num_heads, -1).transpose(1, 2)
-        return nn.functional.logsigmoid(logits) / self.cfg.gate_temperature
+            return torch.zeros(B, self.num_heads, L, 1, device=device)
+        logits = self.projected[0].float().view(B, L, self.num_heads, -1).transpose(1, 2)
+        log_g = nn.functional.logsigmoid(logits)
+        return log_g if self.cfg.gate_temperature == 1.0 else log_g / self.cfg.gate_temperature
 
     def branch_inputs(self, q, k, position_embeddings):
         """(phi_q(q), phi_k(k) for every query head, the window's q and k): one kernel for all four
@@ -59,10 +59,10 @@ class LizardAttention(LinearizedAttention):
             self.keep_rotated(*out[2:])
         return out
 
-    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
-        log_g = self.log_gate(x)
+        log_g = self.log_gate(q.shape[0], q.shape[2], q.device)
         # In the model's dtype: a decode step's kernel converts them itself (`fused.run` casts for the rest).
         options = {"window": cfg.window, "scale": self.scaling, "sinks": self.sinks if cfg.num_sinks else None,
                    "alpha": self.alpha, "eps": cfg.eps}

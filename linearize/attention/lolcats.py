@@ -23,7 +23,7 @@ class LolcatsAttention(LinearizedAttention):
     def head_scalars(self) -> list[nn.Parameter]:
         return [self.window_factors]
 
-    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
         options = {"window": cfg.window, "scale": self.scaling, "factor": torch.sigmoid(self.window_factors.float()),

@@ -25,13 +25,16 @@ class StillAttention(LinearizedAttention):
             nn.init.zeros_(self.gate.bias)
         self._param_like(self)
 
-    def attend(self, x, q, k, v, position_embeddings, valid, state, start):
+    def input_projections(self) -> list[nn.Linear]:
+        return [self.gate] if self.cfg.gate else []
+
+    def attend(self, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
         B, H, L, d = q.shape
         q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
         gate = None
         if cfg.gate:
-            gate = self.gate(x.to(self.gate.weight.dtype)).float().sigmoid().view(B, L, H, d).transpose(1, 2)
+            gate = self.projected[0].float().sigmoid().view(B, L, H, d).transpose(1, 2)
         options = {"start": start, "window": cfg.window, "chunk": cfg.chunk_size, "per_chunk": cfg.per_chunk,
                        "routing": cfg.routing, "scale": self.scaling, "eps": cfg.eps}
         fresh = state is None

@@ -133,7 +133,7 @@ def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
         # just the per-layer losses recorded on the way.
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
     losses = [layer.transfer_loss for layer in linearized_layers(model)]
-    return torch.stack(losses).mean()
+    return torch.stack(losses).float().mean()
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
