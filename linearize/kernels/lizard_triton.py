@@ -870,18 +870,49 @@ class LizardAttentionFunction(torch.autograd.Function):
         _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, dv_win, hds, dv, L, NT, F=F, D=D,
                                                       BV=BV, **split)
 
-        # d log g_t = sum over s >= t of dA_s. A scalar gate's scan runs along the last (contiguous) axis:
-        # along axis 2 of [B, H, L, 1], torch's scan took ~85 us a call in stage 1 at batch 8 x 2K.
+        # d log g_t = sum over s >= t of dA_s.
         if vec:
             d_log_g = (da_q + da_k).flip(2).cumsum(2).flip(2)
         else:
-            d_log_g = (da_q.sum(0) + da_k.sum(0)).flip(-1).cumsum(-1).flip(-1)[..., None]
+            d_log_g = scalar_gate_grad(da_q, da_k)[..., None]
         if group > 1:
             dkw = dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype)
             dv = dv.view(B, HKV, group, L, D).sum(2).to(v.dtype)
         dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
         dalpha = None if shared else d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
         return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7
+
+
+GATE_GRAD_BLOCK = 1024  # tokens per step of `_scalar_gate_grad_kernel`'s scan
+
+
+@triton.jit
+def _scalar_gate_grad_kernel(DA_Q, DA_K, DLG, R, L, NB: tl.constexpr, BL: tl.constexpr):
+    """Grid (R,), a program per head and batch row: d log g of its L tokens, the reverse cumsum of the
+    dA shares of the dq and dk passes ([NB, R, L] each: partial sums over NB feature blocks), in blocks
+    of BL tokens from the end, carrying the sum of the blocks after."""
+    r = tl.program_id(0).to(tl.int64)
+    carry = tl.zeros([], tl.float32)
+    for i in range(tl.cdiv(L, BL)):
+        pos = L - (i + 1) * BL + tl.arange(0, BL)
+        inside = pos >= 0
+        x = tl.zeros([BL], tl.float32)
+        for nb in tl.static_range(NB):
+            at = (nb * R + r) * L + pos
+            x += tl.load(DA_Q + at, mask=inside, other=0.0) + tl.load(DA_K + at, mask=inside, other=0.0)
+        tl.store(DLG + r * L + pos, tl.cumsum(x, 0, reverse=True) + carry, mask=inside)
+        carry += tl.sum(x, 0)
+
+
+def scalar_gate_grad(da_q, da_k):
+    """d log g [B, H, L] of a scalar gate from the dq and dk passes' dA shares ([NB, B, H, L] float32):
+    the sum over s >= t of both shares, summed over the NB feature blocks, in one kernel (in PyTorch:
+    two sums, an add, two flips and a cumsum, six launches a layer in training)."""
+    NB, B, H, L = da_q.shape
+    out = torch.empty(B, H, L, device=da_q.device, dtype=torch.float32)
+    _scalar_gate_grad_kernel[(B * H,)](da_q, da_k, out, B * H, L, NB=NB,
+                                       BL=min(GATE_GRAD_BLOCK, triton.next_power_of_2(L)), num_warps=4)
+    return out
 
 
 SPLIT_ROWS = 32  # rows (tokens of a head) per program of `_shared_split_kernel`

@@ -102,6 +102,24 @@ def test_gpu(name):
     _check(GPU_CASES[name], compare(GPU_CASES[name], "cuda"))
 
 
+_GATE_GRAD_SCRIPT = """
+import json, torch
+from linearize.kernels.lizard_triton import scalar_gate_grad
+errors = []
+for NB, B, H, L in [(1, 2, 3, 5), (2, 2, 1, 2049), (1, 1, 1, 1)]:  # 2049: three blocks, the last partial
+    g = torch.Generator().manual_seed(L)
+    da_q, da_k = torch.randn(NB, B, H, L, generator=g), torch.randn(NB, B, H, L, generator=g)
+    reference = (da_q.sum(0) + da_k.sum(0)).flip(-1).cumsum(-1).flip(-1)
+    errors.append(((scalar_gate_grad(da_q, da_k) - reference).abs().max() / reference.abs().max()).item())
+print(json.dumps(errors))
+"""
+
+
+@needs_triton
+def test_scalar_gate_grad_kernel_is_the_reverse_cumsum_of_the_summed_shares():
+    assert max(run_interpreted(_GATE_GRAD_SCRIPT)) < 1e-6
+
+
 def test_cpu_falls_back_to_the_chunked_op():
     case = Case(L=45, window=8)
     out = compare(case, "cpu")
