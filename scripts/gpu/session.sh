@@ -22,7 +22,7 @@ case $part in
     # PATH words narrow the run to those test files (the whole GPU set takes ~5 minutes).
     paths=("$@")
     [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py)
-    step tests 420 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
+    step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
     step check 300 python -m linearize.kernels.check --no-check ;;
   train)
