@@ -52,8 +52,13 @@ case $part in
     extra=()
     [ "$shape" = llama3-8b ] && extra=(--batch-context 32k --batches 1,16,64)
     [ "${2:-}" = compile ] && extra+=(--compile-decode)
-    # A third word narrows the sweep: CONTEXTS/BATCHES, e.g. 1k,32k/1,64.
-    [ -n "${3:-}" ] && extra+=(--contexts "${3%/*}" --batches "${3#*/}")
+    # A third word narrows the sweep: CONTEXTS/BATCHES with + between values (together.sh splits
+    # parts at commas), e.g. 1k+32k/1+64.
+    if [ -n "${3:-}" ]; then
+      contexts=${3%/*}
+      batches=${3#*/}
+      extra+=(--contexts "${contexts//+/,}" --batches "${batches//+/,}")
+    fi
     step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" --set combine=shared \
       --set rope_in_window=true "${extra[@]}" --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows)
