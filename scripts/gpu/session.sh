@@ -13,7 +13,7 @@ source scripts/gpu/step.sh
 part=${1:?part}
 shift
 # "=" would keep the archive from coming back (the device tool refuses odd names).
-tag=$(IFS=-; echo "$part${*:+-$*}" | tr '=/,' '___')
+tag=$(IFS=-; echo "$part${*:+-$*}" | tr '=/,+' '____')
 export LOGS=/tmp/res/$tag
 res=$LOGS
 mkdir -p "$res"
