@@ -259,13 +259,16 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
 
 
 @triton.jit
-def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, out, stat, pos, L, y_gla, y_win, alpha, den, m_i, l_i,
-                   arg, first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, SHARED: tl.constexpr):
+def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, stat, pos, L, y_gla, y_win, alpha,
+                   den, m_i, l_i, arg, first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr,
+                   SHARED: tl.constexpr):
+    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout); the saved parts at their own + out."""
     if SHARED:  # one normaliser: (window numerator + linear numerator) / (l_i + den), l_i relative to m_i
         y = (y_win * l_i[:, None] + y_gla * den[:, None]) / (l_i + den)[:, None]
     else:
         y = y_gla + alpha * y_win
-    _store_tile(Y + out, pos, L, y, D, BV)
+    cols = tl.arange(0, BV)
+    tl.store(Y + y_out + pos[:, None] * y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=(pos < L)[:, None])
     if SAVE:
         _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
         _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
@@ -297,10 +300,12 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
     that block of the state; split, each program takes one chunk and its starting state from HS, HZ
-    (`_fwd_states_kernel`). The scores are recomputed by each column block."""
+    (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]: the
+    layout the model's o_proj reads, so no transpose copy follows."""
     bh = tl.program_id(0).to(tl.int64)
     iv = tl.program_id(1)
     h = bh % H
+    y_out = (bh // H) * L * H * D + h * D + iv * BV
     kv = (bh // H) * HKV + h // (H // HKV)
     FQ += bh * L * F
     FK += bh * L * F
@@ -328,8 +333,8 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
                                                           eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
-        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, bh * L * D + iv * BV, bh * L, pos, L, y_gla, y_win,
-                       alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
+        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
+                       y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -761,7 +766,10 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     BV = min(cfg.block_v, D)
     M = 0 if sinks is None else sinks.shape[-1]
     MP = max(2, triton.next_power_of_2(M))
-    y = torch.empty_like(qw)
+    # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
+    # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
+    # shared split without a copy.
+    y = torch.empty(B, L, H, D, device=qw.device, dtype=qw.dtype).transpose(1, 2)
     # The backward splits dy between the branches with these (input dtype, as flash attention's O).
     y_gla = torch.empty_like(qw) if save else y
     y_win = torch.empty_like(qw) if save else y
@@ -811,12 +819,12 @@ class LizardAttentionFunction(torch.autograd.Function):
         fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *rest = ctx.saved_tensors
         row_max, arg, states = (rest[0], rest[1], rest[2:]) if shared else (den, den, rest)
         cfg, window, scale = ctx.cfg, ctx.window, ctx.scale
-        dy = dy.contiguous()
-        dy_gla = dy_win = dy
         dlse = dm = dden_ext = den  # unread unless shared
-        if shared:
+        if shared:  # the split reads dy as it comes (the model's [B, L, H d] gradient, viewed), no copy
             dy_gla, dy_win, dlse, dm, dden_ext = shared_split(dy, y_gla, y_win, den, lse, row_max)
             alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
+        else:
+            dy_gla = dy_win = dy.contiguous()
         B, H, L, F = fq.shape
         HKV, D = kw.shape[1], kw.shape[-1]
         group = H // HKV
@@ -919,14 +927,17 @@ SPLIT_ROWS = 32  # rows (tokens of a head) per program of `_shared_split_kernel`
 
 
 @triton.jit
-def _shared_split_kernel(dy, y_gla, y_win, den, lse, row_max, dy_gla, dy_win, dlse, dm, dden, R,
-                         D: tl.constexpr, BR: tl.constexpr):
-    """Grid (cdiv(R, BR),) over the R = B*H*L rows of contiguous [., D] and [.] tensors: `shared_split_reference`
-    in one pass (read dy and both branches' outputs once, write the two float32 dy's and three row terms)."""
+def _shared_split_kernel(dy, y_gla, y_win, den, lse, row_max, dy_gla, dy_win, dlse, dm, dden, R, H, L,
+                         s_b, s_h, s_l, D: tl.constexpr, BR: tl.constexpr):
+    """Grid (cdiv(R, BR),) over the R = B*H*L rows of contiguous [., D] and [.] tensors (dy: [B, H, L, D]
+    with strides s_b, s_h, s_l and unit columns): `shared_split_reference` in one pass (read dy and
+    both branches' outputs once, write the two float32 dy's and three row terms)."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     live = rows < R
-    at = rows[:, None] * D + tl.arange(0, D)[None, :]
-    g_y = tl.load(dy + at, mask=live[:, None], other=0.0).to(tl.float32)
+    cols = tl.arange(0, D)[None, :]
+    at = rows[:, None] * D + cols
+    dy_at = ((rows // (H * L)) * s_b + (rows // L % H) * s_h + rows % L * s_l)[:, None] + cols
+    g_y = tl.load(dy + dy_at, mask=live[:, None], other=0.0).to(tl.float32)
     y_g = tl.load(y_gla + at, mask=live[:, None], other=0.0).to(tl.float32)
     y_w = tl.load(y_win + at, mask=live[:, None], other=0.0).to(tl.float32)
     n = tl.load(den + rows, mask=live, other=1.0)
@@ -943,13 +954,17 @@ def _shared_split_kernel(dy, y_gla, y_win, den, lse, row_max, dy_gla, dy_win, dl
 def shared_split(dy, y_gla, y_win, den, lse, row_max):
     """`shared_split_reference` through `_shared_split_kernel`: one pass instead of ~10 PyTorch passes
     over [B, H, L, D] (the shared normaliser's forward+backward cost ~45% more than the alpha mix's
-    with them, docs/kernels.md). Inputs contiguous; same outputs."""
-    D = dy.shape[-1]
+    with them, docs/kernels.md). dy [B, H, L, D] in any layout with contiguous columns, the rest
+    contiguous; same outputs (contiguous)."""
+    _, H, L, D = dy.shape
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
     R = dy.numel() // D
     dy_gla, dy_win = (torch.empty(dy.shape, device=dy.device, dtype=torch.float32) for _ in range(2))
     dlse, dm, dden = torch.empty_like(den), torch.empty_like(den), torch.empty_like(den)
     _shared_split_kernel[(triton.cdiv(R, SPLIT_ROWS),)](dy, y_gla, y_win, den, lse, row_max, dy_gla, dy_win, dlse,
-                                                        dm, dden, R, D=D, BR=SPLIT_ROWS, num_warps=4)
+                                                        dm, dden, R, H, L, dy.stride(0), dy.stride(1), dy.stride(2),
+                                                        D=D, BR=SPLIT_ROWS, num_warps=4)
     return dy_gla, dy_win, dlse, dm, dden
 
 

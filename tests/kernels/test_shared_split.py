@@ -5,21 +5,26 @@ import torch
 from interpreted import interpreted_cases
 from test_lizard_triton import HAS_TRITON
 
-# (B, H, L, D, dtype of dy and the branch outputs): odd lengths leave a partial block of rows.
+# (B, H, L, D, dtype of dy and the branch outputs[, dy as the model hands it: a [B, L, H, D] tensor
+# viewed as [B, H, L, D]]): odd lengths leave a partial block of rows.
 CASES = {
     "bf16-L37-D64": (2, 3, 37, 64, torch.bfloat16),
     "fp32-L50-D16": (1, 4, 50, 16, torch.float32),
     "bf16-L1-D128": (3, 2, 1, 128, torch.bfloat16),
+    "bf16-L37-D64-dy-BLHD": (2, 3, 37, 64, torch.bfloat16, True),
 }
 
 
-def errors(device, B, H, L, D, dtype) -> list[float]:
+def errors(device, B, H, L, D, dtype, transposed_dy=False) -> list[float]:
     """Max abs error of each output, relative to the reference output's largest magnitude."""
     from linearize.kernels.lizard_triton import shared_split, shared_split_reference
 
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=g, device=device)
     dy, y_gla, y_win = (r(B, H, L, D).to(dtype) for _ in range(3))
+    if transposed_dy:
+        dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not dy.is_contiguous()
     den = r(B, H, L).abs() * 5 + 0.1
     row_max = r(B, H, L)
     lse = row_max + r(B, H, L).abs()
