@@ -163,11 +163,14 @@ class LinearizedAttention(nn.Module):
             self.rotated = None
         else:
             q, k = rotate(q, k, position_embeddings)
-        n_rep = self.num_heads // self.num_kv_heads
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if attention_mask is None:
-            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+            # As HF's SDPA attention runs the teacher without a mask: the KV heads shared in the kernel,
+            # not repeated in memory first (two [B, H, L, d] copies a layer).
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                                           enable_gqa=self.num_heads != self.num_kv_heads)
         else:
+            n_rep = self.num_heads // self.num_kv_heads
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
             mask = attention_mask[..., -L:]
             # Rows of padding see no key: NaN.
             y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=self.scaling)
