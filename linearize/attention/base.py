@@ -131,6 +131,7 @@ class LinearizedAttention(nn.Module):
         operands = (q, k, v) if self.native_operands else (q.float(), k.float(), v.float())
         with torch.autocast(device_type=device_type, enabled=False):
             y, new_state = self.attend(*operands, position_embeddings, valid, state, start)
+        self.projected = ()  # held past the call, a STILL gate's [B, L, H d] would outlive its use
         if cache is not None:
             cache.store(new_state, L)
         y = y.transpose(1, 2).reshape(B, L, -1)

@@ -69,3 +69,17 @@ def test_the_stage1_target_is_the_teachers_attention_output(student):
     with torch.no_grad():
         own, _ = attention(hidden, position_embeddings=position_embeddings, attention_mask=None)
     torch.testing.assert_close(attention.transfer_loss, torch.nn.functional.mse_loss(own, expected))
+
+
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_the_gate_projection_is_not_held_past_the_call(method):
+    """`projected` (the gates' outputs, [B, L, H d] for STILL) is for `attend` alone: a layer that kept it
+    would hold one per layer until its next call."""
+    model = convert(tiny_teacher(), method, **TINY_OPTIONS[method])
+    attention = model.model.layers[0].self_attn
+    assert attention.input_projections()
+    hidden = torch.randn(2, 12, TINY["hidden_size"])
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(12)[None])
+    with torch.no_grad():
+        attention(hidden, position_embeddings=position_embeddings, attention_mask=None)
+    assert attention.projected == ()
