@@ -78,7 +78,7 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
         return None
     from .decode_triton import lizard_decode_step, step_unsupported
 
-    if step_unsupported(fq, log_g, state, window=window, sinks=sinks):
+    if step_unsupported(fq, log_g, state, window=window):
         return None
     return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
                               alpha=alpha, normalize=normalize, shared=shared, eps=eps, in_place=in_place,

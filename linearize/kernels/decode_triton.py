@@ -108,7 +108,7 @@ def _shift_window_kernel(kw, v, valid, win_k, win_v, win_valid, k_out, v_out, va
         tl.store(valid_out + b * W1 + w, shifted, mask=rows)
 
 
-def step_unsupported(fq, log_g, state, *, window, sinks) -> str | None:
+def step_unsupported(fq, log_g, state, *, window) -> str | None:
     """What keeps the step kernels from inputs the fused kernels take (`lizard_triton.supports`), or None."""
     if fq.shape[2] != 1:
         return "a step takes one token"
