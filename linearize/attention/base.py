@@ -114,8 +114,7 @@ class LinearizedAttention(nn.Module):
         else:
             projected, fused = (self.q_proj(x), self.k_proj(x), self.v_proj(x)), ()
         # Under autocast a Linear casts for itself; else an odd dtype (a gate kept in float32) gets its own.
-        self.projected = fused + tuple(m(x if autocast or x.dtype == m.weight.dtype else x.to(m.weight.dtype))
-                                       for m in extra)
+        self.projected = fused + tuple(m(x if autocast else x.to(m.weight.dtype)) for m in extra)
         q, k, v = (t.view(shape).transpose(1, 2) for t in projected)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype

@@ -836,7 +836,7 @@ class LizardAttentionFunction(torch.autograd.Function):
         MP = max(2, triton.next_power_of_2(M))
         dev, f32 = fq.device, torch.float32
         NT = triton.cdiv(L, BT)
-        split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": tl.float32 if vec else DOT_DTYPES[fq.dtype],
+        split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
                  "num_warps": cfg.warps, "num_stages": 1}
         state = {key: value for key, value in split.items() if key != "SPLIT"}
         chunk_axis = (NT,) if cfg.split else ()
