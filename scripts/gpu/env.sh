@@ -4,5 +4,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LINEARIZE_C
 if [ ! -d /tmp/lcache/texts ] && [ -d .device/assets/cache ]; then
   mkdir -p /tmp/lcache && cp -r .device/assets/cache/. /tmp/lcache/
 fi
+if [ -d .device/assets/whl ] && [ ! -f /tmp/site/.assets-wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/assets/whl/*.whl &&
+    touch /tmp/site/.assets-wheels
+fi
 mkdir -p /tmp/lcache/smollm2
 [ -f /tmp/lcache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || cp /tmp/teacher.gguf /tmp/lcache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
