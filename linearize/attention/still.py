@@ -51,6 +51,6 @@ class StillAttention(LinearizedAttention):
             y, state = still.still_parallel(q[:, :, part], k[:, :, part], v[:, :, part], valid[:, part],
                                             None if gate is None else gate[:, :, part], state, self.feature_map_q,
                                             self.feature_map_k, **{**options, "start": start + lo},
-                                            fresh=fresh and lo == 0)
+                                            fresh=fresh and lo == 0, keep_state=self.caching or lo + MAX_PARALLEL < L)
             outputs.append(y)
         return torch.cat(outputs, 2), state

@@ -19,6 +19,7 @@ from ..ops import gla_window
 from . import lizard_attention, unsupported_reason
 
 NAMES = ("y", "fq", "fk", "log_g", "qw", "kw", "v", "sinks", "alpha")
+FROZEN = ("qw", "kw", "v")  # stage 1: RoPE of frozen projections, and a frozen projection
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -38,6 +39,7 @@ class Case:
     split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
+    frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
 
 
 def make_inputs(case: Case, device, seed=0):
@@ -59,7 +61,9 @@ def make_inputs(case: Case, device, seed=0):
 
 def _run(case, tensors, dy, dtype):
     """Output and gradients, through the kernel (dtype None) or the reference op in `dtype`."""
-    leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
+    frozen = dtype is None and case.frozen
+    leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_(not (frozen and name in FROZEN))
+              for t, name in zip(tensors, NAMES[1:])]
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
@@ -75,7 +79,9 @@ def _run(case, tensors, dy, dtype):
                                       dtype=dtype)
         valid = torch.ones(case.B, case.L, dtype=torch.bool, device=fq.device)
         y, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, beta=1.0, **opts)
-    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype), allow_unused=True)
+    trained = [t for t in leaves if t.requires_grad]
+    grads = iter(torch.autograd.grad(y, trained, dy.to(y.dtype), allow_unused=True))
+    grads = [next(grads) if t.requires_grad else None for t in leaves]
     return [y] + [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
 
 
@@ -92,7 +98,7 @@ def compare(case: Case, device="cuda", seed=0):
     ours = _run(case, tensors, dy, None)
     exact = _run(case, tensors, dy, torch.float64)
     fp32 = _run(case, tensors, dy, torch.float32)
-    names = [n for n in NAMES if n != "sinks" or case.sinks]
+    names = [n for n in NAMES if (n != "sinks" or case.sinks) and not (case.frozen and n in FROZEN)]
     keep = [i for i, n in enumerate(NAMES) if n in names]
     errors = {NAMES[i]: (_rel(ours[i], exact[i]), _rel(fp32[i], exact[i])) for i in keep}
     return {"path": reason or "kernel", "errors": errors}

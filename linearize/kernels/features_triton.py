@@ -211,7 +211,12 @@ class LizardFeaturesFunction(torch.autograd.Function):
         rope = cos is not None
         fq, fk, qw, kw = lizard_features(q, k, w_q, w_k, (cos, sin) if rope else None, dtype)
         ctx.save_for_backward(q, k, w_q, w_k, *((cos, sin) if rope else ()))
-        ctx.rope = rope
+        ctx.rope, ctx.dtype = rope, dtype
+        if rope and not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            # qw, kw depend on q and k alone: with those frozen (stage 1), the attention's backward then
+            # skips their gradients (`LizardAttentionFunction` reads needs_input_grad).
+            ctx.mark_non_differentiable(qw, kw)
+        ctx.set_materialize_grads(False)  # no zero tensors for outputs that got no gradient
         return (fq, fk, qw, kw) if rope else (fq, fk)
 
     @staticmethod
@@ -221,6 +226,11 @@ class LizardFeaturesFunction(torch.autograd.Function):
         HKV, F = k.shape[1], w_q.shape[-1]
         grad_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+
+        def dense(grad, *shape):  # an output that got no gradient
+            return torch.zeros(shape, device=q.device, dtype=ctx.dtype) if grad is None else grad.contiguous()
+
+        dfq, dfk = dense(dfq, B, H, L, 2 * F), dense(dfk, B, H, L, 2 * F)
         NB = triton.cdiv(L, BWD_TOKENS_PER_PROGRAM)
         f32 = {"device": q.device, "dtype": torch.float32}
         unused = dfq  # a placeholder where the kernel reads or writes nothing
@@ -229,9 +239,11 @@ class LizardFeaturesFunction(torch.autograd.Function):
         dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
         dw_k = torch.empty_like(dw_q) if grad_w else unused
         cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if ctx.rope else (unused, unused)
-        dqw, dkw = (t.contiguous() for t in d_rotated) if ctx.rope else (unused, unused)
+        # Read only with GRAD_X (through the rotation).
+        dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if ctx.rope and grad_x \
+            else (unused, unused)
         _features_bwd_kernel[(B * HKV, NB)](
-            q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq.contiguous(), dfk.contiguous(), dqw, dkw,
+            q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq, dfk, dqw, dkw,
             dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=ctx.rope,
             GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)

@@ -604,10 +604,12 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
 def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, DSINKS, DALPHA, DLSE, ARG, DM,
                           L, H, HKV, window, scale,
                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, M: tl.constexpr,
-                          MP: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, cdiv(L, BW)): one block of queries. d qw, delta = dy_win . y_win per token (DELTA)
-    and this block's share of d sinks and d alpha. SHARED: the log-sum-exp and the row max (held by
-    key ARG, or by the largest sinks where ARG < 0) get gradients DLSE and DM of their own."""
+                          MP: tl.constexpr, SHARED: tl.constexpr, GRAD_Q: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, cdiv(L, BW)): one block of queries. d qw (GRAD_Q), delta = dy_win . y_win per token
+    (DELTA) and this block's share of d sinks and d alpha. SHARED: the log-sum-exp and the row max (held
+    by key ARG, or by the largest sinks where ARG < 0) get gradients DLSE and DM of their own. Without
+    GRAD_Q (stage 1: qw is RoPE of a frozen projection) no window scores are recomputed: delta and the
+    sinks' and alpha's gradients need only the saved outputs and log-sum-exps."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1)
     h = bh % H
@@ -631,21 +633,23 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, D
     tl.store(DELTA + bh * L + pos, delta, mask=inside)
     tl.store(DALPHA + part, tl.sum(dy_ywin, 0))
 
-    qw = _load_tile(QW, pos, L, D, D)
-    dy_win = alpha * dy
-    dqw = tl.zeros([BW, D], tl.float32)
-    for mb in range(tl.maximum(n - NWB, 0), n + 1):
-        kpos = mb * BW + tl.arange(0, BW)
-        kw = _load_tile(KW, kpos, L, D, D)
-        p = tl.exp(_window_scores(qw, kw, pos, kpos, window, scale, DT) - lse[:, None])
-        dp = _dot(dy_win, tl.trans(_load_tile(V, kpos, L, D, D)), DT)
-        dqw = _dot_acc(p * (dp - delta[:, None]), kw, dqw, DT)
-    if SHARED:  # the row max's gradient goes to the one logit that holds it: q_i . k_arg
+    if SHARED:
         arg = tl.load(ARG + bh * L + pos, mask=inside, other=-1)
         dm = tl.load(DM + bh * L + pos, mask=inside, other=0.0)
-        k_arg = tl.load(KW + arg[:, None] * D + tl.arange(0, D)[None, :], mask=(arg >= 0)[:, None], other=0.0)
-        dqw += dm[:, None] * k_arg.to(tl.float32)
-    _store_tile(DQW, pos, L, dqw * scale, D, D)
+    if GRAD_Q:
+        qw = _load_tile(QW, pos, L, D, D)
+        dy_win = alpha * dy
+        dqw = tl.zeros([BW, D], tl.float32)
+        for mb in range(tl.maximum(n - NWB, 0), n + 1):
+            kpos = mb * BW + tl.arange(0, BW)
+            kw = _load_tile(KW, kpos, L, D, D)
+            p = tl.exp(_window_scores(qw, kw, pos, kpos, window, scale, DT) - lse[:, None])
+            dp = _dot(dy_win, tl.trans(_load_tile(V, kpos, L, D, D)), DT)
+            dqw = _dot_acc(p * (dp - delta[:, None]), kw, dqw, DT)
+        if SHARED:  # the row max's gradient goes to the one logit that holds it: q_i . k_arg
+            k_arg = tl.load(KW + arg[:, None] * D + tl.arange(0, D)[None, :], mask=(arg >= 0)[:, None], other=0.0)
+            dqw += dm[:, None] * k_arg.to(tl.float32)
+        _store_tile(DQW, pos, L, dqw * scale, D, D)
     if M > 0:  # sinks carry no value: d t_m = -sum_i p_im delta_i
         sinks = _sink_logits(SINKS + h * M, M, MP)
         d_sinks = -tl.sum(tl.exp(sinks[None, :] - lse[:, None]) * delta[:, None], 0)
@@ -843,12 +847,16 @@ class LizardAttentionFunction(torch.autograd.Function):
         win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
                "num_warps": cfg.warps, "num_stages": 1}
 
-        dfq, dfk, dqw = torch.empty_like(fq), torch.empty_like(fk), torch.empty_like(qw)
+        # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
+        # and v need no gradient, and the window's d k / d v passes and the linear part's d v are skipped.
+        grad_qw, grad_kw, grad_v = ctx.needs_input_grad[3:6]
+        dfq, dfk = torch.empty_like(fq), torch.empty_like(fk)
+        dqw = torch.empty_like(qw) if grad_qw else den  # den: a placeholder the kernel does not touch
         # Per query head; float32 where a GQA group is summed afterwards.
         kv_dtype = kw.dtype if group == 1 else f32
-        dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype)
-        dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype)
-        dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32)
+        dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_kw or grad_v else den
+        dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_v else den
+        dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32) if grad_kw or grad_v else den
         # dA shares: per feature (vector gate) or partial sums over feature blocks (scalar gate).
         da_shape = (B, H, L, F) if vec else (F // BK, B, H, L)
         da_q, da_k = torch.empty(da_shape, device=dev, dtype=f32), torch.empty(da_shape, device=dev, dtype=f32)
@@ -872,20 +880,22 @@ class LizardAttentionFunction(torch.autograd.Function):
                                                       L, H, HKV, NT, F=F, D=D, BK=BK, **split)
         _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
                                            dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window, scale,
-                                           M=M, MP=MP, SHARED=shared, **win)
-        _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, delta, arg, dm, dkw, dv_win, L, H, HKV,
-                                            window, scale, SHARED=shared, **win)
-        _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, dv_win, hds, dv, L, NT, F=F, D=D,
-                                                      BV=BV, **split)
+                                           M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
+        if grad_kw or grad_v:
+            _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, delta, arg, dm, dkw, dv_win, L, H,
+                                                HKV, window, scale, SHARED=shared, **win)
+        if grad_v:
+            _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, dv_win, hds, dv, L, NT, F=F,
+                                                          D=D, BV=BV, **split)
 
         # d log g_t = sum over s >= t of dA_s.
         if vec:
             d_log_g = (da_q + da_k).flip(2).cumsum(2).flip(2)
         else:
             d_log_g = scalar_gate_grad(da_q, da_k)[..., None]
-        if group > 1:
-            dkw = dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype)
-            dv = dv.view(B, HKV, group, L, D).sum(2).to(v.dtype)
+        dqw = dqw if grad_qw else None
+        dkw = (dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype) if group > 1 else dkw) if grad_kw else None
+        dv = (dv.view(B, HKV, group, L, D).sum(2).to(v.dtype) if group > 1 else dv) if grad_v else None
         dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
         dalpha = None if shared else d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
         return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7

@@ -220,8 +220,10 @@ def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, sc
     return (num + lin_num) / (weights.sum(-1) + lin_den + eps)[..., None]
 
 
-def _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk, fresh):
-    """Fold time of every key (salient slots first, then the combined sequence) and the final slots.
+def _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk, fresh,
+                    keep_state=True):
+    """Fold time of every key (salient slots first, then the combined sequence) and the final slots
+    (None, None without `keep_state` where skipping them saves work).
 
     Chunk selections depend only on scores, so they all come first; then the L departures (combined
     index i leaves after step start + i) are routed as `route_departure` would route them one by one:
@@ -243,6 +245,8 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
 
     if fits or (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all():
         fold_time[..., K : K + L] = torch.where(departing, NEVER, leave)
+        if not keep_state:
+            return fold_time, None, None
         if K == 0:
             return fold_time, slot_ids, slots
         # The r-th chosen departure takes the r-th free slot (route_departure fills the lowest free one).
@@ -325,12 +329,14 @@ def _replay_with_eviction(state, scores, chosen, positions, start, L, block=512)
 
 
 def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing,
-                   scale, eps=1e-6, fresh=False):
+                   scale, eps=1e-6, fresh=False, keep_state=True):
     """Naive parallel form over L new tokens at absolute positions start.. continuing from `state`.
 
     q [B,H,L,d] and k [B,H_kv,L,d] already carry RoPE; gate [B,H,L,d] or None. Returns (y, new state).
     `fresh=True` promises that `state` is `init_state`'s: its empty slots and window are then left out
     of the attention (they are masked out anyway), which makes a first pass much cheaper.
+    `keep_state=False` returns (y, None): a pass that fills no cache (training, scoring) skips the slots'
+    bookkeeping and the state update, ~50 of a layer's ~240 small ops.
     """
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
@@ -340,7 +346,7 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     positions = torch.arange(start - W1, start + L, device=q.device)
 
     fold_time, slot_ids, slots = _replay_routing(state, scores, chosen, key_valid, completes, positions, start,
-                                                 W1, chunk, per_chunk, fresh)
+                                                 W1, chunk, per_chunk, fresh, keep_state)
     K = state["sal_used"].shape[-1]
 
     all_keys = torch.cat([state["sal_k"], keys], dim=2)
@@ -364,6 +370,8 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     lin_num = lin @ values_rep + fq @ state["S"]
     lin_den = lin.sum(-1) + (fq * state["z"][:, :, None, :]).sum(-1)
     y = _output(q, fq, gate, att_keys, att_values, soft_mask, lin_num, lin_den, scale, eps)
+    if not keep_state:
+        return y, None
 
     folded = (att_fold != NEVER) & att_valid
     fk_folded = fk * repeat_kv(folded, n_rep)[..., None].to(q.dtype)

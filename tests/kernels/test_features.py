@@ -106,6 +106,8 @@ def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch
     out = {f"out{i}": (a - b).abs().max().item() for i, (a, b) in enumerate(zip(ours, ref, strict=True))}
     out.update({f"grad{i}": ((a - b).abs().max() / b.abs().max()).item()
                 for i, (a, b) in enumerate(zip(got, want, strict=True))})
+    # 1 (an error) where stage 1's rotations, of frozen q and k, would still ask the attention for gradients.
+    out["rotations_differentiable"] = float(wrt == "weights" and any(t.requires_grad for t in ours[2:]))
     return out
 
 

@@ -42,6 +42,8 @@ INTERPRETER_CASES = {
     "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True),
     "shared-split-L63-nosinks-bf16": Case(L=63, sinks=0, dtype=bf16, shared=True, split=True),
     "shared-one-pass-L37-vector": Case(L=37, gate="vector", shared=True, split=False),
+    "frozen-shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, frozen=True),
+    "frozen-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, frozen=True),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),

@@ -49,6 +49,11 @@ def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks
                                         fresh=fresh)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
+    # A pass that fills no cache skips the state: the same output, exactly.
+    y_alone, no_state = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0,
+                                             **opts, fresh=fresh, keep_state=False)
+    assert no_state is None
+    torch.testing.assert_close(y_alone, y_par, atol=0, rtol=0)
     for name in s_par:
         torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
     w = torch.randn_like(y_par)
