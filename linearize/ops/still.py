@@ -336,7 +336,7 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     `fresh=True` promises that `state` is `init_state`'s: its empty slots and window are then left out
     of the attention (they are masked out anyway), which makes a first pass much cheaper.
     `keep_state=False` returns (y, None): a pass that fills no cache (training, scoring) skips the slots'
-    bookkeeping and the state update, ~50 of a layer's ~240 small ops.
+    bookkeeping and the state update.
     """
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
