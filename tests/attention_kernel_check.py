@@ -129,6 +129,59 @@ def check(device: str, dtype=torch.float32, length: int = 37, method: str = "liz
                                        torch.cat([g.flatten() for g in reference]))}
 
 
+@contextmanager
+def counting_launches(names: tuple[str, ...], launches: list):
+    """Record each launch of the named Triton kernels of `lizard_triton` (launched as kernel[grid](...))."""
+    from linearize.kernels import lizard_triton
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    originals = {name: getattr(lizard_triton, name) for name in names}
+    for name, kernel in originals.items():
+        setattr(lizard_triton, name, Counted(name, kernel))
+    try:
+        yield
+    finally:
+        for name, kernel in originals.items():
+            setattr(lizard_triton, name, kernel)
+
+
+def check_stage1(device: str, method: str = "lizard-shared", length: int = 37) -> dict:
+    """Stage 1 (attention transfer, float32) through the kernels vs the PyTorch ops: relative errors of
+    the loss and of the new parameters' gradients, the kernel passes, and the launches of the backward
+    passes that only q, k and v's gradients need (none: they are frozen in stage 1)."""
+    from linearize.train import DistillConfig
+    from linearize.train.distillation import prepare_stage, stage_loss
+
+    model = _student(method, device, torch.float32)
+    cfg = DistillConfig(model="tiny", method=STUDENTS[method][0], data="default", out="unused")
+    model, _ = prepare_stage(model, cfg, 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def run(kernels_on: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
+        model.zero_grad()
+        loss = stage_loss(model, ids, 1)
+        loss.backward()
+        # None where a parameter takes no part (alpha under the shared normaliser), on both paths.
+        return loss.detach(), {i: p.grad.clone() for i, p in enumerate(params) if p.grad is not None}
+
+    calls, launches = [], []
+    with counting_kernel_calls(calls, []), counting_launches(("_bwd_window_dkv_kernel", "_bwd_dv_kernel"), launches):
+        on = run(kernels_on=True)
+    off = run(kernels_on=False)
+    assert on[1].keys() == off[1].keys()
+    return {"kernel_calls": len(calls), "frozen_input_launches": len(launches), "loss": _rel(on[0], off[0]),
+            "grads": max(_rel(on[1][i], off[1][i]) for i in on[1])}
+
+
 def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 5, method: str = "lizard") -> dict:
     """A left-padded batch (row 1 starts with `pad` padding tokens), uncached and cached, at the real tokens."""
     model = _student(method, device, dtype)

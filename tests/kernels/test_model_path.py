@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from attention_kernel_check import check, check_padded
+from attention_kernel_check import check, check_padded, check_stage1
 from interpreted import interpreted
 from test_lizard_triton import HAS_TRITON
 
@@ -28,6 +28,17 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_stage1_through_the_interpreted_kernels_skips_the_frozen_gradients():
+    """Stage 1 trains only the new modules: the kernels give their gradients as the PyTorch ops do, and
+    launch none of the passes that only the frozen q, k and v's gradients need."""
+    for method in ("lizard", "lizard-shared"):
+        errors = interpreted(f"import json, attention_kernel_check as c; "
+                             f"print(json.dumps(c.check_stage1('cpu', method={method!r})))")
+        assert errors.pop("kernel_calls") == 2 and errors.pop("frozen_input_launches") == 0, (method, errors)
+        assert max(errors.values()) < 1e-4, (method, errors)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_bf16_model_steps_through_the_interpreted_kernels():
     """A bf16 model's decode steps hand the step kernels bf16 window q, k, v, sinks and alpha, and take
     y back in bf16, with no casts around them."""
@@ -48,3 +59,12 @@ def test_model_through_the_kernel_on_cuda_equals_the_pytorch_ops(method, dtype):
     assert padded.pop("kernel_calls") == 4 and padded.pop("step_calls") == STEP_CALLS
     errors |= {f"padded {name}": value for name, value in padded.items()}
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("method", ["lizard", "lizard-shared"])
+def test_stage1_through_the_kernels_on_cuda_skips_the_frozen_gradients(method):
+    errors = check_stage1("cuda", method=method, length=300)
+    assert errors.pop("kernel_calls") == 2 and errors.pop("frozen_input_launches") == 0, errors
+    assert max(errors.values()) < 1e-4, errors
