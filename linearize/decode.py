@@ -24,9 +24,9 @@ import torch
 from .cache import LinearizeCacheLayer
 from .fused_projections import fuse_projections, projections_fused
 
-# STILL reads the absolute position (chunk completion, routing order) as a Python int in its step,
-# which a captured graph would freeze; those models step eagerly.
-GRAPH_METHODS = ("lizard", "liger", "lolcats")
+# The methods whose decode step reads nothing back from the device and no position as a Python
+# number (STILL keeps its position in its state), so that a captured graph replays it.
+GRAPH_METHODS = ("lizard", "liger", "lolcats", "still")
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -66,8 +66,7 @@ class StaticDecoder:
         self.graph_error: str | None = None  # why capture failed, when it did
         self.closed = False
         # Compiled once at the first step: a replayed graph never calls it again. Stepping eagerly, it
-        # may recompile as the token count changes, until dynamo makes that count dynamic. STILL's steps
-        # read Python ints that change at every step (see GRAPH_METHODS): they are never compiled.
+        # may recompile as the token count changes, until dynamo makes that count dynamic.
         self.compile_backend = compile_backend
         self.compile_error: str | None = None
         self._compiled = None

@@ -76,9 +76,21 @@ def test_cuda_graph_decode_equals_eager(method):
 
     model = cuda_student(method)
     ids = torch.randint(3, 128, (3, 21), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    graphed = greedy_decode(model, ids, 24, cuda_graph=True)  # STILL falls back to eager steps
+    graphed = greedy_decode(model, ids, 24, cuda_graph=True)
     eager = greedy_decode(model, ids, 24, cuda_graph=False)
     assert torch.equal(graphed, eager)
+    # and the step was captured, not left eager by a failed capture
+    from transformers import DynamicCache
+
+    from linearize.decode import StaticDecoder
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    decoder = StaticDecoder(model, cache, batch=ids.shape[0], cuda_graph=True)
+    decoder.step(ids[:, -1:])
+    assert decoder.path.startswith("cuda graph"), decoder.path
+    decoder.close()
 
 
 def test_decoders_leave_no_memory_behind():

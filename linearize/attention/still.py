@@ -35,8 +35,8 @@ class StillAttention(LinearizedAttention):
         gate = None
         if cfg.gate:
             gate = self.projected[0].float().sigmoid().view(B, L, H, d).transpose(1, 2)
-        options = {"start": start, "window": cfg.window, "chunk": cfg.chunk_size, "per_chunk": cfg.per_chunk,
-                       "routing": cfg.routing, "scale": self.scaling, "eps": cfg.eps}
+        options = {"window": cfg.window, "chunk": cfg.chunk_size, "per_chunk": cfg.per_chunk,
+                   "routing": cfg.routing, "scale": self.scaling, "eps": cfg.eps}
         fresh = state is None
         if fresh:
             state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.budget - cfg.window,
@@ -50,7 +50,7 @@ class StillAttention(LinearizedAttention):
             part = slice(lo, lo + MAX_PARALLEL)
             y, state = still.still_parallel(q[:, :, part], k[:, :, part], v[:, :, part], valid[:, part],
                                             None if gate is None else gate[:, :, part], state, self.feature_map_q,
-                                            self.feature_map_k, **{**options, "start": start + lo},
+                                            self.feature_map_k, **options, start=start + lo,
                                             fresh=fresh and lo == 0, keep_state=self.caching or lo + MAX_PARALLEL < L)
             outputs.append(y)
         return torch.cat(outputs, 2), state

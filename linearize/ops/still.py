@@ -45,6 +45,9 @@ def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, sl
         "sal_pos": zeros(batch, num_kv_heads, slots, kind=torch.long),
         "sal_used": zeros(batch, num_kv_heads, slots, kind=torch.bool),
         "count": zeros(batch, kind=torch.long),
+        # The absolute position of the next token, on the device: a step reads it there, so that a
+        # CUDA graph replaying the step does not freeze the position it was captured at.
+        "next_pos": zeros(batch, kind=torch.long),
     }
 
 
@@ -390,18 +393,19 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
         "sal_pos": slots["pos"],
         "sal_used": slots["used"],
         "count": state["count"] + valid.sum(1),
+        "next_pos": state["next_pos"] + L,
     }
     return y, new_state
 
 
-def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing, scale,
-               eps=1e-6):
-    """Recurrent form for the token at absolute position `start`: score, select, attend, route."""
+def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, window, chunk, per_chunk, routing, scale, eps=1e-6):
+    """Recurrent form for the next token (at absolute position `state["next_pos"]`): score, select, attend,
+    route. Nothing in it reads the device back or depends on the position as a Python number, so a
+    CUDA graph can replay it."""
     n_rep = q.shape[1] // k.shape[1]
     keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
                                                                         eps)
-    if completes.any():
-        _select_if_complete(chosen, scores, key_valid, window - 1, completes[:, 0], chunk, per_chunk)
+    _select_if_complete(chosen, scores, key_valid, window - 1, completes[:, 0], chunk, per_chunk)
 
     soft_keys = torch.cat([state["sal_k"], keys], dim=2)
     soft_values = torch.cat([state["sal_v"], values], dim=2)
@@ -414,7 +418,7 @@ def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chun
 
     # The oldest window token leaves: into a salient slot, or folded (it, or the slot's victim).
     slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
-    cand_pos = torch.full(scores.shape[:2], start - window + 1, device=q.device, dtype=torch.long)
+    cand_pos = (state["next_pos"] - (window - 1))[:, None].expand(scores.shape[:2])
     slot, victim, fold_cand, slots = route_departure(slots, scores[..., 0], cand_pos, chosen[..., 0])
     index = slot.clamp_min(0)[..., None, None].expand(-1, -1, 1, k.shape[-1])
     has_slots = state["sal_k"].shape[2] > 0
@@ -441,5 +445,6 @@ def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chun
         "sal_pos": slots["pos"],
         "sal_used": slots["used"],
         "count": state["count"] + valid.sum(1),
+        "next_pos": state["next_pos"] + 1,
     }
     return y, new_state

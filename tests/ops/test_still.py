@@ -32,7 +32,7 @@ def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
     for t in range(q.shape[2]):
         sl = slice(t, t + 1)
         y, state = still.still_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl],
-                                    None if gate is None else gate[:, :, sl], state, phi_q, phi_k, start=t, **opts)
+                                    None if gate is None else gate[:, :, sl], state, phi_q, phi_k, **opts)
         ys.append(y)
         soft_sizes.append(state["sal_used"].sum(-1) + state["win_valid"][:, None, :].sum(-1) + 1)
     return torch.cat(ys, 2), state, torch.stack(soft_sizes)
