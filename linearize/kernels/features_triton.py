@@ -4,12 +4,14 @@ In PyTorch a layer's phi(q), phi(k) and rotated q, k are ~25 kernels (casts, per
 softmaxes, negations, concatenations, `repeat_kv`, the rotation's halves): at a decode step their
 launches cost more than the arithmetic, and in a prefill each is a full pass over [B, H, L, d] in
 float32. Here one kernel, `_features_kernel`, does all four, a program per batch row, query head and
-block of tokens: x W on tensor cores for blocks of 16 tokens (prefills), on CUDA cores for one token
+block of tokens: x W on tensor cores for blocks of 64 tokens (prefills), on CUDA cores for one token
 (decode steps, any power-of-two sizes). A KV head's rotated key is written by the first of its query
 heads. `HedgehogFeatureMap` and `attention.base.rotate` are the references.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -22,7 +24,17 @@ if INTERPRET:
 
     _interpreter.patch()
 
-TOKENS_PER_PROGRAM = 16  # rows of a prefill block: tl.dot's smallest
+# Rows of a prefill block. At 16 (tl.dot's smallest) each program had too little work to hide its
+# latency: in stage 1's profile (batch 8 x 2K, 9,216 programs a layer) the kernel ran at ~1/5 of the
+# bandwidth its bytes need. LINEARIZE_FEATURES_BLOCK sets another power of two >= 16 (A/B timings).
+TOKENS_PER_PROGRAM = 64
+
+
+def tokens_per_program() -> int:
+    block = int(os.environ.get("LINEARIZE_FEATURES_BLOCK", TOKENS_PER_PROGRAM))
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"LINEARIZE_FEATURES_BLOCK must be a power of two >= 16, got {block}")
+    return block
 
 
 @triton.jit
@@ -116,7 +128,7 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     qw = torch.empty(B, H, L, D, device=q.device, dtype=dtype) if rope else q.to(dtype)
     kw = torch.empty(B, HKV, L, D, device=q.device, dtype=dtype) if rope else k.to(dtype)
     cos, sin = (_unit_last(t.expand(B, L, D)) for t in position_embeddings) if rope else (q[:, 0], q[:, 0])
-    BL = 1 if L == 1 else TOKENS_PER_PROGRAM
+    BL = 1 if L == 1 else tokens_per_program()
     _features_kernel[(B * H, triton.cdiv(L, BL))](
         q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, fq, fk, qw, kw, L,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),

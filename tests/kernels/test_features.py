@@ -14,6 +14,7 @@ CASES = {
     "step-mha-one-position-bf16-weights": {"L": 1, "HKV": 4, "cos_batch": 1, "weight_dtype": torch.bfloat16},
     "step-no-rope-F8": {"L": 1, "F": 8, "rope": False},
     "prefill-L37-gqa-rope-projection-strides": {"L": 37},
+    "prefill-L150-gqa-rope-three-blocks": {"L": 150},
     "prefill-L16-gqa4-D64-F32-one-position": {"L": 16, "H": 8, "HKV": 2, "D": 64, "F": 32, "cos_batch": 1},
     "prefill-L50-no-rope-bf16-weights": {"L": 50, "rope": False, "weight_dtype": torch.bfloat16},
     "prefill-L37-bf16-in-and-out": {"L": 37, "dtype": torch.bfloat16},
@@ -64,6 +65,23 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
 def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation():
     for name, errs in interpreted_cases("test_features").items():
         assert max(errs.values()) < 1e-5, (name, errs)
+
+
+BLOCK_CASES = {name: CASES[name] for name in ("prefill-L37-gqa-rope-projection-strides", "prefill-L150-gqa-rope-three-blocks")}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_interpreted_features_kernel_at_another_block_size(monkeypatch):
+    """LINEARIZE_FEATURES_BLOCK (for A/B timings) changes how many tokens a program takes, not the results."""
+    from linearize.kernels.features_triton import tokens_per_program
+
+    monkeypatch.setenv("LINEARIZE_FEATURES_BLOCK", "16")
+    assert tokens_per_program() == 16
+    for name, errs in interpreted_cases("test_features", "BLOCK_CASES").items():
+        assert max(errs.values()) < 1e-5, (name, errs)
+    monkeypatch.setenv("LINEARIZE_FEATURES_BLOCK", "24")
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        tokens_per_program()
 
 
 @pytest.mark.gpu
