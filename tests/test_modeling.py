@@ -108,3 +108,18 @@ def test_converting_twice_is_refused():
     model = linearized("lizard")
     with pytest.raises(linearize.UnsupportedModelError, match="already linearized"):
         linearize.convert(model, "still")
+
+
+def test_gate_temperature_slows_the_forgetting():
+    """gamma = sigmoid(w.x + b) ** (1 / T): the log gate of the same logits is divided by T, and the model
+    still decodes token by token as it runs the whole sequence."""
+    hot, cold = linearized("lizard"), linearized("lizard", gate_temperature=16.0)
+    layer_hot, layer_cold = hot.model.layers[0].self_attn, cold.model.layers[0].self_attn
+    logits = torch.randn(2, 5, layer_hot.num_heads)
+    layer_hot.projected = layer_cold.projected = (logits,)
+    torch.testing.assert_close(layer_cold.log_gate(2, 5, "cpu"), layer_hot.log_gate(2, 5, "cpu") / 16)
+    ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = cold(ids, use_cache=False).logits
+        assert not torch.allclose(full, hot(ids, use_cache=False).logits)
+    torch.testing.assert_close(decode_token_by_token(cold, ids), full, atol=1e-4, rtol=0)
