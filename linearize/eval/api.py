@@ -163,8 +163,9 @@ def evaluate(
     harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
     if harness_batch is not None and harness_batch < 1:
         raise ValueError(f"harness_batch must be a positive integer, got {harness_batch!r}")
+    harness_batch = harness_batch or batch
     settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed)
-    settings["harness_batch"] = harness_batch or batch
+    settings["harness_batch"] = harness_batch
     settings["task_lengths"] = task_lengths
 
     def assemble(results: dict, complete: bool) -> dict:
@@ -211,7 +212,7 @@ def evaluate(
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(
                 model, tokenizer, [n for n in harness_tasks if n not in results], limit=limit, task_limits=task_limits,
-                batch=harness_batch or batch, seed=seed, data_dir=data_dir, on_task=finished,
+                batch=harness_batch, seed=seed, data_dir=data_dir, on_task=finished,
             )
             continue
         results[name]["wall_time_s"] = time.perf_counter() - start  # the harness times its tasks itself

@@ -850,13 +850,14 @@ class LizardAttentionFunction(torch.autograd.Function):
         # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
         # and v need no gradient, and the window's d k / d v passes and the linear part's d v are skipped.
         grad_qw, grad_kw, grad_v = ctx.needs_input_grad[3:6]
+        window_kv = grad_kw or grad_v  # the window's d k / d v pass writes both
         dfq, dfk = torch.empty_like(fq), torch.empty_like(fk)
         dqw = torch.empty_like(qw) if grad_qw else den  # den: a placeholder the kernel does not touch
         # Per query head; float32 where a GQA group is summed afterwards.
         kv_dtype = kw.dtype if group == 1 else f32
-        dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_kw or grad_v else den
+        dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if window_kv else den
         dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_v else den
-        dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32) if grad_kw or grad_v else den
+        dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32) if window_kv else den
         # dA shares: per feature (vector gate) or partial sums over feature blocks (scalar gate).
         da_shape = (B, H, L, F) if vec else (F // BK, B, H, L)
         da_q, da_k = torch.empty(da_shape, device=dev, dtype=f32), torch.empty(da_shape, device=dev, dtype=f32)
@@ -881,7 +882,7 @@ class LizardAttentionFunction(torch.autograd.Function):
         _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
                                            dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window, scale,
                                            M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
-        if grad_kw or grad_v:
+        if window_kv:
             _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, delta, arg, dm, dkw, dv_win, L, H,
                                                 HKV, window, scale, SHARED=shared, **win)
         if grad_v:
