@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ class Case:
     D: int = 64
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
     split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
+    state_block_k: int | None = None  # state rows a program of the split kernels' state passes carries
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -67,10 +69,13 @@ def _run(case, tensors, dy, dtype):
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
-    if dtype is None and case.split is not None:
+    overrides = {"split": case.split} if case.split is not None else {}
+    if case.state_block_k is not None:
+        overrides["state_block_k"] = case.state_block_k
+    if dtype is None and overrides:
         from .lizard_triton import Config, lizard_attention_triton
 
-        config = dataclasses.replace(Config.default(fq.dtype), split=case.split)
+        config = dataclasses.replace(Config.default(fq.dtype), **overrides)
         y = lizard_attention_triton(fq, fk, log_g, qw, kw, v, **opts, config=config)
     elif dtype is None:
         y = lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
@@ -156,21 +161,29 @@ def _median_ms(fn, reps=20, budget_ms=2000.0):
     return sorted(times)[len(times) // 2]
 
 
-def _fwd_and_bwd(forward, inputs):
-    """(forward-only ms without autograd, forward+backward ms)."""
+def _fwd_and_bwd(forward, inputs, profile_to=None):
+    """(forward-only ms without autograd, forward+backward ms); with `profile_to` (a path stem), each
+    pass's kernels once more under torch.profiler, into `<stem>-fwd.txt` and `<stem>-fwd+bwd.txt`."""
+    from ..bench.common import write_profile
+
     with torch.no_grad():
         fwd = _median_ms(forward)
+        if profile_to is not None:
+            write_profile(forward, torch.device("cuda"), Path(f"{profile_to}-fwd.txt"), rows=15)
     leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
     y = forward()
     dy = torch.randn_like(y)
     del y
-    both = _median_ms(lambda: torch.autograd.grad(forward(), leaves, dy))
+    both = lambda: torch.autograd.grad(forward(), leaves, dy)
+    both_ms = _median_ms(both)
+    if profile_to is not None:
+        write_profile(both, torch.device("cuda"), Path(f"{profile_to}-fwd+bwd.txt"), rows=15)
     for t in leaves:
         t.requires_grad_(False)
-    return fwd, both
+    return fwd, both_ms
 
 
-def _bench_ours(B, H, L, D, gate, config=None, shared=False):
+def _bench_ours(B, H, L, D, gate, config=None, shared=False, profile_to=None):
     from .lizard_triton import lizard_attention_triton
 
     case = Case(L=L, gate=gate, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
@@ -178,7 +191,7 @@ def _bench_ours(B, H, L, D, gate, config=None, shared=False):
     inputs = [fq, fk, log_g, qw, kw, v, sinks] + ([] if shared else [alpha])  # the shared form has no alpha
     return _fwd_and_bwd(lambda: lizard_attention_triton(fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
                                                         sinks=sinks, alpha=alpha, shared=shared, config=config),
-                         inputs)
+                         inputs, profile_to)
 
 
 def _bench_fla(B, H, L, D, which):
@@ -224,15 +237,26 @@ def run_bench(lengths, B=16, H=32, D=128):
         print(f"{name:<34}" + "".join(f"{c:>20}" for c in cells), flush=True)
 
 
-def run_sweep(L, B=16, H=32, D=128):
-    """Time block configurations of our kernel (bf16, scalar gate) to pick Config defaults."""
+def sweep_configs():
+    """The configurations `--sweep` times: the default, then one change at a time (rows a state pass's
+    program carries, software pipelining) and 64-token chunks, which halve the stored states. The
+    full grid of chunk x block_v x warps x split ran in the fifth session (docs/kernels.md)."""
     from .lizard_triton import Config
 
+    default = Config.default(torch.bfloat16)
+    change = functools.partial(dataclasses.replace, default)
+    return [default, change(state_block_k=64), change(stages=2), change(state_block_k=64, stages=2),
+            change(chunk=64, block_v=64, state_block_k=64), change(chunk=64, state_block_k=64),
+            change(chunk=64, state_block_k=64, warps=8), change(chunk=64, block_v=64, state_block_k=64, stages=2)]
+
+
+def run_sweep(L, B=16, H=32, D=128, profile_dir=None):
+    """Time block configurations of our kernel (bf16, scalar gate) to pick Config defaults."""
     print(f"\nconfig sweep, bf16 scalar gate, B={B} H={H} D={D} L={L}: forward / forward+backward ms")
-    for chunk, block_v, warps, split in itertools.product((32, 64), (64, 128), (4, 8), (False, True)):
-        cfg = Config(chunk=chunk, block_v=block_v, window_block=chunk, warps=warps, split=split)
+    for i, cfg in enumerate(sweep_configs()):
         try:
-            fwd, both = _bench_ours(B, H, L, D, "scalar", cfg)
+            profile_to = None if profile_dir is None else profile_dir / f"sweep{i}"
+            fwd, both = _bench_ours(B, H, L, D, "scalar", cfg, profile_to=profile_to)
             print(f"{cfg}: {fwd:8.2f} / {both:8.2f}", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
             print(f"{cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
@@ -244,16 +268,23 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     parser.add_argument("--no-bench", action="store_true", help="skip the timings")
     parser.add_argument("--sweep", action="store_true", help="also time block configurations at the first length")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="write the kernels of our forward and forward+backward at the first length, as "
+                             "torch.profiler tables, into DIR (each swept configuration, else the default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if not args.no_check:
         run_checks("cuda")
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     if not args.no_bench:
         run_bench(args.lengths)
     if args.sweep:
-        run_sweep(args.lengths[0])
+        run_sweep(args.lengths[0], profile_dir=args.profile)
+    elif args.profile is not None:
+        _bench_ours(16, 32, args.lengths[0], 128, "scalar", profile_to=args.profile / "default")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ class Config:
     block_k: int = 64  # state rows (features) per program: dq and dk passes
     window_block: int = 64  # query/key rows per program in the backward window kernels
     warps: int = 8
+    stages: int = 1  # Triton's software pipelining of the loops' loads (num_stages)
+    # State rows (features) per program of the split kernels' sequential state passes: fewer rows, more
+    # programs and fewer registers a program (fla's chunk_fwd_h splits the same way).
+    state_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
@@ -340,10 +344,12 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
 
 
 @triton.jit
-def _store_chunk_state(HS, HZ, n, S, z, write_z, F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
-    """Chunk n's entry of a stored state: its [F, BV] block of S and, from one program, z."""
-    rows = tl.arange(0, F)
-    _store_tile(HS + n * F * D, rows, F, S, D, BV)
+def _store_chunk_state(HS, HZ, n, S, z, write_z, F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr):
+    """Chunk n's entry of a stored state: a [BK, BV] block of S (HS, HZ point at its first row) and,
+    from one program of the row block, those rows of z."""
+    rows = tl.arange(0, BK)
+    _store_tile(HS + n * F * D, rows, BK, S, D, BV)
     if write_z:
         tl.store(HZ + n * F + rows, z)
 
@@ -365,63 +371,69 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 
 @triton.jit
 def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
-                       F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
-                       DT: tl.constexpr, CARRY: tl.constexpr):
-    """Grid (B*H, D/BV), for the split kernels: the state at the start of every chunk, HS [B*H, NT, F, D]
-    in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F] in float32.
-    With CARRY (a prefill continuing a cache) the state starts from S0 [B*H, F, D], Z0 [B*H, F] and the
-    state after the last token goes to S_END, Z_END (float32, same shapes)."""
+                       F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
+    """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
+    [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
+    in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
+    depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
+    starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
+    (float32, same shapes)."""
     bh = tl.program_id(0).to(tl.int64)
-    iv = tl.program_id(1)
+    fo = tl.program_id(1) * BK
+    iv = tl.program_id(2)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
-    FK += bh * L * F
-    LG += bh * L * (F if VEC else 1)
+    FK += bh * L * F + fo
+    LG += bh * L * F + fo if VEC else bh * L
     VB = V + kv * L * D + iv * BV
-    HS += bh * NT * F * D + iv * BV
-    HZ += bh * NT * F
+    block = bh * F * D + fo * D + iv * BV  # this program's block of an [F, D] state
+    HS += bh * NT * F * D + fo * D + iv * BV
+    HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
-    rows = tl.arange(0, F)
+    rows = tl.arange(0, BK)
     if CARRY:
-        S = _load_tile(S0 + bh * F * D + iv * BV, rows, F, D, BV)
-        z = tl.load(Z0 + bh * F + rows)
+        S = _load_tile(S0 + block, rows, BK, D, BV)
+        z = tl.load(Z0 + bh * F + fo + rows)
     else:
-        S = tl.zeros([F, BV], tl.float32)
-        z = tl.zeros([F], tl.float32)
+        S = tl.zeros([BK, BV], tl.float32)
+        z = tl.zeros([BK], tl.float32)
     for n in range(NT):
-        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BV)
+        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
         pos = n * BT + t
-        A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, F), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
+        A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
+        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
     if CARRY:
-        _store_chunk_state(S_END + bh * F * D + iv * BV, Z_END + bh * F, 0, S, z, iv == 0, F, D, BV)
+        _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
 
 
 @triton.jit
 def _bwd_states_kernel(FQ, LG, DEN, DY, DDEN, HDS, HDZ, L, NT,
-                       F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
-                       DT: tl.constexpr):
-    """Grid (B*H, D/BV), for the split kernels: dS, dz (gradients w.r.t. the state after each chunk,
-    from the later chunks' queries), backward over the chunks into HDS [B*H, NT, F, D], HDZ [B*H, NT, F]."""
+                       F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                       VEC: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK, D/BV), for the split kernels: dS, dz (gradients w.r.t. the state after each
+    chunk, from the later chunks' queries), backward over the chunks into HDS [B*H, NT, F, D], HDZ
+    [B*H, NT, F]; a program carries one [BK, BV] block, as in `_fwd_states_kernel`."""
     bh = tl.program_id(0).to(tl.int64)
-    iv = tl.program_id(1)
-    FQ += bh * L * F
-    LG += bh * L * (F if VEC else 1)
+    fo = tl.program_id(1) * BK
+    iv = tl.program_id(2)
+    FQ += bh * L * F + fo
+    LG += bh * L * F + fo if VEC else bh * L
     DY += bh * L * D + iv * BV
     DEN += bh * L
     DDEN += bh * L
-    HDS += bh * NT * F * D + iv * BV
-    HDZ += bh * NT * F
+    HDS += bh * NT * F * D + fo * D + iv * BV
+    HDZ += bh * NT * F + fo
     t = tl.arange(0, BT)
-    dS = tl.zeros([F, BV], tl.float32)
-    dz = tl.zeros([F], tl.float32)
+    dS = tl.zeros([BK, BV], tl.float32)
+    dz = tl.zeros([BK], tl.float32)
     for i in range(NT):
         n = NT - 1 - i
-        _store_chunk_state(HDS, HDZ, n, dS, dz, iv == 0, F, D, BV)
+        _store_chunk_state(HDS, HDZ, n, dS, dz, iv == 0, F, D, BK, BV)
         pos = n * BT + t
-        A, a_end = _load_gate(LG, pos, L, F, F, VEC)
+        A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
         d_num = _load_tile(DY, pos, L, D, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
         d_den = tl.load(DDEN + pos, mask=pos < L, other=0.0)
-        dS, dz = _retreat_state_grad(dS, dz, _load_tile(FQ, pos, L, F, F), A, a_end, d_num, d_den, VEC, DT)
+        dS, dz = _retreat_state_grad(dS, dz, _load_tile(FQ, pos, L, F, BK), A, a_end, d_num, d_den, VEC, DT)
 
 
 @triton.jit
@@ -735,14 +747,15 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _state_block_v(heads: int, D: int, BV: int, device: torch.device) -> int:
-    """Value columns per program of the sequential state passes (`_fwd_states_kernel`,
+def _state_blocks(heads: int, F: int, D: int, cfg: Config, device: torch.device) -> tuple[int, int]:
+    """State rows and value columns per program of the sequential state passes (`_fwd_states_kernel`,
     `_bwd_states_kernel`): each program walks every chunk, so with few heads (batch 1 at long
     context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more programs."""
     sms = _multiprocessors(device) if device.type == "cuda" else 132
-    while BV > 32 and heads * (D // BV) < sms:
+    BK, BV = min(cfg.state_block_k, F), min(cfg.block_v, D)
+    while BV > 32 and heads * (F // BK) * (D // BV) < sms:
         BV //= 2
-    return BV
+    return BK, BV
 
 
 def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
@@ -784,7 +797,8 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
     NT = triton.cdiv(L, BT)
-    shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps, "num_stages": 1}
+    shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
+              "num_stages": cfg.stages}
     end = None
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
@@ -793,9 +807,9 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
-        BVS = _state_block_v(B * H, D, BV, qw.device)
-        _fwd_states_kernel[(B * H, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
-                                              CARRY=carried is not None, **(shapes | {"BV": BVS}))
+        BKS, BVS = _state_blocks(B * H, F, D, cfg, qw.device)
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                                        CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
     else:
         hs = hz = den  # unread
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
@@ -841,11 +855,11 @@ class LizardAttentionFunction(torch.autograd.Function):
         dev, f32 = fq.device, torch.float32
         NT = triton.cdiv(L, BT)
         split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
-                 "num_warps": cfg.warps, "num_stages": 1}
+                 "num_warps": cfg.warps, "num_stages": cfg.stages}
         state = {key: value for key, value in split.items() if key != "SPLIT"}
         chunk_axis = (NT,) if cfg.split else ()
         win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
-               "num_warps": cfg.warps, "num_stages": 1}
+               "num_warps": cfg.warps, "num_stages": cfg.stages}
 
         # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
         # and v need no gradient, and the window's d k / d v passes and the linear part's d v are skipped.
@@ -872,9 +886,9 @@ class LizardAttentionFunction(torch.autograd.Function):
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
-            BVS = _state_block_v(B * H, D, BV, dev)
-            _bwd_states_kernel[(B * H, D // BVS)](fq, log_g, den, dy_gla, d_den, hds, hdz, L, NT, F=F, D=D, BV=BVS,
-                                                  **state)
+            BKS, BVS = _state_blocks(B * H, F, D, cfg, dev)
+            _bwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, log_g, den, dy_gla, d_den, hds, hdz, L, NT, F=F, D=D,
+                                                            BK=BKS, BV=BVS, **state)
         else:
             hds = hdz = den
         _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy_gla, d_den, hds, hdz, dfk, da_k,

@@ -43,3 +43,25 @@ def test_continued_prefill_in_the_interpreter():
 def test_continued_prefill_on_cuda(name):
     case = {k: eval(v) if k == "dtype" else v for k, v in CASES[name].items()}
     _assert_close(name, check("cuda", first=300, then=700, **case))
+
+
+_ROW_BLOCKS_SCRIPT = """
+import json, torch
+from linearize.kernels.check import Case, make_inputs
+from linearize.kernels.lizard_triton import Config, lizard_attention_parts
+case = Case(L=70, gate="vector", F=64, D=64)
+(fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cpu")
+g = torch.Generator().manual_seed(1)
+carried = torch.randn(2, 4, 64, 64, generator=g), torch.rand(2, 4, 64, generator=g)
+runs = [lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=32, scale=0.125, sinks=sinks, alpha=alpha,
+                               carried=carried, config=Config(chunk=32, split=True, state_block_k=rows))
+        for rows in (64, 16)]
+whole, blocks = ([*parts[:4], *parts[4]] for parts in runs)
+print(json.dumps([((a - b).norm() / a.norm()).item() for a, b in zip(whole, blocks)]))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_state_row_blocks_continue_a_carried_state_as_one_block_does():
+    """The state passes split by feature rows start from the carried rows and return them at the end."""
+    assert max(interpreted(_ROW_BLOCKS_SCRIPT)) < 1e-6

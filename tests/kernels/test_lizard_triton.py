@@ -44,6 +44,7 @@ INTERPRETER_CASES = {
     "shared-one-pass-L37-vector": Case(L=37, gate="vector", shared=True, split=False),
     "frozen-shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, frozen=True),
     "frozen-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, frozen=True),
+    "split-rows16-L100-gqa-w32-sinks4": Case(L=100, split=True, state_block_k=16),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -53,6 +54,7 @@ SLOW_INTERPRETER_CASES = {
     "L63-vector-strong-decay": Case(L=63, gate="vector", gate_bias=-4.0),
     "split-L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128, split=True),
     "split-L100-strong-decay": Case(L=100, gate_bias=-4.0, split=True),
+    "split-rows32-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True, state_block_k=32),
     "unnormalised-one-pass-L63-bf16": Case(L=63, window=64, dtype=bf16, sinks=0, normalize=False, split=False),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
