@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     p = sub.add_parser("kernels", help="Lizard attention op vs fla chunk_gla / chunk_simple_gla and causal SDPA")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--ops", type=lambda text: [key for key in text.split(",") if key],
+                   help="time only these ops, comma-separated: triton, chunked, chunk_gla, chunk_simple_gla, sdpa "
+                        "(default: all)")
     p.set_defaults(func=run_kernels)
 
     p = sub.add_parser("model", help="prefill latency, decode tokens/s and peak memory vs context and batch")
@@ -91,7 +94,7 @@ def wrote(paths) -> None:
 def run_kernels(args) -> None:
     from . import kernels
 
-    wrote(kernels.bench(args.out, quick=args.quick))
+    wrote(kernels.bench(args.out, quick=args.quick, ops=args.ops))
 
 
 def run_model(args) -> None:

@@ -63,6 +63,7 @@ LIZARD_FORMULA = (f"the chunked-GLA count with F = D features + B·H·L·8·w·D
 
 @dataclass
 class Op:
+    key: str  # what `--ops` calls it
     name: str
     flops: Callable[..., float]  # forward FLOPs of (B, H, L, D)
     backward_factor: float  # backward FLOPs / forward FLOPs
@@ -149,11 +150,11 @@ def fla_unavailable(device: torch.device) -> str | None:
 
 
 OPS = [
-    Op("lizard (triton)", lizard_flops, 2.0, LIZARD_FORMULA, make_lizard_triton, triton_unavailable),
-    Op("lizard (pytorch chunked)", lizard_flops, 2.0, LIZARD_FORMULA, make_lizard_chunked, lambda device: None),
-    Op("fla chunk_gla", gla_flops, 2.0, GLA_FORMULA, make_fla(simple=False), fla_unavailable),
-    Op("fla chunk_simple_gla", gla_flops, 2.0, GLA_FORMULA, make_fla(simple=True), fla_unavailable),
-    Op("sdpa causal", sdpa_flops, 2.5, SDPA_FORMULA, make_sdpa, lambda device: None),
+    Op("triton", "lizard (triton)", lizard_flops, 2.0, LIZARD_FORMULA, make_lizard_triton, triton_unavailable),
+    Op("chunked", "lizard (pytorch chunked)", lizard_flops, 2.0, LIZARD_FORMULA, make_lizard_chunked, lambda device: None),
+    Op("chunk_gla", "fla chunk_gla", gla_flops, 2.0, GLA_FORMULA, make_fla(simple=False), fla_unavailable),
+    Op("chunk_simple_gla", "fla chunk_simple_gla", gla_flops, 2.0, GLA_FORMULA, make_fla(simple=True), fla_unavailable),
+    Op("sdpa", "sdpa causal", sdpa_flops, 2.5, SDPA_FORMULA, make_sdpa, lambda device: None),
 ]
 
 
@@ -178,16 +179,38 @@ def measure_peak(n: int, device, dtype, warmup: int, iters: int) -> dict:
     return {"n": n, "ms": ms, "tflops": 2.0 * n**3 / ms / 1e9}
 
 
-def bench(out: Path, *, quick: bool = False) -> list[Path]:
-    settings = dict(QUICK if quick else FULL, dtype="bfloat16", chunk=CHUNK, window=WINDOW, sinks=SINKS, quick=quick)
+def select_ops(keys: list[str] | None) -> list[Op]:
+    """The ops `--ops` names (all by default), in the table's order."""
+    known = [op.key for op in OPS]
+    unknown = sorted(set(keys or []) - set(known))
+    if unknown:
+        raise ValueError(f"unknown op(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    return [op for op in OPS if keys is None or op.key in keys]
+
+
+def lizard_config() -> str | None:
+    """The Triton kernel's default block configuration for these bf16 inputs, as the run used it."""
+    try:
+        from ..kernels.lizard_triton import Config
+    except ImportError:
+        return None
+    return repr(Config.default(torch.bfloat16))
+
+
+def bench(out: Path, *, quick: bool = False, ops: list[str] | None = None) -> list[Path]:
+    chosen = select_ops(ops)
+    settings = dict(QUICK if quick else FULL, dtype="bfloat16", chunk=CHUNK, window=WINDOW, sinks=SINKS, quick=quick,
+                    lizard_config=lizard_config())
+    if ops is not None:
+        settings["ops"] = [op.key for op in chosen]
     device, dtype = default_device(), torch.bfloat16
     results = new_results("kernels", "Attention kernels", device, settings)
     warmup, iters = settings["warmup"], settings["iters"]
     peak = results["peak"] = measure_peak(settings["peak_n"], device, dtype, warmup, iters)
-    results["flop_formulas"] = {op.name: op.formula for op in OPS}
+    results["flop_formulas"] = {op.name: op.formula for op in chosen}
     results["rows"] = []
     for shape in settings["shapes"]:
-        for op in OPS:
+        for op in chosen:
             reason = op.unavailable(device)
             for mode in MODES:
                 B, H, L, D = shape
@@ -234,6 +257,8 @@ def tables(results: dict) -> list[str]:
                      for B, L in shapes]
             lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     lines.append("")
+    if settings.get("lizard_config"):
+        lines.append(f"- lizard (triton) ran `{settings['lizard_config']}`")
     skipped = {r["op"]: r["reason"] for r in rows if r["status"] in ("skipped", "error")}
     lines += [f"- {name}: {reason}" for name, reason in skipped.items()]
     by_formula = {}

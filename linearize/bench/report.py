@@ -28,6 +28,8 @@ def title(results: dict) -> str:
     settings = results["settings"]
     options = [f"{k}={v}" for k, v in settings.get("options", {}).items()]
     options += [f"{k}={v}" for k, v in results["environment"].get("switches", {}).items()]
+    if settings.get("ops"):
+        options.append(f"ops {'+'.join(settings['ops'])}")
     if settings.get("cuda_graph"):
         options.append("cuda graph")
     if settings.get("compile_decode"):

@@ -238,16 +238,16 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (rows a state pass's
-    program carries, software pipelining) and 64-token chunks, which halve the stored states. The
-    full grid of chunk x block_v x warps x split ran in the fifth session (docs/kernels.md)."""
+    """The configurations `--sweep` times: the default, then one change at a time (software
+    pipelining, the state passes' rows, the backward window kernels' blocks, the dq/dk passes' rows,
+    longer chunks). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(state_block_k=64), change(stages=2), change(state_block_k=64, stages=2),
-            change(chunk=64, block_v=64, state_block_k=64), change(chunk=64, state_block_k=64),
-            change(chunk=64, state_block_k=64, warps=8), change(chunk=64, block_v=64, state_block_k=64, stages=2)]
+    return [default, change(stages=2), change(state_block_k=128), change(window_block=64),
+            change(window_block=64, stages=2), change(block_k=128), change(chunk=128, block_v=64),
+            change(block_v=64, stages=2)]
 
 
 def run_sweep(L, B=16, H=32, D=128, profile_dir=None):

@@ -60,9 +60,9 @@ class Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
             return Config(chunk=32, window_block=32)
-        # The fastest of the H200 sweep at B=16, H=32, F=D=128, L=2K (docs/kernels.md): 2.91 / 9.96 ms
-        # forward / forward+backward, against 4.13 / 14.99 for the one-pass Config(chunk=64).
-        return Config(chunk=32, block_v=128, window_block=32, warps=4, split=True)
+        # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twelfth session):
+        # 1.73 / 8.10 ms forward / forward+backward, against 3.03 / 10.18 for the 32-token chunks before.
+        return Config(chunk=64, block_v=128, window_block=32, warps=4, split=True, state_block_k=64)
 
 
 # ----------------------------------------------------------------------------------------------------

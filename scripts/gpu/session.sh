@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests [PATH...] | kernels [sweep|bench] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
+# PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64]]]
 # | rows NAME...
 # (recipes/NAME.json)
@@ -24,12 +24,15 @@ case $part in
     [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py)
     step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
-    # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels bench`: `bench
-    # kernels` (Table 3: every shape and op, into the docs' format); no word: the check's timings.
+    # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels bench [OPS]`: `bench
+    # kernels` (Table 3: every shape, every op or the ops OPS names joined by +, into the docs' format;
+    # fla's kernels take ~6 minutes to compile and tune on a cold machine); no word: the check's timings.
     case ${1:-} in
       sweep) step sweep 300 python -m linearize.kernels.check --no-check --no-bench --sweep --lengths 2048 \
                --profile "$res/profile" ;;
-      bench) step bench 400 python -m linearize.cli bench kernels --out "$res/kernels" ;;
+      bench) ops=()
+             [ -n "${2:-}" ] && ops=(--ops "${2//+/,}")
+             step bench 400 python -m linearize.cli bench kernels "${ops[@]}" --out "$res/kernels" ;;
       *) step check 300 python -m linearize.kernels.check --no-check ;;
     esac ;;
   train)

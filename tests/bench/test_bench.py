@@ -54,6 +54,15 @@ def test_kernels_measure_our_op_and_sdpa_and_skip_gpu_only_rows(outputs):
     assert "| lizard (pytorch chunked) | fwd+bwd |" in md
 
 
+def test_kernels_ops_times_only_those_and_names_its_section(tmp_path):
+    run("bench", "kernels", "--out", tmp_path, "--quick", "--ops", "sdpa")
+    results = load(tmp_path, "kernels")
+    assert {row["op"] for row in results["rows"]} == {"sdpa causal"}
+    assert results["settings"]["ops"] == ["sdpa"] and title(results).endswith("(ops sdpa)")
+    with pytest.raises(ValueError, match="unknown op.*flash.*choose from triton"):
+        run("bench", "kernels", "--out", tmp_path, "--quick", "--ops", "sdpa,flash")
+
+
 def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(outputs):
     results = load(outputs / "model", "model")
     assert [m["name"] for m in results["models"]] == [model_bench.SOFTMAX, "lizard"]
