@@ -39,7 +39,7 @@ DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Block sizes and warps per kernel family (picked from ptxas spill reports for sm_90, F = D = 128)."""
+    """Block sizes, warps and pipelining per kernel family (the defaults: H200 sweeps, docs/kernels.md)."""
 
     chunk: int  # scalar-gate chunk (the vector gate always uses VECTOR_GATE_CHUNK)
     block_v: int = 64  # value columns per program: forward and dv pass
@@ -54,6 +54,15 @@ class Config:
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
     split: bool = False
+
+    def __post_init__(self):
+        # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
+        for name in ("chunk", "block_v", "block_k", "window_block", "state_block_k"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {self.warps}, {self.stages}")
 
     @staticmethod
     def default(dtype: torch.dtype) -> Config:

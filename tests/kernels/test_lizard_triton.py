@@ -146,3 +146,14 @@ assert y.shape == (1, 2, 5, 8) and torch.isfinite(y).all()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@needs_triton
+def test_config_refuses_block_sizes_the_kernels_cannot_take():
+    from linearize.kernels.lizard_triton import Config
+
+    for dtype in (torch.float32, bf16):
+        Config.default(dtype)
+    for bad in ({"chunk": 48}, {"state_block_k": 8}, {"warps": 3}, {"stages": 0}):
+        with pytest.raises(ValueError, match="Config"):
+            Config(**{"chunk": 64, **bad})
