@@ -39,6 +39,7 @@ class Case:
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
     split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
     state_block_k: int | None = None  # state rows a program of the split kernels' state passes carries
+    state_block_v: int | None = None  # and its value columns
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -70,8 +71,9 @@ def _run(case, tensors, dy, dtype):
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
-    if case.state_block_k is not None:
-        overrides["state_block_k"] = case.state_block_k
+    for name in ("state_block_k", "state_block_v"):
+        if getattr(case, name) is not None:
+            overrides[name] = getattr(case, name)
     if dtype is None and overrides:
         from .lizard_triton import Config, lizard_attention_triton
 
@@ -245,9 +247,8 @@ def sweep_configs():
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(stages=2), change(state_block_k=128), change(window_block=64),
-            change(window_block=64, stages=2), change(block_k=128), change(chunk=128, block_v=64),
-            change(block_v=64, stages=2)]
+    return [default, change(stages=2), change(state_block_v=64), change(state_block_v=64, stages=2),
+            change(window_block=64, stages=2), change(block_k=128, stages=2), change(state_block_k=128, stages=2)]
 
 
 def run_sweep(L, B=16, H=32, D=128, profile_dir=None):

@@ -47,9 +47,11 @@ class Config:
     window_block: int = 64  # query/key rows per program in the backward window kernels
     warps: int = 8
     stages: int = 1  # Triton's software pipelining of the loops' loads (num_stages)
-    # State rows (features) per program of the split kernels' sequential state passes: fewer rows, more
-    # programs and fewer registers a program (fla's chunk_fwd_h splits the same way).
+    # State rows (features) and value columns per program of the split kernels' sequential state
+    # passes: smaller blocks, more programs and fewer registers a program (fla's chunk_fwd_h splits the
+    # same way, 64 x 64).
     state_block_k: int = 128
+    state_block_v: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
@@ -57,7 +59,7 @@ class Config:
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
-        for name in ("chunk", "block_v", "block_k", "window_block", "state_block_k"):
+        for name in ("chunk", "block_v", "block_k", "window_block", "state_block_k", "state_block_v"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
@@ -68,7 +70,7 @@ class Config:
     def default(dtype: torch.dtype) -> Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
-            return Config(chunk=32, window_block=32)
+            return Config(chunk=32, window_block=32, state_block_v=64)
         # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twelfth session):
         # 1.73 / 8.10 ms forward / forward+backward, against 3.03 / 10.18 for the 32-token chunks before.
         return Config(chunk=64, block_v=128, window_block=32, warps=4, split=True, state_block_k=64)
@@ -761,7 +763,7 @@ def _state_blocks(heads: int, F: int, D: int, cfg: Config, device: torch.device)
     `_bwd_states_kernel`): each program walks every chunk, so with few heads (batch 1 at long
     context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more programs."""
     sms = _multiprocessors(device) if device.type == "cuda" else 132
-    BK, BV = min(cfg.state_block_k, F), min(cfg.block_v, D)
+    BK, BV = min(cfg.state_block_k, F), min(cfg.state_block_v, D)
     while BV > 32 and heads * (F // BK) * (D // BV) < sms:
         BV //= 2
     return BK, BV

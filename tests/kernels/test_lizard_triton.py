@@ -44,7 +44,7 @@ INTERPRETER_CASES = {
     "shared-one-pass-L37-vector": Case(L=37, gate="vector", shared=True, split=False),
     "frozen-shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, frozen=True),
     "frozen-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, frozen=True),
-    "split-rows16-L100-gqa-w32-sinks4": Case(L=100, split=True, state_block_k=16),
+    "split-rows16-L100-gqa-w32-sinks4": Case(L=100, split=True, state_block_k=16, state_block_v=32),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -154,6 +154,6 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
 
     for dtype in (torch.float32, bf16):
         Config.default(dtype)
-    for bad in ({"chunk": 48}, {"state_block_k": 8}, {"warps": 3}, {"stages": 0}):
+    for bad in ({"chunk": 48}, {"state_block_k": 8}, {"state_block_v": 96}, {"warps": 3}, {"stages": 0}):
         with pytest.raises(ValueError, match="Config"):
             Config(**{"chunk": 64, **bad})
