@@ -199,8 +199,9 @@ def lizard_config() -> str | None:
 
 def bench(out: Path, *, quick: bool = False, ops: list[str] | None = None) -> list[Path]:
     chosen = select_ops(ops)
-    settings = dict(QUICK if quick else FULL, dtype="bfloat16", chunk=CHUNK, window=WINDOW, sinks=SINKS, quick=quick,
-                    lizard_config=lizard_config())
+    settings = dict(QUICK if quick else FULL, dtype="bfloat16", chunk=CHUNK, window=WINDOW, sinks=SINKS, quick=quick)
+    if any(op.key == "triton" for op in chosen):
+        settings["lizard_config"] = lizard_config()
     if ops is not None:
         settings["ops"] = [op.key for op in chosen]
     device, dtype = default_device(), torch.bfloat16
@@ -257,7 +258,7 @@ def tables(results: dict) -> list[str]:
                      for B, L in shapes]
             lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     lines.append("")
-    if settings.get("lizard_config"):
+    if settings.get("lizard_config") and any(r["op"] == "lizard (triton)" and r["status"] == "ok" for r in rows):
         lines.append(f"- lizard (triton) ran `{settings['lizard_config']}`")
     skipped = {r["op"]: r["reason"] for r in rows if r["status"] in ("skipped", "error")}
     lines += [f"- {name}: {reason}" for name, reason in skipped.items()]

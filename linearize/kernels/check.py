@@ -240,9 +240,10 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (software
-    pipelining, the state passes' rows, the backward window kernels' blocks, the dq/dk passes' rows,
-    longer chunks). The earlier sweeps and what they chose are in docs/kernels.md."""
+    """The configurations `--sweep` times: the default, software pipelining (`stages=2`) alone, and
+    with it one more change at a time (the state passes' columns or rows, the backward window
+    kernels' blocks, the dq/dk passes' rows). The earlier sweeps and what they chose are in
+    docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
@@ -278,8 +279,6 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if not args.no_check:
         run_checks("cuda")
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
     if not args.no_bench:
         run_bench(args.lengths)
     if args.sweep:

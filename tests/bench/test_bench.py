@@ -59,6 +59,8 @@ def test_kernels_ops_times_only_those_and_names_its_section(tmp_path):
     results = load(tmp_path, "kernels")
     assert {row["op"] for row in results["rows"]} == {"sdpa causal"}
     assert results["settings"]["ops"] == ["sdpa"] and title(results).endswith("(ops sdpa)")
+    assert "lizard_config" not in results["settings"]
+    assert "lizard (triton) ran" not in (tmp_path / "kernels.md").read_text()
     with pytest.raises(ValueError, match="unknown op.*flash.*choose from triton"):
         run("bench", "kernels", "--out", tmp_path, "--quick", "--ops", "sdpa,flash")
 
