@@ -43,6 +43,7 @@ class Case:
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
+    dy_transposed: bool = False  # dy laid out [B, L, H, D], as the model's o_proj hands it back, viewed [B, H, L, D]
 
 
 def make_inputs(case: Case, device, seed=0):
@@ -59,7 +60,8 @@ def make_inputs(case: Case, device, seed=0):
     # The model computes its gate (and keeps sinks and alpha) in float32.
     tensors = [fq.to(case.dtype), fk.to(case.dtype), log_g] + [t.to(case.dtype) for t in (qw, kw, v)]
     tensors += [rand(H, case.sinks), torch.linspace(0.5, 1.5, H, device=device)]
-    return tensors, rand(B, H, L, case.D).to(case.dtype)
+    dy = rand(B, L, H, case.D).transpose(1, 2) if case.dy_transposed else rand(B, H, L, case.D)
+    return tensors, dy.to(case.dtype)
 
 
 def _run(case, tensors, dy, dtype):
@@ -240,21 +242,52 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, software pipelining (`stages=2`) alone, and
-    with it one more change at a time (the state passes' columns or rows, the backward window
-    kernels' blocks, the dq/dk passes' rows). The earlier sweeps and what they chose are in
-    docs/kernels.md."""
+    """The configurations `--sweep` times: the default, software pipelining (`stages` 2 and 3) alone,
+    and with it one more change at a time (the state passes' columns, the dq/dk passes' rows, both
+    state-pass block sizes). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(stages=2), change(state_block_v=64), change(state_block_v=64, stages=2),
-            change(window_block=64, stages=2), change(block_k=128, stages=2), change(state_block_k=128, stages=2)]
+    return [default, change(stages=2), change(stages=3), change(state_block_v=64, stages=2),
+            change(state_block_v=64, stages=3), change(block_k=128, stages=2),
+            change(block_k=128, stages=3), change(block_k=128, state_block_k=128, stages=2)]
+
+
+def compiled_kernels():
+    """(name, Triton's compiled kernel) for every variant of the Lizard kernels compiled in this process."""
+    from triton.runtime.jit import JITFunction
+
+    from . import lizard_triton
+
+    for name, fn in vars(lizard_triton).items():
+        if isinstance(fn, JITFunction) and name.endswith("_kernel"):
+            for kernel_cache, *_ in fn.device_caches.values():
+                for compiled in kernel_cache.values():
+                    yield name, compiled
+
+
+def write_resources(path: Path, skip: set) -> None:
+    """Registers, spills and shared memory of the kernels compiled since `skip` was last updated (ids of
+    those already written): what decides how many programs share an SM."""
+    lines = []
+    for name, compiled in compiled_kernels():
+        if id(compiled) in skip:
+            continue
+        skip.add(id(compiled))
+        meta = compiled.metadata
+        lines.append(f"{name}: {getattr(compiled, 'n_regs', '?')} registers/thread, "
+                     f"{getattr(compiled, 'n_spills', '?')} spilled, {meta.shared} B shared memory, "
+                     f"{meta.num_warps} warps, {meta.num_stages} stages")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(sorted(lines)) + "\n")
 
 
 def run_sweep(L, B=16, H=32, D=128, profile_dir=None):
-    """Time block configurations of our kernel (bf16, scalar gate) to pick Config defaults."""
+    """Time block configurations of our kernel (bf16, scalar gate) to pick Config defaults; with
+    `profile_dir`, each one's profile and its kernels' resources (`write_resources`) go there."""
     print(f"\nconfig sweep, bf16 scalar gate, B={B} H={H} D={D} L={L}: forward / forward+backward ms")
+    written = set()
     for i, cfg in enumerate(sweep_configs()):
         try:
             profile_to = None if profile_dir is None else profile_dir / f"sweep{i}"
@@ -262,6 +295,8 @@ def run_sweep(L, B=16, H=32, D=128, profile_dir=None):
             print(f"{cfg}: {fwd:8.2f} / {both:8.2f}", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
             print(f"{cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+        if profile_dir is not None:
+            write_resources(profile_dir / f"sweep{i}-resources.txt", written)
 
 
 def main():

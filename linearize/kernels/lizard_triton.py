@@ -200,6 +200,13 @@ def _window_scores(qw, kw, qpos, kpos, window, scale, DT: tl.constexpr):
 
 
 @triton.jit
+def _dy_rows(DY, bh, H, dy_b, dy_h):
+    """Head bh's rows of dy: [B, H, L, D] or, as the model's o_proj hands it back uncopied, [B, L, H, D]
+    (batch and head strides dy_b, dy_h; each kernel's DY_ROW is the row stride)."""
+    return DY + (bh // H) * dy_b + (bh % H) * dy_h
+
+
+@triton.jit
 def _sink_logits(SINKS, M: tl.constexpr, MP: tl.constexpr):
     idx = tl.arange(0, MP)
     return tl.load(SINKS + idx, mask=idx < M, other=float("-inf")).to(tl.float32)
@@ -418,9 +425,9 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
 
 
 @triton.jit
-def _bwd_states_kernel(FQ, LG, DEN, DY, DDEN, HDS, HDZ, L, NT,
+def _bwd_states_kernel(FQ, LG, DEN, DY, dy_b, dy_h, DDEN, HDS, HDZ, L, H, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       VEC: tl.constexpr, DT: tl.constexpr):
+                       DY_ROW: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, F/BK, D/BV), for the split kernels: dS, dz (gradients w.r.t. the state after each
     chunk, from the later chunks' queries), backward over the chunks into HDS [B*H, NT, F, D], HDZ
     [B*H, NT, F]; a program carries one [BK, BV] block, as in `_fwd_states_kernel`."""
@@ -429,7 +436,7 @@ def _bwd_states_kernel(FQ, LG, DEN, DY, DDEN, HDS, HDZ, L, NT,
     iv = tl.program_id(2)
     FQ += bh * L * F + fo
     LG += bh * L * F + fo if VEC else bh * L
-    DY += bh * L * D + iv * BV
+    DY = _dy_rows(DY, bh, H, dy_b, dy_h) + iv * BV
     DEN += bh * L
     DDEN += bh * L
     HDS += bh * NT * F * D + fo * D + iv * BV
@@ -442,7 +449,7 @@ def _bwd_states_kernel(FQ, LG, DEN, DY, DDEN, HDS, HDZ, L, NT,
         _store_chunk_state(HDS, HDZ, n, dS, dz, iv == 0, F, D, BK, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        d_num = _load_tile(DY, pos, L, D, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
+        d_num = _load_tile(DY, pos, L, DY_ROW, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
         d_den = tl.load(DDEN + pos, mask=pos < L, other=0.0)
         dS, dz = _retreat_state_grad(dS, dz, _load_tile(FQ, pos, L, F, BK), A, a_end, d_num, d_den, VEC, DT)
 
@@ -457,7 +464,7 @@ def _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC: tl.constexpr, DT
 
 
 @triton.jit
-def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT,
+def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT,
                      F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
     """The dq and dk kernels' pointers for head bh and state rows [ik*BK, (ik+1)*BK): fq, fk and the
     gradient being written (DF) at those features, the gate, the dA share (per feature for a vector
@@ -472,12 +479,12 @@ def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, DEN, DDEN, HS, HZ, bh, ik, L, H,
         LG += bh * L
         DA += (ik * tl.num_programs(0) + bh) * L
     return (FQ + bh * L * F + fo, FK + bh * L * F + fo, DF + bh * L * F + fo, LG, DA, V + kv * L * D,
-            DY + bh * L * D, DEN + bh * L, DDEN + bh * L, HS + bh * NT * F * D + fo * D, HZ + bh * NT * F + fo)
+            _dy_rows(DY, bh, H, dy_b, dy_h), DEN + bh * L, DDEN + bh * L, HS + bh * NT * F * D + fo * D, HZ + bh * NT * F + fo)
 
 
 @triton.jit
-def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, DDEN_EXT, L, H, HKV, NT,
-                   F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q, DDEN, DDEN_EXT, L, H, HKV, NT,
+                   F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
                    VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
                    DT: tl.constexpr):
     """Grid (B*H, F/BK[, NT]), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
@@ -487,7 +494,7 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, DDEN_
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
     FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ = _state_rows_ptrs(
-        FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
+        FQ, FK, DFQ, LG, DA_Q, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
     Y_GLA += bh * L * D
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
@@ -504,7 +511,7 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, DDEN_
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        dy = _load_tile(DY, pos, L, D, D)
+        dy = _load_tile(DY, pos, L, DY_ROW, D)
         den = tl.load(DEN + pos, mask=inside, other=1.0)
         d_num = dy / den[:, None]
         if NORM:
@@ -535,8 +542,8 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, HS, HZ, DFQ, DA_Q, DDEN, DDEN_
 
 
 @triton.jit
-def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV, NT,
-                   F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, dy_b, dy_h, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV, NT,
+                   F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
                    VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, F/BK[, NT]), backward over the chunks with rows [fo, fo+BK) of dS, the gradient
     w.r.t. the state after each chunk (split: one chunk, its dS, dz from HDS, HDZ): d fk of those
@@ -544,7 +551,7 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV,
     bh = tl.program_id(0).to(tl.int64)
     ik = tl.program_id(1)
     FQ, FK, DFK, LG, DA_K, V, DY, DEN, DDEN, HDS, HDZ = _state_rows_ptrs(
-        FQ, FK, DFK, LG, DA_K, V, DY, DEN, DDEN, HDS, HDZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
+        FQ, FK, DFK, LG, DA_K, V, DY, dy_b, dy_h, DEN, DDEN, HDS, HDZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
@@ -561,7 +568,7 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV,
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        d_num = _load_tile(DY, pos, L, D, D) / tl.load(DEN + pos, mask=inside, other=1.0)[:, None]
+        d_num = _load_tile(DY, pos, L, DY_ROW, D) / tl.load(DEN + pos, mask=inside, other=1.0)[:, None]
         d_den = tl.load(DDEN + pos, mask=inside, other=0.0)
 
         dP = _dot(d_num, tl.trans(v), DT) + d_den[:, None]
@@ -584,8 +591,8 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV,
 
 
 @triton.jit
-def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
-                   F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, dy_b, dy_h, DV_WIN, HDS, DV, L, H, NT,
+                   F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
                    VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]), backward over the chunks with columns [vo, vo+BV) of dS (split: one
     chunk, its dS from HDS): d v of the linear part plus the window's (DV_WIN), per query head."""
@@ -594,7 +601,7 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
     FQ += bh * L * F
     FK += bh * L * F
     LG += bh * L * (F if VEC else 1)
-    DY += bh * L * D + vo
+    DY = _dy_rows(DY, bh, H, dy_b, dy_h) + vo
     DV_WIN += bh * L * D + vo
     DV += bh * L * D + vo
     DEN += bh * L
@@ -612,7 +619,7 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
         q = _load_tile(FQ, pos, L, F, F)
         k = _load_tile(FK, pos, L, F, F)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        d_num = _load_tile(DY, pos, L, D, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
+        d_num = _load_tile(DY, pos, L, DY_ROW, BV) / tl.load(DEN + pos, mask=pos < L, other=1.0)[:, None]
         if VEC:
             P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
         else:
@@ -624,9 +631,9 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, DV_WIN, HDS, DV, L, NT,
 
 
 @triton.jit
-def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, DSINKS, DALPHA, DLSE, ARG, DM,
+def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, dy_b, dy_h, DQW, DELTA, DSINKS, DALPHA, DLSE, ARG, DM,
                           L, H, HKV, window, scale,
-                          D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, M: tl.constexpr,
+                          D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DY_ROW: tl.constexpr, M: tl.constexpr,
                           MP: tl.constexpr, SHARED: tl.constexpr, GRAD_Q: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BW)): one block of queries. d qw (GRAD_Q), delta = dy_win . y_win per token
     (DELTA) and this block's share of d sinks and d alpha. SHARED: the log-sum-exp and the row max (held
@@ -640,7 +647,7 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, D
     part = bh * tl.num_programs(1) + n
     QW += bh * L * D
     DQW += bh * L * D
-    DY += bh * L * D
+    DY = _dy_rows(DY, bh, H, dy_b, dy_h)
     Y_WIN += bh * L * D
     KW += kv * L * D
     V += kv * L * D
@@ -648,7 +655,7 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, D
     inside = pos < L
     alpha = tl.load(ALPHA + h).to(tl.float32)
     lse = tl.load(LSE + bh * L + pos, mask=inside, other=float("inf"))  # padded rows: zero probabilities
-    dy = _load_tile(DY, pos, L, D, D)
+    dy = _load_tile(DY, pos, L, DY_ROW, D)
     dy_ywin = tl.sum(dy.to(tl.float32) * _load_tile(Y_WIN, pos, L, D, D).to(tl.float32), 1)
     delta = alpha * dy_ywin
     if SHARED:  # d lse_i reaches s_ij as p_ij d lse_i: the same as lowering delta
@@ -684,8 +691,8 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, DQW, DELTA, D
 
 
 @triton.jit
-def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, ARG, DM, DKW, DV_WIN, L, H, HKV, window, scale,
-                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, SHARED: tl.constexpr,
+def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, dy_b, dy_h, DELTA, ARG, DM, DKW, DV_WIN, L, H, HKV, window, scale,
+                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DY_ROW: tl.constexpr, SHARED: tl.constexpr,
                            DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BW)): one block of keys, seen by the query blocks n .. n + NWB. d kw and the
     window's d v, per query head (SHARED: plus the row max's gradient DM where key ARG holds it)."""
@@ -694,7 +701,7 @@ def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, ARG, DM, DKW, DV_WI
     h = bh % H
     kv = (bh // H) * HKV + h // (H // HKV)
     QW += bh * L * D
-    DY += bh * L * D
+    DY = _dy_rows(DY, bh, H, dy_b, dy_h)
     pos = n * BW + tl.arange(0, BW)
     kw = _load_tile(KW + kv * L * D, pos, L, D, D)
     v = _load_tile(V + kv * L * D, pos, L, D, D)
@@ -706,7 +713,7 @@ def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, DELTA, ARG, DM, DKW, DV_WI
         qpos = qb * BW + tl.arange(0, BW)
         q_in = qpos < L
         qw = _load_tile(QW, qpos, L, D, D)
-        dy_win = alpha * _load_tile(DY, qpos, L, D, D)
+        dy_win = alpha * _load_tile(DY, qpos, L, DY_ROW, D)
         lse = tl.load(LSE + bh * L + qpos, mask=q_in, other=float("inf"))
         delta = tl.load(DELTA + bh * L + qpos, mask=q_in, other=0.0)
         p = tl.exp(_window_scores(qw, kw, qpos, pos, window, scale, DT) - lse[:, None])
@@ -852,8 +859,8 @@ class LizardAttentionFunction(torch.autograd.Function):
         if shared:  # the split reads dy as it comes (the model's [B, L, H d] gradient, viewed), no copy
             dy_gla, dy_win, dlse, dm, dden_ext = shared_split(dy, y_gla, y_win, den, lse, row_max)
             alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
-        else:
-            dy_gla = dy_win = dy.contiguous()
+        else:  # read as it comes: the model's [B, L, H, D] gradient, transposed, is not copied
+            dy_gla = dy_win = dy if dy.stride(-1) == 1 else dy.contiguous()
         B, H, L, F = fq.shape
         HKV, D = kw.shape[1], kw.shape[-1]
         group = H // HKV
@@ -866,11 +873,12 @@ class LizardAttentionFunction(torch.autograd.Function):
         dev, f32 = fq.device, torch.float32
         NT = triton.cdiv(L, BT)
         split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
-                 "num_warps": cfg.warps, "num_stages": cfg.stages}
+                 "DY_ROW": dy_gla.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
         state = {key: value for key, value in split.items() if key != "SPLIT"}
         chunk_axis = (NT,) if cfg.split else ()
         win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
-               "num_warps": cfg.warps, "num_stages": cfg.stages}
+               "DY_ROW": dy_win.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
+        dy_gla_bh, dy_win_bh = (dy_gla.stride(0), dy_gla.stride(1)), (dy_win.stride(0), dy_win.stride(1))
 
         # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
         # and v need no gradient, and the window's d k / d v passes and the linear part's d v are skipped.
@@ -891,28 +899,28 @@ class LizardAttentionFunction(torch.autograd.Function):
         d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
         hs, hz = states if cfg.split else (den, den)  # unread unless split
-        _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy_gla, hs, hz, dfq, da_q,
-                                                      d_den, dden_ext, L, H, HKV, NT, F=F, D=D, BK=BK,
+        _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy_gla, *dy_gla_bh, hs, hz, dfq,
+                                                      da_q, d_den, dden_ext, L, H, HKV, NT, F=F, D=D, BK=BK,
                                                       NORM=ctx.normalize, SHARED=shared, **split)
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
             BKS, BVS = _state_blocks(B * H, F, D, cfg, dev)
-            _bwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, log_g, den, dy_gla, d_den, hds, hdz, L, NT, F=F, D=D,
-                                                            BK=BKS, BV=BVS, **state)
+            _bwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, log_g, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, L, H,
+                                                            NT, F=F, D=D, BK=BKS, BV=BVS, **state)
         else:
             hds = hdz = den
-        _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy_gla, d_den, hds, hdz, dfk, da_k,
-                                                      L, H, HKV, NT, F=F, D=D, BK=BK, **split)
+        _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk,
+                                                      da_k, L, H, HKV, NT, F=F, D=D, BK=BK, **split)
         _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
-                                           dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window, scale,
-                                           M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
+                                           *dy_win_bh, dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window,
+                                           scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
         if window_kv:
-            _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, delta, arg, dm, dkw, dv_win, L, H,
-                                                HKV, window, scale, SHARED=shared, **win)
+            _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win,
+                                                L, H, HKV, window, scale, SHARED=shared, **win)
         if grad_v:
-            _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, dv_win, hds, dv, L, NT, F=F,
-                                                          D=D, BV=BV, **split)
+            _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H,
+                                                          NT, F=F, D=D, BV=BV, **split)
 
         # d log g_t = sum over s >= t of dA_s.
         if vec:

@@ -45,6 +45,8 @@ INTERPRETER_CASES = {
     "frozen-shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, frozen=True),
     "frozen-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, frozen=True),
     "split-rows16-L100-gqa-w32-sinks4": Case(L=100, split=True, state_block_k=16, state_block_v=32),
+    "dy-transposed-L100-gqa-w32-sinks4": Case(L=100, dy_transposed=True),
+    "dy-transposed-split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=True, dy_transposed=True),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
