@@ -71,9 +71,9 @@ class Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
             return Config(chunk=32, window_block=32, state_block_v=64)
-        # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twelfth session):
-        # 1.73 / 8.10 ms forward / forward+backward, against 3.03 / 10.18 for the 32-token chunks before.
-        return Config(chunk=64, block_v=128, window_block=32, warps=4, split=True, state_block_k=64)
+        # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, thirteenth
+        # session): 1.63 / 7.40 ms forward / forward+backward, against 1.88 / 7.86 with stages=1.
+        return Config(chunk=64, block_v=128, window_block=32, warps=4, stages=2, split=True, state_block_k=64)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,6 +303,17 @@ def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, s
 
 
 @triton.jit
+def _state_before_chunks(HS, R: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr):
+    """A [R, C] state (or state gradient) before the chunk loop: carried in float32 by the one-pass
+    kernels, loaded per chunk in its stored dtype by the split ones (`_load_chunk_state`)."""
+    if SPLIT:
+        out = tl.zeros([R, C], HS.dtype.element_ty)
+    else:
+        out = tl.zeros([R, C], tl.float32)
+    return out
+
+
+@triton.jit
 def _chunks(NT, SPLIT: tl.constexpr):
     """The chunks this program covers: all, in order, or (split) only the one on grid axis 2."""
     if SPLIT:
@@ -342,7 +353,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     alpha = tl.load(ALPHA + h).to(tl.float32)
     m0, l0 = _sink_start(SINKS, h, M, MP)
 
-    S = tl.zeros([F, BV], tl.float32)
+    S = _state_before_chunks(HS, F, BV, SPLIT)
     z = tl.zeros([F], tl.float32)
     first, last = _chunks(NT, SPLIT)
     for n in range(first, last):
@@ -374,8 +385,10 @@ def _store_chunk_state(HS, HZ, n, S, z, write_z, F: tl.constexpr, D: tl.constexp
 
 @triton.jit
 def _load_chunk_state(HS, HZ, n, rows, F: tl.constexpr, D: tl.constexpr, BW: tl.constexpr):
-    """Chunk n's entry of a stored state: rows `rows` (columns 0..BW) of S, in float32, and of z."""
-    return _load_tile(HS + n * F * D, rows, F, D, BW).to(tl.float32), tl.load(HZ + n * F + rows)
+    """Chunk n's entry of a stored state: rows `rows` (columns 0..BW) of S, in its stored dtype (only
+    ever a GEMM operand, which takes it so: float32 would hold twice the registers, and the forward
+    spilled), and of z (float32)."""
+    return _load_tile(HS + n * F * D, rows, F, D, BW), tl.load(HZ + n * F + rows)
 
 
 @triton.jit
@@ -499,7 +512,7 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q,
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
-    S = tl.zeros([BK, D], tl.float32)
+    S = _state_before_chunks(HS, BK, D, SPLIT)
     z = tl.zeros([BK], tl.float32)
     first, last = _chunks(NT, SPLIT)
     for n in range(first, last):
@@ -555,7 +568,7 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, dy_b, dy_h, DDEN, HDS, HDZ, DFK, DA_K
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
-    dS = tl.zeros([BK, D], tl.float32)
+    dS = _state_before_chunks(HDS, BK, D, SPLIT)
     dz = tl.zeros([BK], tl.float32)
     first, last = _chunks(NT, SPLIT)
     for i in range(first, last):
@@ -609,13 +622,13 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, dy_b, dy_h, DV_WIN, HDS, DV, L, H, NT,
     t = tl.arange(0, BT)
     rows = tl.arange(0, F)
 
-    dS = tl.zeros([F, BV], tl.float32)
+    dS = _state_before_chunks(HDS, F, BV, SPLIT)
     first, last = _chunks(NT, SPLIT)
     for i in range(first, last):
         n = i if SPLIT else NT - 1 - i
         pos = n * BT + t
         if SPLIT:
-            dS = _load_tile(HDS + n * F * D, rows, F, D, BV).to(tl.float32)
+            dS = _load_tile(HDS + n * F * D, rows, F, D, BV)
         q = _load_tile(FQ, pos, L, F, F)
         k = _load_tile(FK, pos, L, F, F)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
