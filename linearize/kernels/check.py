@@ -43,6 +43,7 @@ class Case:
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
+    one_accumulator: bool = False  # Config.one_accumulator (used by `compare_forward`: inference only)
     dy_transposed: bool = False  # dy laid out [B, L, H, D], as the model's o_proj hands it back, viewed [B, H, L, D]
 
 
@@ -64,30 +65,33 @@ def make_inputs(case: Case, device, seed=0):
     return tensors, dy.to(case.dtype)
 
 
-def _run(case, tensors, dy, dtype):
-    """Output and gradients, through the kernel (dtype None) or the reference op in `dtype`."""
-    frozen = dtype is None and case.frozen
-    leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_(not (frozen and name in FROZEN))
-              for t, name in zip(tensors, NAMES[1:])]
+def _output(case, leaves, dtype):
+    """y through the kernel (dtype None; the case's Config overrides applied) or the reference op in `dtype`."""
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
-    for name in ("state_block_k", "state_block_v"):
-        if getattr(case, name) is not None:
+    for name in ("state_block_k", "state_block_v", "one_accumulator"):
+        if getattr(case, name) not in (None, False):
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
         from .lizard_triton import Config, lizard_attention_triton
 
         config = dataclasses.replace(Config.default(fq.dtype), **overrides)
-        y = lizard_attention_triton(fq, fk, log_g, qw, kw, v, **opts, config=config)
-    elif dtype is None:
-        y = lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
-    else:
-        state = gla_window.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, device=fq.device,
-                                      dtype=dtype)
-        valid = torch.ones(case.B, case.L, dtype=torch.bool, device=fq.device)
-        y, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, beta=1.0, **opts)
+        return lizard_attention_triton(fq, fk, log_g, qw, kw, v, **opts, config=config)
+    if dtype is None:
+        return lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
+    state = gla_window.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, device=fq.device, dtype=dtype)
+    valid = torch.ones(case.B, case.L, dtype=torch.bool, device=fq.device)
+    return gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, beta=1.0, **opts)[0]
+
+
+def _run(case, tensors, dy, dtype):
+    """Output and gradients, through the kernel (dtype None) or the reference op in `dtype`."""
+    frozen = dtype is None and case.frozen
+    leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_(not (frozen and name in FROZEN))
+              for t, name in zip(tensors, NAMES[1:])]
+    y = _output(case, leaves, dtype)
     trained = [t for t in leaves if t.requires_grad]
     grads = iter(torch.autograd.grad(y, trained, dy.to(y.dtype), allow_unused=True))
     grads = [next(grads) if t.requires_grad else None for t in leaves]
@@ -111,6 +115,17 @@ def compare(case: Case, device="cuda", seed=0):
     keep = [i for i, n in enumerate(NAMES) if n in names]
     errors = {NAMES[i]: (_rel(ours[i], exact[i]), _rel(fp32[i], exact[i])) for i in keep}
     return {"path": reason or "kernel", "errors": errors}
+
+
+@torch.no_grad()
+def compare_forward(case: Case, device="cuda", seed=0):
+    """`compare` for the output of a forward that keeps nothing for a backward (inference: where
+    `Config.one_accumulator` applies)."""
+    tensors, _ = make_inputs(case, device, seed)
+    reason = unsupported_reason(*tensors[:6], window=case.window, sinks=tensors[6] if case.sinks else None)
+    ours, exact, fp32 = (_output(case, [t.to(dtype or t.dtype) for t in tensors], dtype)
+                         for dtype in (None, torch.float64, torch.float32))
+    return {"path": reason or "kernel", "errors": {"y": (_rel(ours, exact), _rel(fp32, exact))}}
 
 
 def within_tolerance(case: Case, errors) -> bool:
@@ -242,15 +257,15 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (no software
-    pipelining; the state passes' rows; the dq/dk passes' rows, alone and with the state passes'; the
+    """The configurations `--sweep` times: the default, then one change at a time (the inference
+    forward's one accumulator; no software pipelining; the state passes' rows; the dq/dk passes' rows, alone and with the state passes'; the
     backward window kernels' blocks). `stages=3` needs more shared memory than an H200 has (the
     thirteenth session's sweep). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(stages=1), change(state_block_k=128), change(block_k=128),
+    return [default, change(one_accumulator=True), change(stages=1), change(state_block_k=128), change(block_k=128),
             change(block_k=128, state_block_k=128), change(window_block=64)]
 
 

@@ -56,6 +56,9 @@ class Config:
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
     split: bool = False
+    # A forward that saves nothing for a backward (inference, prefill) builds the mixed output in the
+    # window's accumulator (`_mixed_output`): one [chunk, block_v] float32 block live instead of two.
+    one_accumulator: bool = False
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -240,27 +243,26 @@ def _advance_state(S, z, k, v, A, a_end, VEC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
-                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
-                   NORM: tl.constexpr, DT: tl.constexpr):
-    """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
-    window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
-    pos = n * BT + t
-    # Gated linear part: intra-chunk scores P, then the state carried from earlier chunks.
+def _linear_scores(q, k, A, z, t, eps, BT: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+    """The gated linear part's intra-chunk scores P, its decayed queries (to meet the state carried
+    from earlier chunks) and its denominator: the "ones column" of V, or 1 unnormalised (Liger)."""
     if VEC:
         P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
     else:
         P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
     q_dec = q * _q_decay(A, VEC)
-    num = _dot_acc(P, v, _dot(q_dec, S, DT), DT)
     if NORM:
-        den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps  # the "ones column" of V
-        y_gla = num / den[:, None]
-    else:  # unnormalised (Liger): a denominator of 1 keeps the backward's formulas
+        den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps
+    else:  # a denominator of 1 keeps the backward's formulas
         den = tl.zeros([BT], tl.float32) + 1.0
-        y_gla = num
+    return P, q_dec, den
 
-    # Anchor window: online softmax over the key chunks that overlap (pos - w, pos].
+
+@triton.jit
+def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
+                 BT: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
+    """Anchor window: online softmax over the key chunks that overlap (pos - w, pos]. The unnormalised
+    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum."""
     qw = _load_tile(QW, pos, L, D, D)
     m_i = tl.zeros([BT], tl.float32) + m0
     l_i = tl.zeros([BT], tl.float32) + l0
@@ -277,20 +279,56 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
         l_i = l_i * corr + tl.sum(p, 1)
         acc = _dot_acc(p, _load_tile(VB, kpos, L, D, BV), acc * corr[:, None], DT)
         m_i = m_new
+    return acc, m_i, l_i, arg
+
+
+@triton.jit
+def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
+                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
+                   NORM: tl.constexpr, DT: tl.constexpr):
+    """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
+    window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
+    P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
+    y_gla = _dot_acc(P, v, _dot(q_dec, S, DT), DT) / den[:, None]
+    acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
     return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
+
+
+@triton.jit
+def _mixed_output(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0, alpha,
+                  D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
+                  NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
+    """Chunk n's mixed output alone (nothing saved for a backward), built in the window's accumulator:
+    the linear part's GEMMs add into it, its rows prescaled (1 / den, or with `shared` one normaliser
+    l + den at the end), so one [chunk, BV] float32 block stays live instead of two."""
+    acc, _, l_i, _ = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
+    P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
+    if SHARED:  # (window numerator + linear numerator) / (l + den), l relative to the row max
+        acc = _dot_acc(P, v, _dot_acc(q_dec, S, acc, DT), DT) / (l_i + den)[:, None]
+    else:
+        acc = acc * (alpha / l_i)[:, None]
+        inv = 1.0 / den
+        acc = _dot_acc(P * inv[:, None], v, _dot_acc(q_dec * inv[:, None], S, acc, DT), DT)
+    return acc
+
+
+@triton.jit
+def _store_y(Y, y_out, y_row, pos, L, y, BV: tl.constexpr):
+    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout)."""
+    cols = tl.arange(0, BV)
+    tl.store(Y + y_out + pos[:, None] * y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=(pos < L)[:, None])
 
 
 @triton.jit
 def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, stat, pos, L, y_gla, y_win, alpha,
                    den, m_i, l_i, arg, first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr,
                    SHARED: tl.constexpr):
-    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout); the saved parts at their own + out."""
+    """y (`_store_y`); the saved parts at their own + out."""
     if SHARED:  # one normaliser: (window numerator + linear numerator) / (l_i + den), l_i relative to m_i
         y = (y_win * l_i[:, None] + y_gla * den[:, None]) / (l_i + den)[:, None]
     else:
         y = y_gla + alpha * y_win
-    cols = tl.arange(0, BV)
-    tl.store(Y + y_out + pos[:, None] * y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=(pos < L)[:, None])
+    _store_y(Y, y_out, y_row, pos, L, y, BV)
     if SAVE:
         _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
         _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
@@ -330,7 +368,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
+                MIX: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
     that block of the state; split, each program takes one chunk and its starting state from HS, HZ
     (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]: the
@@ -364,10 +402,15 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
-                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
-        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
-                       y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
+        if MIX:
+            y = _mixed_output(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0, alpha, D, BV, BT,
+                              NWB, VEC, NORM, SHARED, DT)
+            _store_y(Y, y_out, H * D, pos, L, y, BV)
+        else:
+            y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
+                                                              eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
+            _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos,
+                           L, y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -846,7 +889,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
         arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, **shapes)
+        SPLIT=cfg.split, MIX=cfg.one_accumulator and not save, NORM=normalize, SHARED=shared, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

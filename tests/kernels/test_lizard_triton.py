@@ -19,7 +19,7 @@ import pytest
 import torch
 from interpreted import interpreted as run_interpreted
 
-from linearize.kernels.check import CHECK_CASES, Case, compare, within_tolerance
+from linearize.kernels.check import CHECK_CASES, Case, compare, compare_forward, within_tolerance
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -59,18 +59,27 @@ SLOW_INTERPRETER_CASES = {
     "split-rows32-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True, state_block_k=32),
     "unnormalised-one-pass-L63-bf16": Case(L=63, window=64, dtype=bf16, sinks=0, normalize=False, split=False),
 }
+# Inference forwards (nothing saved for a backward), where Config.one_accumulator mixes the two branches
+# in one accumulator: checked by `compare_forward`, the output alone.
+ONE_ACCUMULATOR_CASES = {
+    "split-L100-gqa-w32-sinks4-bf16": Case(L=100, dtype=bf16, one_accumulator=True),
+    "one-pass-L63-w64": Case(L=63, window=64, one_accumulator=True),
+    "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, one_accumulator=True),
+    "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16, one_accumulator=True),
+    "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0, one_accumulator=True),
+}
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
 _SCRIPT = """
 import json, sys, torch
-from linearize.kernels.check import Case, compare
-cases = [eval(c, {"Case": Case, "torch": torch}) for c in json.loads(sys.argv[1])]
-print(json.dumps([compare(c, "cpu") for c in cases]))
+from linearize.kernels import check
+cases = [eval(c, {"Case": check.Case, "torch": torch}) for c in json.loads(sys.argv[1])]
+print(json.dumps([getattr(check, sys.argv[2])(c, "cpu") for c in cases]))
 """
 
 
-def _interpret(cases: dict) -> dict:
-    return dict(zip(cases, run_interpreted(_SCRIPT, json.dumps([repr(c) for c in cases.values()]))))
+def _interpret(cases: dict, how: str = "compare") -> dict:
+    return dict(zip(cases, run_interpreted(_SCRIPT, json.dumps([repr(c) for c in cases.values()]), how)))
 
 
 def _check(case: Case, out: dict):
@@ -106,6 +115,24 @@ def test_interpreter_slow(name, interpreted_slow):
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_gpu(name):
     _check(GPU_CASES[name], compare(GPU_CASES[name], "cuda"))
+
+
+@pytest.fixture(scope="module")
+def interpreted_one_accumulator():
+    return _interpret(ONE_ACCUMULATOR_CASES, "compare_forward")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ONE_ACCUMULATOR_CASES)
+def test_one_accumulator_forward_interpreter(name, interpreted_one_accumulator):
+    _check(ONE_ACCUMULATOR_CASES[name], interpreted_one_accumulator[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", ONE_ACCUMULATOR_CASES)
+def test_one_accumulator_forward_gpu(name):
+    _check(ONE_ACCUMULATOR_CASES[name], compare_forward(ONE_ACCUMULATOR_CASES[name], "cuda"))
 
 
 _GATE_GRAD_SCRIPT = """
