@@ -43,7 +43,6 @@ class Case:
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
-    one_accumulator: bool = False  # Config.one_accumulator (used by `compare_forward`: inference only)
     dy_transposed: bool = False  # dy laid out [B, L, H, D], as the model's o_proj hands it back, viewed [B, H, L, D]
 
 
@@ -71,8 +70,8 @@ def _output(case, leaves, dtype):
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
-    for name in ("state_block_k", "state_block_v", "one_accumulator"):
-        if getattr(case, name) not in (None, False):
+    for name in ("state_block_k", "state_block_v"):
+        if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
         from .lizard_triton import Config, lizard_attention_triton
@@ -119,8 +118,8 @@ def compare(case: Case, device="cuda", seed=0):
 
 @torch.no_grad()
 def compare_forward(case: Case, device="cuda", seed=0):
-    """`compare` for the output of a forward that keeps nothing for a backward (inference: where
-    `Config.one_accumulator` applies)."""
+    """`compare` for the output alone, of a forward that keeps nothing for a backward (inference,
+    prefill): the forward kernel's variant that saves nothing."""
     tensors, _ = make_inputs(case, device, seed)
     reason = unsupported_reason(*tensors[:6], window=case.window, sinks=tensors[6] if case.sinks else None)
     ours, exact, fp32 = (_output(case, [t.to(dtype or t.dtype) for t in tensors], dtype)
@@ -257,15 +256,15 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (the inference
-    forward's one accumulator; no software pipelining; the state passes' rows; the dq/dk passes' rows, alone and with the state passes'; the
+    """The configurations `--sweep` times: the default, then one change at a time (no software
+    pipelining; the state passes' rows; the dq/dk passes' rows, alone and with the state passes'; the
     backward window kernels' blocks). `stages=3` needs more shared memory than an H200 has (the
     thirteenth session's sweep). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(one_accumulator=True), change(stages=1), change(state_block_k=128), change(block_k=128),
+    return [default, change(stages=1), change(state_block_k=128), change(block_k=128),
             change(block_k=128, state_block_k=128), change(window_block=64)]
 
 

@@ -56,9 +56,6 @@ class Config:
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
     split: bool = False
-    # A forward that saves nothing for a backward (inference, prefill) builds the mixed output in the
-    # window's accumulator (`_mixed_output`): one [chunk, block_v] float32 block live instead of two.
-    one_accumulator: bool = False
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -295,40 +292,16 @@ def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0
 
 
 @triton.jit
-def _mixed_output(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0, alpha,
-                  D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
-                  NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
-    """Chunk n's mixed output alone (nothing saved for a backward), built in the window's accumulator:
-    the linear part's GEMMs add into it, its rows prescaled (1 / den, or with `shared` one normaliser
-    l + den at the end), so one [chunk, BV] float32 block stays live instead of two."""
-    acc, _, l_i, _ = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
-    P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
-    if SHARED:  # (window numerator + linear numerator) / (l + den), l relative to the row max
-        acc = _dot_acc(P, v, _dot_acc(q_dec, S, acc, DT), DT) / (l_i + den)[:, None]
-    else:
-        acc = acc * (alpha / l_i)[:, None]
-        inv = 1.0 / den
-        acc = _dot_acc(P * inv[:, None], v, _dot_acc(q_dec * inv[:, None], S, acc, DT), DT)
-    return acc
-
-
-@triton.jit
-def _store_y(Y, y_out, y_row, pos, L, y, BV: tl.constexpr):
-    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout)."""
-    cols = tl.arange(0, BV)
-    tl.store(Y + y_out + pos[:, None] * y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=(pos < L)[:, None])
-
-
-@triton.jit
 def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, stat, pos, L, y_gla, y_win, alpha,
                    den, m_i, l_i, arg, first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr,
                    SHARED: tl.constexpr):
-    """y (`_store_y`); the saved parts at their own + out."""
+    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout); the saved parts at their own + out."""
     if SHARED:  # one normaliser: (window numerator + linear numerator) / (l_i + den), l_i relative to m_i
         y = (y_win * l_i[:, None] + y_gla * den[:, None]) / (l_i + den)[:, None]
     else:
         y = y_gla + alpha * y_win
-    _store_y(Y, y_out, y_row, pos, L, y, BV)
+    cols = tl.arange(0, BV)
+    tl.store(Y + y_out + pos[:, None] * y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=(pos < L)[:, None])
     if SAVE:
         _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
         _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
@@ -368,7 +341,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                MIX: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
     that block of the state; split, each program takes one chunk and its starting state from HS, HZ
     (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]: the
@@ -402,15 +375,10 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        if MIX:
-            y = _mixed_output(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0, alpha, D, BV, BT,
-                              NWB, VEC, NORM, SHARED, DT)
-            _store_y(Y, y_out, H * D, pos, L, y, BV)
-        else:
-            y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
-                                                              eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
-            _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos,
-                           L, y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
+        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
+                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
+        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
+                       y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -889,7 +857,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
         arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, MIX=cfg.one_accumulator and not save, NORM=normalize, SHARED=shared, **shapes)
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

@@ -59,14 +59,14 @@ SLOW_INTERPRETER_CASES = {
     "split-rows32-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True, state_block_k=32),
     "unnormalised-one-pass-L63-bf16": Case(L=63, window=64, dtype=bf16, sinks=0, normalize=False, split=False),
 }
-# Inference forwards (nothing saved for a backward), where Config.one_accumulator mixes the two branches
-# in one accumulator: checked by `compare_forward`, the output alone.
-ONE_ACCUMULATOR_CASES = {
-    "split-L100-gqa-w32-sinks4-bf16": Case(L=100, dtype=bf16, one_accumulator=True),
-    "one-pass-L63-w64": Case(L=63, window=64, one_accumulator=True),
-    "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, one_accumulator=True),
-    "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16, one_accumulator=True),
-    "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0, one_accumulator=True),
+# Inference forwards (no gradients: the forward kernel's variant that saves nothing for a backward),
+# checked by `compare_forward`, the output alone.
+INFERENCE_CASES = {
+    "split-L100-gqa-w32-sinks4-bf16": Case(L=100, dtype=bf16),
+    "one-pass-L63-w64": Case(L=63, window=64),
+    "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True),
+    "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16),
+    "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
@@ -118,21 +118,21 @@ def test_gpu(name):
 
 
 @pytest.fixture(scope="module")
-def interpreted_one_accumulator():
-    return _interpret(ONE_ACCUMULATOR_CASES, "compare_forward")
+def interpreted_inference():
+    return _interpret(INFERENCE_CASES, "compare_forward")
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ONE_ACCUMULATOR_CASES)
-def test_one_accumulator_forward_interpreter(name, interpreted_one_accumulator):
-    _check(ONE_ACCUMULATOR_CASES[name], interpreted_one_accumulator[name])
+@pytest.mark.parametrize("name", INFERENCE_CASES)
+def test_inference_forward_interpreter(name, interpreted_inference):
+    _check(INFERENCE_CASES[name], interpreted_inference[name])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
-@pytest.mark.parametrize("name", ONE_ACCUMULATOR_CASES)
-def test_one_accumulator_forward_gpu(name):
-    _check(ONE_ACCUMULATOR_CASES[name], compare_forward(ONE_ACCUMULATOR_CASES[name], "cuda"))
+@pytest.mark.parametrize("name", INFERENCE_CASES)
+def test_inference_forward_gpu(name):
+    _check(INFERENCE_CASES[name], compare_forward(INFERENCE_CASES[name], "cuda"))
 
 
 _GATE_GRAD_SCRIPT = """
