@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from .. import kernels
 from ..config import StillConfig
 from ..feature_maps import HedgehogFeatureMap, NormPreservingFeatureMap
 from ..ops import still
+from ..ops.common import repeat_kv
 from .base import LinearizedAttention, rotate
 
 MAX_PARALLEL = 2048  # tokens per parallel call
+
+
+def still_kernel_enabled() -> bool:
+    """LINEARIZE_STILL_KERNEL=1 runs a fresh pass that fills no cache (training, scoring) through the
+    STILL kernels. Opt-in: they have run in Triton's interpreter only (docs/kernels.md)."""
+    return os.environ.get("LINEARIZE_STILL_KERNEL") == "1"
 
 
 class StillAttention(LinearizedAttention):
@@ -43,6 +53,8 @@ class StillAttention(LinearizedAttention):
                                      device=q.device)
         elif L == 1:
             return still.still_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
+        if fresh and not self.caching and still_kernel_enabled() and not kernels.still_unsupported(q, k, self.features):
+            return self._fresh_pass_through_kernels(q, k, v, valid, gate, state, start, options), None
         # The parallel form holds [L, K + W + L] scores per head: long inputs go through it in blocks,
         # each continuing from the state the previous one left (the same results, bounded memory).
         outputs = []
@@ -54,3 +66,14 @@ class StillAttention(LinearizedAttention):
                                             fresh=fresh and lo == 0, keep_state=self.caching or lo + MAX_PARALLEL < L)
             outputs.append(y)
         return torch.cat(outputs, 2), state
+
+    def _fresh_pass_through_kernels(self, q, k, v, valid, gate, state, start, options):
+        """The routing in PyTorch (`still.fresh_fold_times`), the attention in one fused pass over the
+        whole input, its GEMMs in the projections' dtype."""
+        with torch.no_grad():
+            fold = still.fresh_fold_times(q, k, v, valid, state, start=start, **options)
+        fq = self.feature_map_q(q)
+        fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
+        dtype = self.projection_dtype
+        return kernels.still_attention(q.to(dtype), k.to(dtype), v.to(dtype), fq, fk, gate, fold, valid,
+                                       scale=self.scaling, eps=self.cfg.eps)

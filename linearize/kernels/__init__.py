@@ -3,7 +3,8 @@
 `lizard_attention` runs the fused Lizard kernel when it can (triton importable, CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1; supported shapes and dtypes) and the chunked PyTorch op otherwise,
 with the same results. `lizard_attention_continued` continues a carried state around the kernel
-(prefill only, no gradients); `lizard_step` is one decode step. Design and limits: docs/kernels.md.
+(prefill only, no gradients); `lizard_step` is one decode step. `still_attention` is STILL's attention
+over a fresh pass (training, scoring). Design and limits: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks,
     return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
                               alpha=alpha, normalize=normalize, shared=shared, eps=eps, in_place=in_place,
                               out_dtype=out_dtype)
+
+
+def still_unsupported(q, k, features: int) -> str | None:
+    """None when `still_attention` would run the kernels for these inputs, else why not."""
+    if not available():
+        return "triton or a CUDA device (or TRITON_INTERPRET=1) missing"
+    from .still_triton import supports
+
+    return supports(q, k, features)
+
+
+def still_attention(q, k, v, fq, fk, gate, fold, valid, *, scale, eps=1e-6):
+    """STILL's attention over a fresh pass through the kernels (`still_triton.still_attention_triton`:
+    the fold times from `ops.still.fresh_fold_times`); check `still_unsupported` first."""
+    from .still_triton import still_attention_triton
+
+    return still_attention_triton(q, k, v, fq, fk, gate, fold, valid, scale=scale, eps=eps)
 
 
 @torch.no_grad()

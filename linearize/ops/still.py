@@ -331,6 +331,28 @@ def _replay_with_eviction(state, scores, chosen, positions, start, L, block=512)
     return fold_time, slot_ids, slots
 
 
+def _route(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps, fresh, keep_state):
+    """Scores, chunk selections and fold times of a parallel call: the combined sequence (keys,
+    values, validity, scores, selections), its positions, and `_replay_routing`'s outputs."""
+    W1 = window - 1
+    keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
+                                                                        eps)
+    positions = torch.arange(start - W1, start + q.shape[2], device=q.device)
+    routed = _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk,
+                             fresh, keep_state)
+    return (keys, values, key_valid, scores, chosen, positions, *routed)
+
+
+def fresh_fold_times(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps):
+    """When each of a fresh pass's L tokens folds into the linear state, relative to the pass (query i
+    at time i): [B, H_kv, L], NEVER - start for the tokens softmax-visible to its end. `state` is
+    `init_state`'s; the routing is `still_parallel(fresh=True)`'s, for the kernels
+    (`linearize.kernels.still_attention`) to take."""
+    *_, fold_time, _, _ = _route(q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk,
+                                 routing=routing, scale=scale, eps=eps, fresh=True, keep_state=False)
+    return fold_time[..., state["sal_used"].shape[-1] + window - 1:] - start
+
+
 def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing,
                    scale, eps=1e-6, fresh=False, keep_state=True):
     """Naive parallel form over L new tokens at absolute positions start.. continuing from `state`.
@@ -344,12 +366,9 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
     W1 = window - 1
-    keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
-                                                                        eps)
-    positions = torch.arange(start - W1, start + L, device=q.device)
-
-    fold_time, slot_ids, slots = _replay_routing(state, scores, chosen, key_valid, completes, positions, start,
-                                                 W1, chunk, per_chunk, fresh, keep_state)
+    keys, values, key_valid, scores, chosen, positions, fold_time, slot_ids, slots = _route(
+        q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk, routing=routing,
+        scale=scale, eps=eps, fresh=fresh, keep_state=keep_state)
     K = state["sal_used"].shape[-1]
 
     all_keys = torch.cat([state["sal_k"], keys], dim=2)

@@ -1,0 +1,103 @@
+"""The STILL kernels equal the reference op (`still_parallel(fresh=True, keep_state=False)`), in the
+output and the gradients of q, k, v, both feature maps' outputs and the gate; and a STILL model run
+through them (LINEARIZE_STILL_KERNEL=1) gives the PyTorch path's logits and gradients.
+
+Without a GPU they run in Triton's interpreter, in a subprocess (`interpreted`)."""
+
+import json
+
+import pytest
+import torch
+from interpreted import interpreted as run_interpreted
+from test_lizard_triton import HAS_TRITON, needs_triton
+
+from linearize.kernels.still_check import StillCase, compare_still, within_tolerance
+
+bf16 = torch.bfloat16
+
+# Several 64-token tiles, salient slots that overflow, left padding, GQA and MHA, each routing rule.
+INTERPRETER_CASES = {
+    "L100-gqa-gate": StillCase(L=100),
+    "L100-gqa-gate-bf16": StillCase(L=100, dtype=bf16),
+    "L130-mha-nogate-d64": StillCase(L=130, HKV=4, D=64, F=64, gate=False),
+    "L70-random-pad10": StillCase(L=70, routing="random", pad=10),
+    "L40-recency": StillCase(L=40, routing="recency"),
+    "L3-nopad": StillCase(L=3, pad=0),
+}
+GPU_CASES = {
+    **INTERPRETER_CASES,
+    "L600-w128-c64-bf16": StillCase(L=600, D=64, F=64, window=128, chunk=64, per_chunk=12, slots=96, dtype=bf16),
+    "L1100-w128-c64-slots768": StillCase(L=1100, H=8, HKV=2, D=64, F=64, window=128, chunk=64, per_chunk=48,
+                                         slots=768, pad=37),
+}
+
+_SCRIPT = """
+import json, sys, torch
+from linearize.kernels.still_check import StillCase, compare_still
+cases = [eval(c, {"StillCase": StillCase, "torch": torch}) for c in json.loads(sys.argv[1])]
+print(json.dumps([compare_still(c, "cpu") for c in cases]))
+"""
+
+_MODEL_SCRIPT = """
+import json, os, torch
+import linearize
+from linearize import kernels
+from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+
+calls = []
+counted = kernels.still_attention
+kernels.still_attention = lambda *a, **k: calls.append(1) or counted(*a, **k)
+model = tiny_teacher()
+linearize.convert(model, "still", **TINY_OPTIONS["still"])
+perturb_new_parameters(model)
+ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(0))
+mask = torch.ones_like(ids)
+mask[1, :6] = 0
+
+def run(kernel_on):
+    os.environ["LINEARIZE_STILL_KERNEL"] = "1" if kernel_on else "0"
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+ref_logits, ref_grads = run(False)
+logits, grads = run(True)
+with torch.no_grad():  # scoring: the forward kernel's variant that saves nothing
+    scored = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+out = {"calls": len(calls), "logits": rel(logits, ref_logits), "scored": rel(scored, ref_logits),
+       "same_params": sorted(grads) == sorted(ref_grads), "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads)}
+print(json.dumps(out))
+"""
+
+
+def _check(case: StillCase, out: dict):
+    assert out["path"] == "kernel", out["path"]
+    assert within_tolerance(case, out["errors"]), out["errors"]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    cases = INTERPRETER_CASES
+    return dict(zip(cases, run_interpreted(_SCRIPT, json.dumps([repr(c) for c in cases.values()]))))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", INTERPRETER_CASES)
+def test_interpreter(name, interpreted):
+    _check(INTERPRETER_CASES[name], interpreted[name])
+
+
+@needs_triton
+def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path():
+    out = run_interpreted(_MODEL_SCRIPT)
+    assert out["calls"] == 4 and out["same_params"], out  # one fresh pass per layer, with and without gradients
+    assert out["logits"] < 1e-5 and out["scored"] < 1e-5 and out["grads"] < 1e-4, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_gpu(name):
+    _check(GPU_CASES[name], compare_still(GPU_CASES[name], "cuda"))
