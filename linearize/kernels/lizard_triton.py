@@ -256,6 +256,18 @@ def _linear_scores(q, k, A, z, t, eps, BT: tl.constexpr, VEC: tl.constexpr, NORM
 
 
 @triton.jit
+def _online_softmax(s, first_key, v, m, l, arg, acc, DT: tl.constexpr):
+    """One tile of masked logits s (keys first_key..) into a running softmax: the row max m, the sum l
+    relative to it, the key holding it (arg) and the weighted sum of v (acc)."""
+    tile_max = tl.max(s, 1)
+    arg = tl.where(tile_max > m, first_key + tl.argmax(s, 1).to(tl.int32), arg)
+    m_new = tl.maximum(m, tile_max)
+    p = tl.exp(s - m_new[:, None])
+    corr = tl.exp(m - m_new)
+    return m_new, l * corr + tl.sum(p, 1), arg, _dot_acc(p, v, acc * corr[:, None], DT)
+
+
+@triton.jit
 def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
                  BT: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
     """Anchor window: online softmax over the key chunks that overlap (pos - w, pos]. The unnormalised
@@ -268,14 +280,7 @@ def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexp
     for mb in range(tl.maximum(n - NWB, 0), n + 1):
         kpos = mb * BT + t
         s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
-        tile_max = tl.max(s, 1)
-        arg = tl.where(tile_max > m_i, mb * BT + tl.argmax(s, 1).to(tl.int32), arg)
-        m_new = tl.maximum(m_i, tile_max)
-        p = tl.exp(s - m_new[:, None])
-        corr = tl.exp(m_i - m_new)
-        l_i = l_i * corr + tl.sum(p, 1)
-        acc = _dot_acc(p, _load_tile(VB, kpos, L, D, BV), acc * corr[:, None], DT)
-        m_i = m_new
+        m_i, l_i, arg, acc = _online_softmax(s, mb * BT, _load_tile(VB, kpos, L, D, BV), m_i, l_i, arg, acc, DT)
     return acc, m_i, l_i, arg
 
 

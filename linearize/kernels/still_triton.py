@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lizard_triton import DOT_DTYPES, _dot, _dot_acc, _load_tile, _store_tile
+from .lizard_triton import DOT_DTYPES, _dot, _dot_acc, _load_tile, _online_softmax, _store_tile
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from . import _interpreter
@@ -33,6 +33,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 BLOCK = 64  # queries and keys per tile
 NEVER = 2**30  # fold time of a key that stays softmax-visible (int32)
+
+
+@triton.jit
+def _program_heads(H, HKV):
+    """This program's b * H + h (axis 0 of every grid), its batch row and its KV head's b * HKV + h_kv."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    return bh, b, b * HKV + (bh % H) // (H // HKV)
 
 
 @triton.jit
@@ -53,10 +61,8 @@ def _fwd_kernel(Q, K, V, FQ, FK, G, FOLD, VALID, Y, YS, YL, M, LS, DEN, ARG, L, 
     """Grid (B*H, cdiv(L, BM)): queries [qb*BM, (qb+1)*BM) over the keys up to their last one. Saves
     for the backward the two parts of y (over den, the linear one before the gate), the row max, the
     softmax sum, den and the key holding the max (-1: none)."""
-    bh = tl.program_id(0).to(tl.int64)
+    bh, b, kv = _program_heads(H, HKV)
     qb = tl.program_id(1)
-    b = bh // H
-    kv = b * HKV + (bh % H) // (H // HKV)
     i = qb * BM + tl.arange(0, BM)
     q = _load_tile(Q + bh * L * D, i, L, D, D)
     fq = _load_tile(FQ + bh * L * F, i, L, F, F)
@@ -72,17 +78,10 @@ def _fwd_kernel(Q, K, V, FQ, FK, G, FOLD, VALID, Y, YS, YL, M, LS, DEN, ARG, L, 
         v = _load_tile(V + kv * L * D, j, L, D, D)
         soft, lin = _key_masks(i, j, FOLD + kv * L, VALID + b * L, L)
         s = tl.where(soft, _dot(q, tl.trans(k), DT) * scale, float("-inf"))
-        tile_max = tl.max(s, 1)
-        arg = tl.where(tile_max > m, jb * BN + tl.argmax(s, 1).to(tl.int32), arg)
-        m_new = tl.maximum(m, tile_max)
-        p = tl.exp(s - m_new[:, None])
-        corr = tl.exp(m - m_new)
-        l_soft = l_soft * corr + tl.sum(p, 1)
-        acc_soft = _dot_acc(p, v, acc_soft * corr[:, None], DT)
+        m, l_soft, arg, acc_soft = _online_softmax(s, jb * BN, v, m, l_soft, arg, acc_soft, DT)
         lam = tl.where(lin, _dot(fq, tl.trans(_load_tile(FK + bh * L * F, j, L, F, F)), DT), 0.0)
         l_lin += tl.sum(lam, 1)
         acc_lin = _dot_acc(lam, v, acc_lin, DT)
-        m = m_new
     den = l_soft + l_lin + eps
     y_soft = acc_soft / den[:, None]
     y_lin = acc_lin / den[:, None]
@@ -114,23 +113,25 @@ def _tile_grads(q, k, v, fq, fk, dn, gdn, d_den, d_max, m, arg, soft, lin, j, sc
 
 
 @triton.jit
+def _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D: tl.constexpr, F: tl.constexpr):
+    """A block of queries' inputs to the backward: q, fq, the d numerator (plain and gated), d den,
+    the row max's gradient, the row max and the key holding it."""
+    rows = bh * L + i
+    inside = i < L
+    return (_load_tile(Q + bh * L * D, i, L, D, D), _load_tile(FQ + bh * L * F, i, L, F, F),
+            _load_tile(DN + bh * L * D, i, L, D, D), _load_tile(GDN + bh * L * D, i, L, D, D),
+            tl.load(DDEN + rows, mask=inside, other=0.0), tl.load(DMAX + rows, mask=inside, other=0.0),
+            tl.load(M + rows, mask=inside, other=0.0), tl.load(ARG + rows, mask=inside, other=-1))
+
+
+@triton.jit
 def _bwd_dq_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DQ, DFQ, L, H, HKV, scale,
                    D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BM)): d q and d fq of a block of queries, over the keys up to its last one."""
-    bh = tl.program_id(0).to(tl.int64)
+    bh, b, kv = _program_heads(H, HKV)
     qb = tl.program_id(1)
-    b = bh // H
-    kv = b * HKV + (bh % H) // (H // HKV)
     i = qb * BM + tl.arange(0, BM)
-    rows = bh * L + i
-    q = _load_tile(Q + bh * L * D, i, L, D, D)
-    fq = _load_tile(FQ + bh * L * F, i, L, F, F)
-    dn = _load_tile(DN + bh * L * D, i, L, D, D)
-    gdn = _load_tile(GDN + bh * L * D, i, L, D, D)
-    d_den = tl.load(DDEN + rows, mask=i < L, other=0.0)
-    d_max = tl.load(DMAX + rows, mask=i < L, other=0.0)
-    m = tl.load(M + rows, mask=i < L, other=0.0)
-    arg = tl.load(ARG + rows, mask=i < L, other=-1)
+    q, fq, dn, gdn, d_den, d_max, m, arg = _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D, F)
     dq = tl.zeros([BM, D], tl.float32)
     dfq = tl.zeros([BM, F], tl.float32)
     for jb in range(tl.cdiv(tl.minimum((qb + 1) * BM, L), BN)):
@@ -151,10 +152,8 @@ def _bwd_dkv_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, D
                     D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BN)): d k, d v (per query head) and d fk of a block of keys, over the queries
     from its first one."""
-    bh = tl.program_id(0).to(tl.int64)
+    bh, b, kv = _program_heads(H, HKV)
     kb = tl.program_id(1)
-    b = bh // H
-    kv = b * HKV + (bh % H) // (H // HKV)
     j = kb * BN + tl.arange(0, BN)
     k = _load_tile(K + kv * L * D, j, L, D, D)
     v = _load_tile(V + kv * L * D, j, L, D, D)
@@ -164,15 +163,7 @@ def _bwd_dkv_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, D
     dfk = tl.zeros([BN, F], tl.float32)
     for ib in range((kb * BN) // BM, tl.cdiv(L, BM)):
         i = ib * BM + tl.arange(0, BM)
-        rows = bh * L + i
-        q = _load_tile(Q + bh * L * D, i, L, D, D)
-        fq = _load_tile(FQ + bh * L * F, i, L, F, F)
-        dn = _load_tile(DN + bh * L * D, i, L, D, D)
-        gdn = _load_tile(GDN + bh * L * D, i, L, D, D)
-        d_den = tl.load(DDEN + rows, mask=i < L, other=0.0)
-        d_max = tl.load(DMAX + rows, mask=i < L, other=0.0)
-        m = tl.load(M + rows, mask=i < L, other=0.0)
-        arg = tl.load(ARG + rows, mask=i < L, other=-1)
+        q, fq, dn, gdn, d_den, d_max, m, arg = _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D, F)
         soft, lin = _key_masks(i, j, FOLD + kv * L, VALID + b * L, L)
         p, ds, lam, d_lam = _tile_grads(q, k, v, fq, fk, dn, gdn, d_den, d_max, m, arg, soft, lin, j, scale, DT)
         dv = _dot_acc(tl.trans(p), dn, _dot_acc(tl.trans(lam), gdn, dv, DT), DT)
