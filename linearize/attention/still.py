@@ -13,14 +13,16 @@ from ..feature_maps import HedgehogFeatureMap, NormPreservingFeatureMap
 from ..ops import still
 from ..ops.common import repeat_kv
 from .base import LinearizedAttention, rotate
+from .fused import kernels_enabled
 
 MAX_PARALLEL = 2048  # tokens per parallel call
 
 
 def still_kernel_enabled() -> bool:
     """LINEARIZE_STILL_KERNEL=1 runs a fresh pass that fills no cache (training, scoring) through the
-    STILL kernels. Opt-in: they have run in Triton's interpreter only (docs/kernels.md)."""
-    return os.environ.get("LINEARIZE_STILL_KERNEL") == "1"
+    STILL kernels (LINEARIZE_KERNELS=0 still turns every kernel off). Opt-in: they have run in Triton's
+    interpreter only (docs/kernels.md)."""
+    return os.environ.get("LINEARIZE_STILL_KERNEL") == "1" and kernels_enabled()
 
 
 class StillAttention(LinearizedAttention):
