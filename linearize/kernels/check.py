@@ -127,8 +127,9 @@ def compare_forward(case: Case, device="cuda", seed=0):
     return {"path": reason or "kernel", "errors": {"y": (_rel(ours, exact), _rel(fp32, exact))}}
 
 
-def within_tolerance(case: Case, errors) -> bool:
-    """Each error below the dtype's tolerance, or within 4x of float32 PyTorch where that is worse."""
+def within_tolerance(case, errors) -> bool:
+    """Each error below the dtype of the case's inputs allows (a `Case` or `still_check.StillCase`), or within 4x
+    of float32 PyTorch where that is worse."""
     tol = TOLERANCE[case.dtype]
     return all(err <= max(tol, 4 * err32) for err, err32 in errors.values())
 

@@ -44,6 +44,13 @@ def _program_heads(H, HKV):
 
 
 @triton.jit
+def _keys(K, V, FK, bh, kv, j, L, D: tl.constexpr, F: tl.constexpr):
+    """Keys j's k and v (of KV head kv) and fk (of query head bh)."""
+    return (_load_tile(K + kv * L * D, j, L, D, D), _load_tile(V + kv * L * D, j, L, D, D),
+            _load_tile(FK + bh * L * F, j, L, F, F))
+
+
+@triton.jit
 def _key_masks(i, j, FOLD, VALID, L):
     """[queries, keys] softmax and linear sets of a tile: key j seen by query i >= j (padding never),
     softmax before its fold time, linear from it."""
@@ -74,12 +81,11 @@ def _fwd_kernel(Q, K, V, FQ, FK, G, FOLD, VALID, Y, YS, YL, M, LS, DEN, ARG, L, 
     acc_lin = tl.zeros([BM, D], tl.float32)
     for jb in range(tl.cdiv(tl.minimum((qb + 1) * BM, L), BN)):
         j = jb * BN + tl.arange(0, BN)
-        k = _load_tile(K + kv * L * D, j, L, D, D)
-        v = _load_tile(V + kv * L * D, j, L, D, D)
+        k, v, fk = _keys(K, V, FK, bh, kv, j, L, D, F)
         soft, lin = _key_masks(i, j, FOLD + kv * L, VALID + b * L, L)
         s = tl.where(soft, _dot(q, tl.trans(k), DT) * scale, float("-inf"))
         m, l_soft, arg, acc_soft = _online_softmax(s, jb * BN, v, m, l_soft, arg, acc_soft, DT)
-        lam = tl.where(lin, _dot(fq, tl.trans(_load_tile(FK + bh * L * F, j, L, F, F)), DT), 0.0)
+        lam = tl.where(lin, _dot(fq, tl.trans(fk), DT), 0.0)
         l_lin += tl.sum(lam, 1)
         acc_lin = _dot_acc(lam, v, acc_lin, DT)
     den = l_soft + l_lin + eps
@@ -136,9 +142,7 @@ def _bwd_dq_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DQ
     dfq = tl.zeros([BM, F], tl.float32)
     for jb in range(tl.cdiv(tl.minimum((qb + 1) * BM, L), BN)):
         j = jb * BN + tl.arange(0, BN)
-        k = _load_tile(K + kv * L * D, j, L, D, D)
-        v = _load_tile(V + kv * L * D, j, L, D, D)
-        fk = _load_tile(FK + bh * L * F, j, L, F, F)
+        k, v, fk = _keys(K, V, FK, bh, kv, j, L, D, F)
         soft, lin = _key_masks(i, j, FOLD + kv * L, VALID + b * L, L)
         _, ds, _, d_lam = _tile_grads(q, k, v, fq, fk, dn, gdn, d_den, d_max, m, arg, soft, lin, j, scale, DT)
         dq = _dot_acc(ds, k, dq, DT)
@@ -155,9 +159,7 @@ def _bwd_dkv_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, D
     bh, b, kv = _program_heads(H, HKV)
     kb = tl.program_id(1)
     j = kb * BN + tl.arange(0, BN)
-    k = _load_tile(K + kv * L * D, j, L, D, D)
-    v = _load_tile(V + kv * L * D, j, L, D, D)
-    fk = _load_tile(FK + bh * L * F, j, L, F, F)
+    k, v, fk = _keys(K, V, FK, bh, kv, j, L, D, F)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     dfk = tl.zeros([BN, F], tl.float32)
@@ -220,7 +222,7 @@ class StillAttentionFunction(torch.autograd.Function):
         B, H, L, D = q.shape
         HKV, F = k.shape[1], fq.shape[-1]
         dy = dy.float().contiguous()  # the model hands a [B, L, H, D] gradient in, viewed [B, H, L, D]
-        g = gate.float() if gate is not None else torch.ones_like(dy)
+        g = gate.float() if gate is not None else 1.0
         # Per row: d numerator, d den, and the gradient of the row max m (the softmax terms scale as
         # e^-m: d m = -sum_j p_j dp_j = -(dy . y_soft + d den * l_soft)).
         dn = dy / den[..., None]

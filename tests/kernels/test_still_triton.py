@@ -11,7 +11,8 @@ import torch
 from interpreted import interpreted as run_interpreted
 from test_lizard_triton import HAS_TRITON, needs_triton
 
-from linearize.kernels.still_check import StillCase, compare_still, within_tolerance
+from linearize.kernels.check import within_tolerance
+from linearize.kernels.still_check import StillCase, compare_still
 
 bf16 = torch.bfloat16
 
