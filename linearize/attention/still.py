@@ -19,10 +19,9 @@ MAX_PARALLEL = 2048  # tokens per parallel call
 
 
 def still_kernel_enabled() -> bool:
-    """LINEARIZE_STILL_KERNEL=1 runs a fresh pass that fills no cache (training, scoring) through the
-    STILL kernels (LINEARIZE_KERNELS=0 still turns every kernel off). Opt-in: they have run in Triton's
-    interpreter only (docs/kernels.md)."""
-    return os.environ.get("LINEARIZE_STILL_KERNEL") == "1" and kernels_enabled()
+    """A fresh pass that fills no cache (training, scoring) runs through the STILL kernels, unless
+    LINEARIZE_STILL_KERNEL=0 or LINEARIZE_KERNELS=0 (A/B timings, debugging)."""
+    return os.environ.get("LINEARIZE_STILL_KERNEL") != "0" and kernels_enabled()
 
 
 class StillAttention(LinearizedAttention):

@@ -59,7 +59,9 @@ def measure(model, params, cfg: DistillConfig, stage: int | None, rt: Runtime, s
     cuda_graph = settings.get("cuda_graph", False)
     optimizer = step_optimizer([{"params": params, "lr": cfg.lr(stage or 2)}], rt.device, cuda_graph=cuda_graph,
                                betas=cfg.betas, weight_decay=cfg.weight_decay)
-    ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len), device=rt.device)
+    # Drawn on the CPU, as the trainer's batches are: an earlier mode's failed graph capture can leave
+    # the CUDA generator unusable outside a capture.
+    ids = torch.randint(model.config.vocab_size, (cfg.batch, cfg.seq_len)).to(rt.device)
     train_step = TrainStep(lambda batch: stage_loss(model, batch, stage or 2), params, optimizer, cfg.clip,
                            rt.autocast, cuda_graph=cuda_graph)
 
@@ -111,8 +113,13 @@ def attention_path(method: str, device: torch.device) -> str:
     """Which attention code the student runs here, for the record (LINEARIZE_KERNELS=0 turns the kernels off)."""
     from .. import kernels
     from ..attention.fused import kernels_enabled
+    from ..attention.still import still_kernel_enabled
 
-    if method not in ("lizard", "liger") or device.type != "cuda" or not kernels_enabled() or not kernels.available():
+    if device.type != "cuda" or not kernels_enabled() or not kernels.available():
+        return "PyTorch ops"
+    if method == "still":
+        return "STILL Triton kernels (routing in PyTorch)" if still_kernel_enabled() else "PyTorch ops"
+    if method not in ("lizard", "liger"):
         return "PyTorch ops"
     from ..kernels.lizard_triton import Config
 

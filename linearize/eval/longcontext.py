@@ -261,15 +261,23 @@ def run_longcontext(
     samples: int = DEFAULT_SAMPLES,
     seed: int = 0,
     essay: Sequence[str] = (),
+    finished: Sequence[dict] = (),
+    on_length: Callable[[dict], None] | None = None,
 ) -> dict:
     """Build the task's prompts for every (variant, length, depth, sample), generate, and score.
 
     `generate(prompts, max_new_tokens)` returns one continuation per prompt; it is called once per
-    length, so a real model batches prompts of similar size.
+    length, so a real model batches prompts of similar size. `on_length`, if given, gets the result
+    so far after every length but the last: `summarize` over the lengths done, marked `"partial": True`.
+    Pass such a result's "samples" back as `finished` (same settings) and the lengths they hold are
+    kept, not generated again; the result is the one an uninterrupted sweep returns.
     """
     variants = TASKS[task][2]
     records = []
-    for length in lengths:
+    for index, length in enumerate(lengths):
+        if kept := [r for r in finished if r["length"] == length]:
+            records += kept
+            continue
         cells = [
             {"length": length, "depth": d, "seed": sample_seed(seed, task, length, d, i, v)}
             | ({"variant": v} if v is not None else {})
@@ -286,6 +294,9 @@ def run_longcontext(
             answers = list(sample.answers)
             records.append(cell | {"tokens": sample.tokens, "answers": answers, "prediction": prediction,
                                    "score": score(prediction, answers)})
+        if on_length is not None and index < len(lengths) - 1:
+            # A copy: `records` grows on, and the caller may hold on to the partial result.
+            on_length(summarize(list(records), lengths[: index + 1], depths, variants) | {"partial": True})
     return summarize(records, lengths, depths, variants)
 
 

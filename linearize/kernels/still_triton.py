@@ -31,8 +31,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _interpreter.patch()
 
-BLOCK = 64  # queries and keys per tile
+TILE_BYTES = 128  # a tile row of q, k, v or features at most this many bytes: the backward's tiles fit in shared memory
 NEVER = 2**30  # fold time of a key that stays softmax-visible (int32)
+
+
+def block_size(dtype, D, F):
+    """Queries and keys per tile: 64 for 16-bit rows of up to 64 values; halved per doubling of a row's bytes
+    (float32 with d = 64 at 64 needs 297 KB of shared memory in the backward, the H200 has 227 KB)."""
+    block = 64 * TILE_BYTES // (torch.finfo(dtype).bits // 8 * max(D, F))
+    return max(16, min(64, block))
 
 
 @triton.jit
@@ -208,8 +215,9 @@ class StillAttentionFunction(torch.autograd.Function):
         y_soft, y_lin = (torch.empty_like(q), torch.empty_like(q)) if save else (y, y)
         m, l_soft, den = (torch.empty(B, H, L, device=q.device, dtype=torch.float32) for _ in range(3))
         arg = torch.empty(B, H, L, device=q.device, dtype=torch.int32)
-        _fwd_kernel[(B * H, triton.cdiv(L, BLOCK))](q, k, v, fq, fk, g, fold, valid, y, y_soft, y_lin, m, l_soft, den,
-                                                    arg, L, H, HKV, scale, eps, D=D, F=F, BM=BLOCK, BN=BLOCK,
+        block = block_size(dtype, D, F)
+        _fwd_kernel[(B * H, triton.cdiv(L, block))](q, k, v, fq, fk, g, fold, valid, y, y_soft, y_lin, m, l_soft, den,
+                                                    arg, L, H, HKV, scale, eps, D=D, F=F, BM=block, BN=block,
                                                     GATE=gate is not None, SAVE=save, DT=DOT_DTYPES[dtype])
         if save:
             ctx.save_for_backward(q, k, v, fq, fk, gate, fold, valid, y_soft, y_lin, m, l_soft, den, arg)
@@ -232,8 +240,9 @@ class StillAttentionFunction(torch.autograd.Function):
         dq, dfq = torch.empty_like(q), torch.empty_like(fq)
         dk, dv = (torch.empty(B, H, L, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dfk = torch.empty_like(fk)
-        grid = (B * H, triton.cdiv(L, BLOCK))
-        shapes = {"D": D, "F": F, "BM": BLOCK, "BN": BLOCK, "DT": DOT_DTYPES[q.dtype]}
+        block = block_size(q.dtype, D, F)
+        grid = (B * H, triton.cdiv(L, block))
+        shapes = {"D": D, "F": F, "BM": block, "BN": block, "DT": DOT_DTYPES[q.dtype]}
         rows = (dn, gdn, d_den, d_max, m, arg)
         _bwd_dq_kernel[grid](q, k, v, fq, fk, fold, valid, *rows, dq, dfq, L, H, HKV, ctx.scale, **shapes)
         _bwd_dkv_kernel[grid](q, k, v, fq, fk, fold, valid, *rows, dk, dv, dfk, L, H, HKV, ctx.scale, **shapes)

@@ -231,14 +231,15 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
     Chunk selections depend only on scores, so they all come first; then the L departures (combined
     index i leaves after step start + i) are routed as `route_departure` would route them one by one:
     directly when the slots can hold every token chosen in this call (always within STILL's training
-    length of 1024), through `_replay_with_eviction` otherwise.
+    length of 1024), through `_replay_with_eviction` otherwise and in a fresh pass that might overflow.
     """
     B, Hkv, _ = scores.shape
     L = completes.shape[1]
     _select_completed_chunks(chosen, scores, key_valid, completes, W1, chunk, per_chunk)
     K = state["sal_used"].shape[-1]
-    # From a fresh state at most L // chunk chunks complete: when their picks fit, skip the check
-    # (a host sync per layer, which stalls the GPU's queue in training).
+    # From a fresh state at most L // chunk chunks complete, so whether their picks fit is known
+    # without looking. A fresh pass that may overflow replays without checking: the check is a host
+    # sync per layer, which stalls training's queue and breaks a CUDA graph's capture.
     fits = fresh and (L // chunk) * per_chunk <= K
     slot_ids = torch.arange(K, device=scores.device).expand(B, Hkv, K)  # ids: slots first, then combined
     slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
@@ -246,7 +247,7 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
     departing = chosen[..., :L]
     leave = torch.arange(start + 1, start + L + 1, device=scores.device)
 
-    if fits or (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all():
+    if fits or (not fresh and (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all()):
         fold_time[..., K : K + L] = torch.where(departing, NEVER, leave)
         if not keep_state:
             return fold_time, None, None
@@ -289,14 +290,18 @@ def _replay_with_eviction(state, scores, chosen, positions, start, L, block=512)
     el_time = torch.cat([torch.full((K,), start, device=device), leave]).expand(B, Hkv, K + L)
 
     # K-th earliest time at which a higher-ranked element was seen (NEVER when fewer than K exist).
+    # Elements come in time order, so that is the time of the K-th higher-ranked one in index order:
+    # a running count and a search instead of a selection (kthvalue was half of a training step).
+    el_time_end = torch.cat([el_time, torch.full_like(el_time[..., :1], NEVER)], -1)
     kth = torch.empty(B, Hkv, K + L, dtype=torch.long, device=device)
     for lo in range(0, K + L, block):
         e = slice(lo, lo + block)
         s_e, p_e = el_score[..., e, None], el_pos[..., e, None]
         above = el_in[..., None, :] & ((el_score[..., None, :] > s_e) | ((el_score[..., None, :] == s_e)
                                                                         & (el_pos[..., None, :] > p_e)))
-        times = torch.where(above, el_time[..., None, :], NEVER)
-        kth[..., e] = times.kthvalue(K, dim=-1).values
+        seen = above.to(torch.int32).cumsum(-1)
+        at = torch.searchsorted(seen, torch.full_like(seen[..., :1], K)).squeeze(-1)  # K + L: never
+        kth[..., e] = el_time_end.gather(-1, at)
     fold = torch.where(el_in & (kth != NEVER), torch.maximum(kth, el_time), NEVER)
     departing = torch.arange(K + L, device=device) >= K
     fold = torch.where(departing & ~el_in, el_time, fold)  # unchosen departures fold at once

@@ -155,6 +155,67 @@ def test_task_lengths_override_the_sweep_for_one_task_and_count_in_resuming(mode
         evaluate(model, tokenizer, "ppl", **settings, task_lengths={"passkey": "1k"})
 
 
+
+# --- a long-context task cut short goes on from its first unfinished length
+
+LONG = {"lengths": "512,1k,2k", "depths": "0,100", "samples": 1}
+
+
+@pytest.fixture
+def generated(monkeypatch):
+    """The length of every generate call evaluate makes (one call per length)."""
+    lengths = []
+    real = api.greedy_generate
+
+    def counting(model, tokenizer, prompts, *args, **kwargs):
+        tokens = max(len(tokenizer(p).input_ids) for p in prompts)
+        lengths.append(1 << (tokens - 1).bit_length())  # a prompt fills its length to within 100 tokens
+        return real(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(api, "greedy_generate", counting)
+    return lengths
+
+
+def cut_after_first_length(model, tokenizer) -> dict:
+    """Run passkey over LONG, stopped as a killed job is once its first length is saved; what was saved."""
+    saved = []
+
+    def save_then_stop(results):
+        saved.append(json.loads(json.dumps(results)))  # as read back from the file
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(model, tokenizer, "passkey", **LONG, on_progress=save_then_stop)
+    return saved[-1]
+
+
+def test_a_cut_long_context_task_resumes_to_the_uninterrupted_result(model, tokenizer, generated):
+    whole = evaluate(model, tokenizer, "passkey", **LONG)["tasks"]["passkey"]
+    cut = cut_after_first_length(model, tokenizer)
+    entry = cut["tasks"]["passkey"]
+    assert cut["provenance"]["partial"] is True and entry["partial"] is True
+    assert entry["lengths"] == [512] and entry["samples"] == whole["samples"][:2] and entry["wall_time_s"] > 0
+    seen = []
+    resumed = evaluate(model, tokenizer, "passkey", **LONG, resume=cut, on_progress=seen.append)["tasks"]["passkey"]
+    assert generated == [512, 1024, 2048, 512, 1024, 2048]  # whole, cut, then resumed without 512
+    assert [r["tasks"]["passkey"]["lengths"] for r in seen] == [[512, 1024]]
+    assert resumed.pop("wall_time_s") > entry["wall_time_s"]  # the cut run's time counts
+    whole.pop("wall_time_s")
+    assert resumed == whole and list(resumed) == list(whole)
+
+
+def test_a_cut_task_is_never_taken_for_a_finished_one(model, tokenizer):
+    cut = cut_after_first_length(model, tokenizer)
+    assert api.resumable_tasks(cut, cut["provenance"]) == ({}, {"passkey": cut["tasks"]["passkey"]})
+
+
+def test_a_cut_task_starts_over_under_other_settings(model, tokenizer, generated):
+    cut = cut_after_first_length(model, tokenizer)
+    evaluate(model, tokenizer, "passkey", **{**LONG, "lengths": "512,1k"}, resume=cut)
+    evaluate(model, tokenizer, "passkey", **LONG, task_lengths={"passkey": "512,1k"}, resume=cut)
+    evaluate(model, tokenizer, "passkey", **LONG, seed=1, resume=cut)
+    assert generated == [512, 512, 1024, 512, 1024, 512, 1024, 2048]  # 512 each time
+
 def test_ruler_shorthand():
     assert api.parse_tasks("ruler") == ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"]
 

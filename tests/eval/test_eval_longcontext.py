@@ -1,5 +1,6 @@
 import random
 import re
+from functools import partial
 
 import pytest
 
@@ -168,3 +169,23 @@ def test_run_records_every_cell_and_variant(tokenizer, essay):
 def test_sample_seed_is_stable_and_distinct():
     assert lc.sample_seed(0, "passkey", 1024, 50, 0) == lc.sample_seed(0, "passkey", 1024, 50, 0)
     assert lc.sample_seed(0, "passkey", 1024, 50, 0) != lc.sample_seed(1, "passkey", 1024, 50, 0)
+
+
+def test_a_sweep_reports_each_length_and_resumes_from_the_finished_ones(tokenizer, essay):
+    generated = []
+
+    def fake_generate(prompts, max_new_tokens):
+        generated.append(len(prompts))
+        return [str(len(p) % 7) for p in prompts]
+
+    run = partial(lc.run_longcontext, "niah_single", fake_generate, tokenizer, lengths=[1024, 2048, 3072],
+                  depths=[0, 100], samples=2, seed=0, essay=essay)
+    partials = []
+    whole = run(on_length=partials.append)
+    assert [p["lengths"] for p in partials] == [[1024], [1024, 2048]]  # none after the last: that is the result
+    assert all(p["partial"] is True for p in partials)
+    assert partials[0]["samples"] == whole["samples"][:12] and partials[1]["samples"] == whole["samples"][:24]
+    assert partials[0] == lc.summarize(whole["samples"][:12], [1024], [0, 100], (1, 2, 3)) | {"partial": True}
+    generated.clear()
+    assert run(finished=partials[0]["samples"]) == whole
+    assert generated == [12, 12]  # 2048 and 3072 only

@@ -30,6 +30,8 @@ GPU_CASES = {
     "L600-w128-c64-bf16": StillCase(L=600, D=64, F=64, window=128, chunk=64, per_chunk=12, slots=96, dtype=bf16),
     "L1100-w128-c64-slots768": StillCase(L=1100, H=8, HKV=2, D=64, F=64, window=128, chunk=64, per_chunk=48,
                                          slots=768, pad=37),
+    "L300-d128-bf16": StillCase(L=300, H=4, HKV=1, D=128, F=128, window=64, chunk=64, per_chunk=8, slots=64,
+                                dtype=bf16),
 }
 
 _SCRIPT = """

@@ -159,6 +159,24 @@ def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
         torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
 
 
+def test_fresh_pass_that_may_overflow_replays_without_a_host_check(monkeypatch):
+    """A fresh pass whose picks could exceed the slots replays the eviction without asking whether they
+    do (a host sync), and equals the recurrence also where they fit (here 3 chunks of 2 picks, 5 slots)."""
+    (q, k, v, gate), valid, phi_q, phi_k = setup(12)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
+    calls = []
+    real = still._replay_with_eviction
+    monkeypatch.setattr(still, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("host check of a tensor's value"))
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
+    monkeypatch.undo()
+    assert calls
+    y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 9)
+    torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
+    for name in s_par:
+        torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
+
+
 def route_one_by_one(state, scores, chosen, positions, start, L):
     """The routing as `still_step` does it: `route_departure` once per departing token."""
     B, Hkv, K = state["sal_used"].shape
