@@ -54,8 +54,8 @@ class StillAttention(LinearizedAttention):
                                      device=q.device)
         elif L == 1:
             return still.still_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
-        if fresh and not self.caching and still_kernel_enabled() and not kernels.still_unsupported(q, k, self.features):
-            return self._fresh_pass_through_kernels(q, k, v, valid, gate, state, start, options), None
+        if fresh and still_kernel_enabled() and not kernels.still_unsupported(q, k, self.features):
+            return self._fresh_pass_through_kernels(q, k, v, valid, gate, state, start, options)
         # The parallel form holds [L, K + W + L] scores per head: long inputs go through it in blocks,
         # each continuing from the state the previous one left (the same results, bounded memory).
         outputs = []
@@ -69,12 +69,15 @@ class StillAttention(LinearizedAttention):
         return torch.cat(outputs, 2), state
 
     def _fresh_pass_through_kernels(self, q, k, v, valid, gate, state, start, options):
-        """The routing in PyTorch (`still.fresh_fold_times`), the attention in one fused pass over the
-        whole input, its GEMMs in the projections' dtype."""
-        with torch.no_grad():
-            fold = still.fresh_fold_times(q, k, v, valid, state, start=start, **options)
+        """The routing in PyTorch (`still.fresh_routing`), the attention in one fused pass over the whole
+        input, its GEMMs in the projections' dtype; and the state after it when caching (a prompt's
+        prefill: no [L, L] scores, so no blocks of MAX_PARALLEL tokens either)."""
         fq = self.feature_map_q(q)
         fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
+        with torch.no_grad():
+            fold, next_state = still.fresh_routing(q, k, v, valid, state, start=start, **options,
+                                                   fk=fk.detach() if self.caching else None)
         dtype = self.projection_dtype
-        return kernels.still_attention(q.to(dtype), k.to(dtype), v.to(dtype), fq, fk, gate, fold, valid,
-                                       scale=self.scaling, eps=self.cfg.eps)
+        y = kernels.still_attention(q.to(dtype), k.to(dtype), v.to(dtype), fq, fk, gate, fold, valid,
+                                    scale=self.scaling, eps=self.cfg.eps)
+        return y, next_state

@@ -97,7 +97,7 @@ def still_unsupported(q, k, features: int) -> str | None:
 
 def still_attention(q, k, v, fq, fk, gate, fold, valid, *, scale, eps=1e-6):
     """STILL's attention over a fresh pass through the kernels (`still_triton.still_attention_triton`:
-    the fold times from `ops.still.fresh_fold_times`); check `still_unsupported` first."""
+    the fold times from `ops.still.fresh_routing`); check `still_unsupported` first."""
     from .still_triton import still_attention_triton
 
     return still_attention_triton(q, k, v, fq, fk, gate, fold, valid, scale=scale, eps=eps)

@@ -65,7 +65,7 @@ def _run(case, tensors, valid, dy, dtype):
     if dtype is None:
         with torch.no_grad():
             # Routing in float32, as the model runs it (its q, k come rotated in float32).
-            fold = still.fresh_fold_times(q.float(), k.float(), v.float(), valid, state, start=0, **options)
+            fold, _ = still.fresh_routing(q.float(), k.float(), v.float(), valid, state, start=0, **options)
         y = still_attention(q, k, v, fq, fk, gate, fold, valid, scale=options["scale"], eps=options["eps"])
     else:
         y, _ = still.still_parallel(q, k, v, valid, gate, state, lambda _: fq, lambda _: fk, start=0, **options,

@@ -348,14 +348,49 @@ def _route(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, s
     return (keys, values, key_valid, scores, chosen, positions, *routed)
 
 
-def fresh_fold_times(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps):
-    """When each of a fresh pass's L tokens folds into the linear state, relative to the pass (query i
-    at time i): [B, H_kv, L], NEVER - start for the tokens softmax-visible to its end. `state` is
-    `init_state`'s; the routing is `still_parallel(fresh=True)`'s, for the kernels
-    (`linearize.kernels.still_attention`) to take."""
-    *_, fold_time, _, _ = _route(q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk,
-                                 routing=routing, scale=scale, eps=eps, fresh=True, keep_state=False)
-    return fold_time[..., state["sal_used"].shape[-1] + window - 1:] - start
+def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps, fk=None):
+    """The routing of a fresh pass over L tokens, for the kernels (`linearize.kernels.still_attention`)
+    to take: when each token folds into the linear state, relative to the pass (query i at time i;
+    [B, H_kv, L], NEVER - start for the tokens softmax-visible to its end), and, given `fk` (the
+    feature map of each query head's keys, [B, H, L, F]), the state after the pass (else None).
+    `state` is `init_state`'s; the routing is `still_parallel(fresh=True)`'s."""
+    keys, values, key_valid, scores, chosen, _, fold_time, slot_ids, slots = _route(
+        q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk, routing=routing,
+        scale=scale, eps=eps, fresh=True, keep_state=fk is not None)
+    new = fold_time[..., state["sal_used"].shape[-1] + window - 1:]
+    if fk is None:
+        return new - start, None
+    n_rep = q.shape[1] // k.shape[1]
+    folded = repeat_kv((new != NEVER) & valid[:, None, :], n_rep)[..., None].to(fk.dtype)
+    next_state = _next_state(state, (keys, values, key_valid, scores, chosen), slot_ids, slots, fk * folded,
+                             repeat_kv(v, n_rep).to(fk.dtype), valid, window - 1)
+    return new - start, next_state
+
+
+def _next_state(state, combined, slot_ids, slots, fk_folded, values_rep, valid, W1):
+    """The state after a parallel call: `combined` its (keys, values, validity, scores, selections)
+    from `_scored_window`, `slot_ids` and `slots` from the routing, and the folded keys' features
+    (zero for the others) with their values, per query head."""
+    keys, values, key_valid, scores, chosen = combined
+    idx = slot_ids[..., None]
+    all_keys = torch.cat([state["sal_k"], keys], dim=2)
+    all_values = torch.cat([state["sal_v"], values], dim=2)
+    return {
+        "S": state["S"] + fk_folded.transpose(-1, -2) @ values_rep,
+        "z": state["z"] + fk_folded.sum(2),
+        "win_k": keep_last(keys, W1, dim=2),
+        "win_v": keep_last(values, W1, dim=2),
+        "win_valid": keep_last(key_valid, W1, dim=1),
+        "win_score": keep_last(scores, W1, dim=2),
+        "win_sel": keep_last(chosen, W1, dim=2),
+        "sal_k": all_keys.gather(2, idx.expand(-1, -1, -1, all_keys.shape[-1])),
+        "sal_v": all_values.gather(2, idx.expand(-1, -1, -1, all_values.shape[-1])),
+        "sal_score": slots["score"],
+        "sal_pos": slots["pos"],
+        "sal_used": slots["used"],
+        "count": state["count"] + valid.sum(1),
+        "next_pos": state["next_pos"] + valid.shape[1],
+    }
 
 
 def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing,
@@ -402,24 +437,8 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
 
     folded = (att_fold != NEVER) & att_valid
     fk_folded = fk * repeat_kv(folded, n_rep)[..., None].to(q.dtype)
-    idx = slot_ids[..., None]
-    new_state = {
-        "S": state["S"] + fk_folded.transpose(-1, -2) @ values_rep,
-        "z": state["z"] + fk_folded.sum(2),
-        "win_k": keep_last(keys, W1, dim=2),
-        "win_v": keep_last(values, W1, dim=2),
-        "win_valid": keep_last(key_valid, W1, dim=1),
-        "win_score": keep_last(scores, W1, dim=2),
-        "win_sel": keep_last(chosen, W1, dim=2),
-        "sal_k": all_keys.gather(2, idx.expand(-1, -1, -1, all_keys.shape[-1])),
-        "sal_v": all_values.gather(2, idx.expand(-1, -1, -1, all_values.shape[-1])),
-        "sal_score": slots["score"],
-        "sal_pos": slots["pos"],
-        "sal_used": slots["used"],
-        "count": state["count"] + valid.sum(1),
-        "next_pos": state["next_pos"] + L,
-    }
-    return y, new_state
+    return y, _next_state(state, (keys, values, key_valid, scores, chosen), slot_ids, slots, fk_folded, values_rep,
+                          valid, W1)
 
 
 def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, window, chunk, per_chunk, routing, scale, eps=1e-6):

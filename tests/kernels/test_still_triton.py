@@ -1,6 +1,7 @@
 """The STILL kernels equal the reference op (`still_parallel(fresh=True, keep_state=False)`), in the
 output and the gradients of q, k, v, both feature maps' outputs and the gate; and a STILL model run
-through them (LINEARIZE_STILL_KERNEL=1) gives the PyTorch path's logits and gradients.
+through them gives the PyTorch path's (LINEARIZE_STILL_KERNEL=0) logits, gradients, cached state and
+greedy tokens.
 
 Without a GPU they run in Triton's interpreter, in a subprocess (`interpreted`)."""
 
@@ -68,9 +69,27 @@ ref_logits, ref_grads = run(False)
 logits, grads = run(True)
 with torch.no_grad():  # scoring: the forward kernel's variant that saves nothing
     scored = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+rel = lambda a, b: ((a - b).float().norm() / b.float().norm().clamp_min(1e-12)).item()
 out = {"calls": len(calls), "logits": rel(logits, ref_logits), "scored": rel(scored, ref_logits),
        "same_params": sorted(grads) == sorted(ref_grads), "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads)}
+
+def prefill_and_decode(kernel_on):
+    os.environ["LINEARIZE_STILL_KERNEL"] = "1" if kernel_on else "0"
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    states = [layer.state for layer in first.past_key_values.layers]
+    tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    return first.logits, states, tokens
+
+before = len(calls)
+ref_logits, ref_states, ref_tokens = prefill_and_decode(False)
+logits, states, tokens = prefill_and_decode(True)
+out |= {"prefill_calls": len(calls) - before, "prefill_logits": rel(logits, ref_logits),
+        "state_names": sorted(states[0]) == sorted(ref_states[0]),
+        "state": max(rel(s[n], r[n]) for s, r in zip(states, ref_states) for n in r if r[n].is_floating_point()),
+        "state_exact": all(torch.equal(s[n], r[n]) for s, r in zip(states, ref_states) for n in r
+                           if not r[n].is_floating_point()),
+        "same_tokens": torch.equal(tokens, ref_tokens)}
 print(json.dumps(out))
 """
 
@@ -94,9 +113,14 @@ def test_interpreter(name, interpreted):
 
 @needs_triton
 def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path():
+    """Training and scoring passes; then a cached prefill, whose state (slots, window, linear state)
+    the routing builds beside the kernel, and greedy decoding from it."""
     out = run_interpreted(_MODEL_SCRIPT)
     assert out["calls"] == 4 and out["same_params"], out  # one fresh pass per layer, with and without gradients
     assert out["logits"] < 1e-5 and out["scored"] < 1e-5 and out["grads"] < 1e-4, out
+    assert out["prefill_calls"] == 4, out  # two prefills (a forward, then generate's), two layers
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-5 and out["prefill_logits"] < 1e-5, out
+    assert out["same_tokens"], out
 
 
 @pytest.mark.gpu
