@@ -289,19 +289,21 @@ def _replay_with_eviction(state, scores, chosen, positions, start, L, block=512)
     el_in = torch.cat([state["sal_used"], chosen[..., :L]], -1)
     el_time = torch.cat([torch.full((K,), start, device=device), leave]).expand(B, Hkv, K + L)
 
+    # Rank by (score, position): by position, then stably by score. Elements outside the set rank -1,
+    # below all of them (their own fold times are not read).
+    by_pos = el_pos.argsort(dim=-1, stable=True)
+    order = by_pos.gather(-1, el_score.gather(-1, by_pos).argsort(dim=-1, stable=True))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(K + L, device=device).expand_as(order))
+    rank = torch.where(el_in, rank, -1).to(torch.int32)
     # K-th earliest time at which a higher-ranked element was seen (NEVER when fewer than K exist).
     # Elements come in time order, so that is the time of the K-th higher-ranked one in index order:
     # a running count and a search instead of a selection (kthvalue was half of a training step).
     el_time_end = torch.cat([el_time, torch.full_like(el_time[..., :1], NEVER)], -1)
     kth = torch.empty(B, Hkv, K + L, dtype=torch.long, device=device)
     for lo in range(0, K + L, block):
-        e = slice(lo, lo + block)
-        s_e, p_e = el_score[..., e, None], el_pos[..., e, None]
-        above = el_in[..., None, :] & ((el_score[..., None, :] > s_e) | ((el_score[..., None, :] == s_e)
-                                                                        & (el_pos[..., None, :] > p_e)))
-        seen = above.to(torch.int32).cumsum(-1)
+        seen = torch.cumsum(rank[..., None, :] > rank[..., lo:lo + block, None], -1, dtype=torch.int32)
         at = torch.searchsorted(seen, torch.full_like(seen[..., :1], K)).squeeze(-1)  # K + L: never
-        kth[..., e] = el_time_end.gather(-1, at)
+        kth[..., lo:lo + block] = el_time_end.gather(-1, at)
     fold = torch.where(el_in & (kth != NEVER), torch.maximum(kth, el_time), NEVER)
     departing = torch.arange(K + L, device=device) >= K
     fold = torch.where(departing & ~el_in, el_time, fold)  # unchosen departures fold at once
