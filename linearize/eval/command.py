@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
     parser.add_argument("--text", help="perplexity text (.txt); default Moby-Dick from the public-domain texts")
     parser.add_argument("--essay", help="essay haystack text (.txt); default the other public-domain texts")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep what an earlier run with the same settings saved in --out (finished tasks, "
+                        "finished lengths of a long-context task) and run the rest")
     parser.set_defaults(func=run)
     return parser
 
@@ -64,6 +68,7 @@ def run(args) -> int:
     for flag in ("text", "essay"):
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag} {getattr(args, flag)} is not a file.")
+    previous = read_previous(args.out) if args.resume else None
 
     import torch
 
@@ -77,11 +82,26 @@ def run(args) -> int:
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
         on_progress=partial(write_json, out=args.out), task_limits=task_limits, task_lengths=task_lengths,
+        resume=previous,
     )
     for path in write_report(results, args.out):
         print(f"wrote {path}")
     print(summary_line(results))
     return 0
+
+
+def read_previous(out: str) -> dict:
+    """The results an earlier run wrote to `out`, for --resume."""
+    path = Path(out)
+    if not path.is_file():
+        raise ValueError(f"--resume: {out} does not exist (nothing to resume; run without --resume).")
+    try:
+        previous = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--resume: {out} is not a results JSON ({e}).") from e
+    if not isinstance(previous, dict) or previous.get("format") != api.FORMAT:
+        raise ValueError(f"--resume: {out} is not a results file of `linearize eval` (format {api.FORMAT}).")
+    return previous
 
 
 def parse_task_limits(items: list[str]) -> dict[str, int]:

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from linearize.eval import api, command, evaluate, write_report
+from linearize.eval import api, command, evaluate, longcontext, write_report
 from linearize.eval.harness import ZEROSHOT
 from linearize.eval.longcontext import TASKS as LONG_TASKS
 
@@ -276,6 +276,38 @@ def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
     assert (tmp_path / "cli.md").is_file() and (tmp_path / "cli.passkey.png").is_file()
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "passkey=" in printed
+
+
+def test_cli_resume_keeps_the_finished_tasks(fake_loading, tmp_path, essay_file, monkeypatch):
+    out = tmp_path / "cli.json"
+    common = ["--model", "smollm2", "--out", str(out), "--limit", "1", "--lengths", "1k", "--depths", "0",
+              "--batch", "2", "--device", "cpu", "--dtype", "float32", "--essay", str(essay_file)]
+    args = parser().parse_args(["eval", "--tasks", "passkey", *common])
+    assert args.func(args) == 0
+    first = json.loads(out.read_text())["tasks"]["passkey"]
+    ran = []
+    real = longcontext.run_longcontext
+    monkeypatch.setattr(longcontext, "run_longcontext", lambda name, *a, **kw: ran.append(name) or real(name, *a, **kw))
+    args = parser().parse_args(["eval", "--tasks", "passkey,niah_multikey", "--resume", *common])
+    assert args.func(args) == 0
+    results = json.loads(out.read_text())
+    assert ran == ["niah_multikey"] and results["tasks"]["passkey"] == first
+    assert "partial" not in results["provenance"]
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "does not exist"),
+    ("{not json", "is not a results JSON"),
+    ('{"format": "something-else"}', "is not a results file of `linearize eval`"),
+])
+def test_cli_resume_from_a_missing_or_foreign_file_fails_before_loading(content, message, fake_loading, tmp_path):
+    out = tmp_path / "x.json"
+    if content is not None:
+        out.write_text(content)
+    args = parser().parse_args(["eval", "--model", "m", "--tasks", "ppl", "--out", str(out), "--resume"])
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
+    assert fake_loading == []
 
 
 @pytest.mark.parametrize("flags,message", [
