@@ -1,7 +1,7 @@
-"""Lizard and Liger inside a model, fused kernel path vs the PyTorch ops: logits, gradients, decoding.
+"""Lizard, Liger and STILL inside a model, fused kernel path vs the PyTorch ops: logits, gradients, decoding.
 
-`check(device, ...)` and `check_padded(device, ...)` return how often a kernel path ran and the worst
-relative errors; tests call them on CUDA directly and on CPU in a subprocess with TRITON_INTERPRET=1
+`check(device, ...)`, `check_padded(device, ...)` and `check_still(device, ...)` return how often a
+kernel path ran and the worst relative errors; tests call them on CUDA directly and on CPU in a subprocess with TRITON_INTERPRET=1
 (so the interpreter never leaks into the test process).
 """
 
@@ -225,3 +225,68 @@ def check_static_decode(device: str, method: str = "lizard", steps: int = 6) -> 
             counted = len(step_calls)
     return {"same_tokens": torch.equal(tokens[True], tokens[False]), "step_calls": counted}
 
+
+
+@contextmanager
+def still_kernel(on: bool):
+    """STILL's kernels on or off (LINEARIZE_STILL_KERNEL), restored afterwards."""
+    before = os.environ.get("LINEARIZE_STILL_KERNEL")
+    os.environ["LINEARIZE_STILL_KERNEL"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LINEARIZE_STILL_KERNEL")
+        else:
+            os.environ["LINEARIZE_STILL_KERNEL"] = before
+
+
+def check_still(device, length=45):
+    """A float32 STILL model through its kernels against its PyTorch path (relative errors, counts and
+    flags): a training pass's logits and gradients, a scoring pass, then a cached prefill's logits and
+    state (slots, window and linear state) and greedy tokens decoded from it. Left padding in row 1."""
+    from tiny_models import TINY_OPTIONS
+
+    calls = []
+    counted = kernels.still_attention
+    kernels.still_attention = lambda *a, **k: calls.append(1) or counted(*a, **k)
+    try:
+        model = tiny_teacher()
+        linearize.convert(model, "still", **TINY_OPTIONS["still"])
+        perturb_new_parameters(model)
+        model.to(device)
+        ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
+        mask = torch.ones_like(ids)
+        mask[1, :6] = 0
+
+        def train_pass(on):
+            with still_kernel(on):
+                model.zero_grad()
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
+            return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        def prefill_and_decode(on):
+            with still_kernel(on), torch.no_grad():
+                first = model(input_ids=ids, attention_mask=mask, use_cache=True)
+                tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            return first.logits, [layer.state for layer in first.past_key_values.layers], tokens
+
+        ref_logits, ref_grads = train_pass(False)
+        logits, grads = train_pass(True)
+        with still_kernel(True), torch.no_grad():  # scoring: the forward kernel's variant that saves nothing
+            scored = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out = {"calls": len(calls), "logits": _rel(logits, ref_logits), "scored": _rel(scored, ref_logits),
+               "same_params": sorted(grads) == sorted(ref_grads),
+               "grads": max(_rel(grads[n], ref_grads[n]) for n in ref_grads)}
+        before = len(calls)
+        ref_first, ref_states, ref_tokens = prefill_and_decode(False)
+        first, states, tokens = prefill_and_decode(True)
+    finally:
+        kernels.still_attention = counted
+    pairs = [(s[n], r[n]) for s, r in zip(states, ref_states, strict=True) for n in r]
+    return out | {"prefill_calls": len(calls) - before, "prefill_logits": _rel(first, ref_first),
+                  "state_names": all(sorted(s) == sorted(r) for s, r in zip(states, ref_states, strict=True)),
+                  "state": max(_rel(a, b) for a, b in pairs if b.is_floating_point() and b.norm() > 0),
+                  "state_exact": all(torch.equal(a, b) for a, b in pairs if not b.is_floating_point()),
+                  "same_tokens": torch.equal(tokens, ref_tokens)}

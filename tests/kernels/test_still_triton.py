@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from attention_kernel_check import check_still
 from interpreted import interpreted as run_interpreted
 from test_lizard_triton import HAS_TRITON, needs_triton
 
@@ -42,58 +43,6 @@ cases = [eval(c, {"StillCase": StillCase, "torch": torch}) for c in json.loads(s
 print(json.dumps([compare_still(c, "cpu") for c in cases]))
 """
 
-_MODEL_SCRIPT = """
-import json, os, torch
-import linearize
-from linearize import kernels
-from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
-
-calls = []
-counted = kernels.still_attention
-kernels.still_attention = lambda *a, **k: calls.append(1) or counted(*a, **k)
-model = tiny_teacher()
-linearize.convert(model, "still", **TINY_OPTIONS["still"])
-perturb_new_parameters(model)
-ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(0))
-mask = torch.ones_like(ids)
-mask[1, :6] = 0
-
-def run(kernel_on):
-    os.environ["LINEARIZE_STILL_KERNEL"] = "1" if kernel_on else "0"
-    model.zero_grad()
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-ref_logits, ref_grads = run(False)
-logits, grads = run(True)
-with torch.no_grad():  # scoring: the forward kernel's variant that saves nothing
-    scored = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-rel = lambda a, b: ((a - b).float().norm() / b.float().norm().clamp_min(1e-12)).item()
-out = {"calls": len(calls), "logits": rel(logits, ref_logits), "scored": rel(scored, ref_logits),
-       "same_params": sorted(grads) == sorted(ref_grads), "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads)}
-
-def prefill_and_decode(kernel_on):
-    os.environ["LINEARIZE_STILL_KERNEL"] = "1" if kernel_on else "0"
-    with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask, use_cache=True)
-    states = [layer.state for layer in first.past_key_values.layers]
-    tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    return first.logits, states, tokens
-
-before = len(calls)
-ref_logits, ref_states, ref_tokens = prefill_and_decode(False)
-logits, states, tokens = prefill_and_decode(True)
-out |= {"prefill_calls": len(calls) - before, "prefill_logits": rel(logits, ref_logits),
-        "state_names": sorted(states[0]) == sorted(ref_states[0]),
-        "state": max(rel(s[n], r[n]) for s, r in zip(states, ref_states) for n in r if r[n].is_floating_point()),
-        "state_exact": all(torch.equal(s[n], r[n]) for s, r in zip(states, ref_states) for n in r
-                           if not r[n].is_floating_point()),
-        "same_tokens": torch.equal(tokens, ref_tokens)}
-print(json.dumps(out))
-"""
-
-
 def _check(case: StillCase, out: dict):
     assert out["path"] == "kernel", out["path"]
     assert within_tolerance(case, out["errors"]), out["errors"]
@@ -115,7 +64,7 @@ def test_interpreter(name, interpreted):
 def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path():
     """Training and scoring passes; then a cached prefill, whose state (slots, window, linear state)
     the routing builds beside the kernel, and greedy decoding from it."""
-    out = run_interpreted(_MODEL_SCRIPT)
+    out = run_interpreted("import json, attention_kernel_check as c; print(json.dumps(c.check_still('cpu')))")
     assert out["calls"] == 4 and out["same_params"], out  # one fresh pass per layer, with and without gradients
     assert out["logits"] < 1e-5 and out["scored"] < 1e-5 and out["grads"] < 1e-4, out
     assert out["prefill_calls"] == 4, out  # two prefills (a forward, then generate's), two layers
@@ -128,3 +77,14 @@ def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path():
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_gpu(name):
     _check(GPU_CASES[name], compare_still(GPU_CASES[name], "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path():
+    """As the interpreter's test, on 300 tokens: several tiles, and slots that overflow."""
+    out = check_still("cuda", length=300)
+    assert out["calls"] == 4 and out["same_params"] and out["prefill_calls"] == 4, out
+    assert out["logits"] < 1e-4 and out["scored"] < 1e-4 and out["grads"] < 1e-4, out
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-4 and out["prefill_logits"] < 1e-4, out
+    assert out["same_tokens"], out
