@@ -167,10 +167,12 @@ def test_fresh_pass_that_may_overflow_replays_without_a_host_check(monkeypatch):
     calls = []
     real = still._replay_with_eviction
     monkeypatch.setattr(still, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("host check of a tensor's value"))
+    for read in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"host read of a tensor ({read})"))
     y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
+    fold, _ = still.fresh_routing(q, k, v, valid, state0(4, 9), start=0, eps=1e-6, **opts)  # the kernels' routing
     monkeypatch.undo()
-    assert calls
+    assert len(calls) == 2 and fold.shape == (B, HKV, 12)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 9)
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
     for name in s_par:
