@@ -241,10 +241,10 @@ def still_kernel(on: bool):
             os.environ["LINEARIZE_STILL_KERNEL"] = before
 
 
-def check_still(device, length=45):
-    """A float32 STILL model through its kernels against its PyTorch path (relative errors, counts and
-    flags): a training pass's logits and gradients, a scoring pass, then a cached prefill's logits and
-    state (slots, window and linear state) and greedy tokens decoded from it. Left padding in row 1."""
+def check_still(device, dtype=torch.float32, length=45):
+    """A STILL model through its kernels against its PyTorch path (relative errors, counts and flags):
+    a training pass's logits and gradients, a scoring pass, then a cached prefill's logits and state
+    (slots, window and linear state) and greedy tokens decoded from it. Left padding in row 1."""
     from tiny_models import TINY_OPTIONS
 
     calls = []
@@ -254,7 +254,7 @@ def check_still(device, length=45):
         model = tiny_teacher()
         linearize.convert(model, "still", **TINY_OPTIONS["still"])
         perturb_new_parameters(model)
-        model.to(device)
+        model.to(device=device, dtype=dtype)
         ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
         mask = torch.ones_like(ids)
         mask[1, :6] = 0

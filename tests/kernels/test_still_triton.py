@@ -81,10 +81,13 @@ def test_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
-def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path():
-    """As the interpreter's test, on 300 tokens: several tiles, and slots that overflow."""
-    out = check_still("cuda", length=300)
+@pytest.mark.parametrize("dtype", [torch.float32, bf16])
+def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path(dtype):
+    """As the interpreter's test, on 300 tokens: several tiles, and slots that overflow. In bf16 both
+    paths round differently (the PyTorch path is no reference there): logits and state within 2e-2."""
+    out = check_still("cuda", dtype, length=300)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert out["calls"] == 4 and out["same_params"] and out["prefill_calls"] == 4, out
-    assert out["logits"] < 1e-4 and out["scored"] < 1e-4 and out["grads"] < 1e-4, out
-    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-4 and out["prefill_logits"] < 1e-4, out
+    assert out["logits"] < tol and out["scored"] < tol and (dtype == bf16 or out["grads"] < tol), out
+    assert out["state_names"] and out["state_exact"] and out["state"] < tol and out["prefill_logits"] < tol, out
     assert out["same_tokens"], out
