@@ -84,10 +84,11 @@ def test_gpu(name):
 @pytest.mark.parametrize("dtype", [torch.float32, bf16])
 def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path(dtype):
     """As the interpreter's test, on 300 tokens: several tiles, and slots that overflow. In bf16 both
-    paths round differently (the PyTorch path is no reference there): logits and state within 2e-2."""
+    paths round differently (the PyTorch path is no reference there): logits and state within 2e-2, and
+    the greedy tokens are compared in float32 only (bf16 rounding may flip a near-tie)."""
     out = check_still("cuda", dtype, length=300)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert out["calls"] == 4 and out["same_params"] and out["prefill_calls"] == 4, out
     assert out["logits"] < tol and out["scored"] < tol and (dtype == bf16 or out["grads"] < tol), out
     assert out["state_names"] and out["state_exact"] and out["state"] < tol and out["prefill_logits"] < tol, out
-    assert out["same_tokens"], out
+    assert out["same_tokens"] or dtype == bf16, out
