@@ -107,6 +107,13 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         f"- started {prov.get('started_at')}, wall time {prov.get('wall_time_s', 0):.1f} s",
         "",
     ]
+    if prov.get("partial"):
+        missing = [name for name in prov["tasks"] if name not in tasks]
+        cut = [name for name, r in tasks.items() if r.get("partial")]
+        lines += ["**Partial: the run stopped before it finished.** "
+                  + (f"Not run: {', '.join(missing)}. " if missing else "")
+                  + (f"Cut short (its finished lengths below): {', '.join(cut)}. " if cut else "")
+                  + "`--resume` continues it.", ""]
     harness_rows = [(n, r) for n, r in tasks.items() if "lm_eval_task" in r]
     if harness_rows:
         lines += ["## lm-eval tasks", "", "| task | acc | acc_norm | shots | samples | split | data | time (s) |"]
@@ -129,13 +136,17 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         lines += [f"![loss by position]({plots['loss_by_position'].name})", ""]
     long_rows = [(n, r) for n, r in tasks.items() if "grid" in r]
     if long_rows:
-        lengths = sorted({length for _, r in long_rows for length in r["lengths"]})
+        # A cut task's columns: the lengths it was to run, "–" where it did not get to.
+        planned = {n: (prov.get("task_lengths") or {}).get(n, prov["lengths"]) if r.get("partial") else r["lengths"]
+                   for n, r in long_rows}
+        lengths = sorted({length for n, _ in long_rows for length in planned[n]})
         lines += ["## Long context", "", "| task | " + " | ".join(map(length_label, lengths)) + " | mean |"]
         lines += ["|---" * (len(lengths) + 2) + "|"]
         for name, r in long_rows:
             scores = {b["length"]: b["score"] for b in r["by_length"]}
             cells = (f"{scores[n]:.3f}" if n in scores else "–" for n in lengths)
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['score']:.3f} |")
+            lines.append(f"| {name}{' (partial)' if r.get('partial') else ''} | " + " | ".join(cells)
+                         + f" | {r['score']:.3f} |")
         lines.append("")
         lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows]
         lines.append("")

@@ -1,5 +1,6 @@
 import argparse
 import json
+import re
 import sys
 import types
 
@@ -215,6 +216,15 @@ def test_a_cut_task_starts_over_under_other_settings(model, tokenizer, generated
     evaluate(model, tokenizer, "passkey", **LONG, task_lengths={"passkey": "512,1k"}, resume=cut)
     evaluate(model, tokenizer, "passkey", **LONG, seed=1, resume=cut)
     assert generated == [512, 512, 1024, 512, 1024, 512, 1024, 2048]  # 512 each time
+
+
+def test_the_report_of_a_cut_run_says_what_is_missing(model, tokenizer, tmp_path):
+    cut = cut_after_first_length(model, tokenizer)
+    write_report(cut, tmp_path / "eval.json")
+    md = (tmp_path / "eval.md").read_text()
+    assert "**Partial: the run stopped before it finished.**" in md and "Cut short (its finished lengths below): passkey" in md
+    assert re.search(r"\| passkey \(partial\) \| [0-9.]+ \| – \| – \| [0-9.]+ \|", md), md  # 512 of 512, 1K, 2K
+
 
 def test_ruler_shorthand():
     assert api.parse_tasks("ruler") == ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"]
