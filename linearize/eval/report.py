@@ -113,7 +113,7 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         lines += ["**Partial: the run stopped before it finished.** "
                   + (f"Not run: {', '.join(missing)}. " if missing else "")
                   + (f"Cut short (its finished lengths below): {', '.join(cut)}. " if cut else "")
-                  + "`--resume` continues it.", ""]
+                  + "`linearize eval --resume` (or rerunning its recipe) continues it.", ""]
     harness_rows = [(n, r) for n, r in tasks.items() if "lm_eval_task" in r]
     if harness_rows:
         lines += ["## lm-eval tasks", "", "| task | acc | acc_norm | shots | samples | split | data | time (s) |"]
