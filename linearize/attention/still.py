@@ -19,7 +19,7 @@ MAX_PARALLEL = 2048  # tokens per parallel call
 
 
 def still_kernel_enabled() -> bool:
-    """A fresh pass that fills no cache (training, scoring) runs through the STILL kernels, unless
+    """A fresh pass (training, scoring, a prompt's prefill) runs through the STILL kernels, unless
     LINEARIZE_STILL_KERNEL=0 or LINEARIZE_KERNELS=0 (A/B timings, debugging)."""
     return os.environ.get("LINEARIZE_STILL_KERNEL") != "0" and kernels_enabled()
 
