@@ -227,20 +227,6 @@ def check_static_decode(device: str, method: str = "lizard", steps: int = 6) -> 
 
 
 
-@contextmanager
-def still_kernel(on: bool):
-    """STILL's kernels on or off (LINEARIZE_STILL_KERNEL), restored afterwards."""
-    before = os.environ.get("LINEARIZE_STILL_KERNEL")
-    os.environ["LINEARIZE_STILL_KERNEL"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LINEARIZE_STILL_KERNEL")
-        else:
-            os.environ["LINEARIZE_STILL_KERNEL"] = before
-
-
 def check_still(device, dtype=torch.float32, length=45):
     """A STILL model through its kernels against its PyTorch path (relative errors, counts and flags):
     a training pass's logits and gradients, a scoring pass, then a cached prefill's logits and state
@@ -260,21 +246,22 @@ def check_still(device, dtype=torch.float32, length=45):
         mask[1, :6] = 0
 
         def train_pass(on):
-            with still_kernel(on):
-                model.zero_grad()
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
+            os.environ["LINEARIZE_KERNELS"] = "1" if on else "0"
+            model.zero_grad()
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
             return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
         def prefill_and_decode(on):
-            with still_kernel(on), torch.no_grad():
+            os.environ["LINEARIZE_KERNELS"] = "1" if on else "0"
+            with torch.no_grad():
                 first = model(input_ids=ids, attention_mask=mask, use_cache=True)
                 tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
             return first.logits, [layer.state for layer in first.past_key_values.layers], tokens
 
         ref_logits, ref_grads = train_pass(False)
         logits, grads = train_pass(True)
-        with still_kernel(True), torch.no_grad():  # scoring: the forward kernel's variant that saves nothing
+        with torch.no_grad():  # scoring, kernels on: the forward kernel's variant that saves nothing
             scored = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         out = {"calls": len(calls), "logits": _rel(logits, ref_logits), "scored": _rel(scored, ref_logits),
                "same_params": sorted(grads) == sorted(ref_grads),

@@ -1,6 +1,6 @@
 """The STILL kernels equal the reference op (`still_parallel(fresh=True, keep_state=False)`), in the
 output and the gradients of q, k, v, both feature maps' outputs and the gate; and a STILL model run
-through them gives the PyTorch path's (LINEARIZE_STILL_KERNEL=0) logits, gradients, cached state and
+through them gives the PyTorch path's (LINEARIZE_KERNELS=0) logits, gradients, cached state and
 greedy tokens.
 
 Without a GPU they run in Triton's interpreter, in a subprocess (`interpreted`)."""
