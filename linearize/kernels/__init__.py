@@ -4,7 +4,7 @@
 tensors under TRITON_INTERPRET=1; supported shapes and dtypes) and the chunked PyTorch op otherwise,
 with the same results. `lizard_attention_continued` continues a carried state around the kernel
 (prefill only, no gradients); `lizard_step` is one decode step. `still_attention` is STILL's attention
-over a fresh pass (training, scoring). Design and limits: docs/kernels.md.
+over a fresh pass (training, scoring, a prompt's prefill). Design and limits: docs/kernels.md.
 """
 
 from __future__ import annotations

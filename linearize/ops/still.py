@@ -364,19 +364,20 @@ def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, rou
         return new - start, None
     n_rep = q.shape[1] // k.shape[1]
     folded = repeat_kv((new != NEVER) & valid[:, None, :], n_rep)[..., None].to(fk.dtype)
-    next_state = _next_state(state, (keys, values, key_valid, scores, chosen), slot_ids, slots, fk * folded,
-                             repeat_kv(v, n_rep).to(fk.dtype), valid, window - 1)
+    slot_sources = (torch.cat([state["sal_k"], keys], dim=2), torch.cat([state["sal_v"], values], dim=2))
+    next_state = _next_state(state, (keys, values, key_valid, scores, chosen), slot_sources, slot_ids, slots,
+                             fk * folded, repeat_kv(v, n_rep).to(fk.dtype), valid, window - 1)
     return new - start, next_state
 
 
-def _next_state(state, combined, slot_ids, slots, fk_folded, values_rep, valid, W1):
+def _next_state(state, combined, slot_sources, slot_ids, slots, fk_folded, values_rep, valid, W1):
     """The state after a parallel call: `combined` its (keys, values, validity, scores, selections)
-    from `_scored_window`, `slot_ids` and `slots` from the routing, and the folded keys' features
-    (zero for the others) with their values, per query head."""
+    from `_scored_window`; `slot_sources` the keys and values the slots are gathered from (the old
+    slots', then the combined sequence's), `slot_ids` and `slots` from the routing; and the folded keys'
+    features (zero for the others) with their values, per query head."""
     keys, values, key_valid, scores, chosen = combined
+    all_keys, all_values = slot_sources
     idx = slot_ids[..., None]
-    all_keys = torch.cat([state["sal_k"], keys], dim=2)
-    all_values = torch.cat([state["sal_v"], values], dim=2)
     return {
         "S": state["S"] + fk_folded.transpose(-1, -2) @ values_rep,
         "z": state["z"] + fk_folded.sum(2),
@@ -439,8 +440,8 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
 
     folded = (att_fold != NEVER) & att_valid
     fk_folded = fk * repeat_kv(folded, n_rep)[..., None].to(q.dtype)
-    return y, _next_state(state, (keys, values, key_valid, scores, chosen), slot_ids, slots, fk_folded, values_rep,
-                          valid, W1)
+    return y, _next_state(state, (keys, values, key_valid, scores, chosen), (all_keys, all_values), slot_ids, slots,
+                          fk_folded, values_rep, valid, W1)
 
 
 def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, window, chunk, per_chunk, routing, scale, eps=1e-6):
