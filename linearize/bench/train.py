@@ -117,8 +117,8 @@ def attention_path(method: str, device: torch.device) -> str:
 
     if device.type != "cuda" or not kernels_enabled() or not kernels.available():
         return "PyTorch ops"
-    if method == "still":
-        return "STILL Triton kernels (routing in PyTorch)" if still_kernel_enabled() else "PyTorch ops"
+    if method == "still" and still_kernel_enabled():
+        return "STILL Triton kernels (routing in PyTorch)"
     if method not in ("lizard", "liger"):
         return "PyTorch ops"
     from ..kernels.lizard_triton import Config

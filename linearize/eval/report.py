@@ -7,6 +7,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
+from linearize.eval.api import task_settings
 from linearize.eval.harness import AVERAGE_METRIC
 
 
@@ -137,8 +138,7 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
     long_rows = [(n, r) for n, r in tasks.items() if "grid" in r]
     if long_rows:
         # A cut task's columns: the lengths it was to run, "–" where it did not get to.
-        planned = {n: (prov.get("task_lengths") or {}).get(n, prov["lengths"]) if r.get("partial") else r["lengths"]
-                   for n, r in long_rows}
+        planned = {n: task_settings(prov, n)["lengths"] if r.get("partial") else r["lengths"] for n, r in long_rows}
         lengths = sorted({length for n, _ in long_rows for length in planned[n]})
         lines += ["## Long context", "", "| task | " + " | ".join(map(length_label, lengths)) + " | mean |"]
         lines += ["|---" * (len(lengths) + 2) + "|"]
