@@ -3,8 +3,7 @@
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64]]]
-# | rows NAME...
-# (recipes/NAME.json)
+# | rows NAME... (recipes/NAME.json) | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # scripts/gpu/together.sh runs several parts at once, on one GPU or both.
@@ -82,6 +81,9 @@ case $part in
     tar czf "$OUT/$tag.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude=checkpoint --exclude='*.gguf' \
       -C /tmp/res "$tag" "${runs[@]}"
     exit ;;
+  routing)
+    # Where the row's own q and k route the passkey, under each routing variant of the script.
+    step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" --out "$res/routing" ;;
   teacher)
     step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
   *)

@@ -1,0 +1,96 @@
+"""Where STILL's routing variants leave the passkey, replayed on a model's own q and k (CPU is enough).
+
+    python scripts/still_routing.py [--model smollm2] [--lengths 1024,2048,4096,8192] [--out DIR]
+
+For each prompt of the passkey task (the evaluation's first sample at each depth) and each variant
+below: the share of (prompt, layer, KV head) triples whose softmax set still holds one whole copy of
+the key at the question, and what became of the key's tokens (`linearize.eval.routing`). On the
+teacher (the default) this isolates the routing: a trained row's q and k differ from it by stage 2's
+LoRA and, past layer 0, by the student's own hidden states; pass its directory to see its own.
+Writes routing.json, routing.md and routing.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+
+from linearize.config import StillConfig
+from linearize.eval.api import parse_depths, parse_lengths
+from linearize.eval.report import length_label
+from linearize.eval.routing import EVICTED, LEFT_WINDOW, VISIBLE, needle_routing
+from linearize.loading import load_model, load_tokenizer
+
+VARIANTS = {
+    "saliency, budget 896 (ours: capped)": StillConfig(),
+    "saliency, budget 1536": StillConfig(budget=1536),
+    "saliency, uncapped (published)": StillConfig(budget=32768, max_chunks=680),
+    "random, budget 896": StillConfig(routing="random"),
+    "recency, budget 896": StillConfig(routing="recency"),
+}
+
+
+def markdown(result: dict, model: str) -> str:
+    lengths = result["lengths"]
+    header = "| variant | " + " | ".join(length_label(n) for n in lengths) + " |"
+    lines = [f"# Passkey under STILL's routing: {model}", "",
+             f"Depths {result['depths']}, one prompt each, seed {result['seed']}; per chunk: "
+             + ", ".join(f"{name} {cfg['per_chunk']}" for name, cfg in result["configs"].items()), "",
+             "## Reachable: share of (prompt, layer, KV head) with one whole copy of the key softmax-visible", "",
+             header, "|---|" + "---|" * len(lengths)]
+    for name, by_length in result["results"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{by_length[str(n)]['reachable']:.3f}" for n in lengths) + " |")
+    lines += ["", "## The key's tokens: visible / folded on leaving the window / evicted from the slots", "",
+              header, "|---|" + "---|" * len(lengths)]
+    for name, by_length in result["results"].items():
+        cells = [by_length[str(n)]["tokens"] for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(f"{c[VISIBLE]:.2f} / {c[LEFT_WINDOW]:.2f} / {c[EVICTED]:.2f}"
+                                                   for c in cells) + " |")
+    return "\n".join(lines + ["", "![reachable by length and layer](routing.png)", ""])
+
+
+def plot(result: dict, path: Path) -> None:
+    lengths, results = result["lengths"], result["results"]
+    fig = Figure(figsize=(4 + 2.6 * len(results), 4.2), layout="constrained")
+    axes = fig.subplots(1, 1 + len(results), width_ratios=[2.2] + [1] * len(results))
+    for name, by_length in results.items():
+        axes[0].plot(range(len(lengths)), [by_length[str(n)]["reachable"] for n in lengths], marker="o", label=name)
+    axes[0].set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+    axes[0].set(xlabel="prompt length (tokens)", ylabel="reachable share", ylim=(0, 1),
+                title="key softmax-visible at the question")
+    axes[0].legend(fontsize=7)
+    for ax, (name, by_length) in zip(axes[1:], results.items()):
+        grid = [list(values) for values in zip(*(by_length[str(n)]["reachable_by_layer"] for n in lengths))]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths], fontsize=7)
+        ax.set(xlabel="length", ylabel="layer", title=name)
+        ax.title.set_fontsize(8)
+    fig.colorbar(image, ax=axes[1:], label="reachable share of KV heads")
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--lengths", default="1k,2k,4k,8k")
+    parser.add_argument("--depths", default="0,25,50,75,100")
+    parser.add_argument("--out", type=Path, default=Path("docs/results/still-routing"))
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
+    result = needle_routing(model, tokenizer, VARIANTS, lengths=parse_lengths(args.lengths),
+                            depths=parse_depths(args.depths),
+                            progress=lambda n, d: print(f"routed {n} tokens at depth {d:g}%", flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "routing.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "routing.md").write_text(markdown(result, args.model))
+    plot(result, args.out / "routing.png")
+    print(f"wrote {args.out}/routing.md, routing.json, routing.png")
+
+
+if __name__ == "__main__":
+    main()
