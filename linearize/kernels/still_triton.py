@@ -42,6 +42,14 @@ def block_size(dtype, D, F):
     return max(16, min(64, block))
 
 
+def key_kernel_launch(dtype, D, F) -> dict:
+    """`_bwd_dkv_kernel`'s tiles and launch options: half as many keys a program as queries, and 8 warps.
+    Its three [keys, d] accumulators beside the keys' own tiles spill registers at 64 x 64 and 4 warps
+    (616 bytes a thread at bf16, d = 64), not so (`linearize.kernels.resources`)."""
+    block = block_size(dtype, D, F)
+    return {"BM": block, "BN": max(16, block // 2), "num_warps": 8, "num_stages": 2}
+
+
 @triton.jit
 def _program_heads(H, HKV):
     """This program's b * H + h (axis 0 of every grid), its batch row and its KV head's b * HKV + h_kv."""
@@ -162,22 +170,33 @@ def _bwd_dq_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DQ
 def _bwd_dkv_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DK, DV, DFK, L, H, HKV, scale,
                     D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BN)): d k, d v (per query head) and d fk of a block of keys, over the queries
-    from its first one."""
+    from its first one. Its tiles are [keys, queries], the transpose of `_tile_grads`': the products
+    that accumulate into the keys' gradients then take them as they come, where transposing four
+    [queries, keys] tiles a step spilled registers."""
     bh, b, kv = _program_heads(H, HKV)
     kb = tl.program_id(1)
     j = kb * BN + tl.arange(0, BN)
     k, v, fk = _keys(K, V, FK, bh, kv, j, L, D, F)
+    inside = j < L
+    fold = tl.load(FOLD + kv * L + j, mask=inside, other=0)
+    key_ok = ((tl.load(VALID + b * L + j, mask=inside, other=0) != 0) & inside)[:, None]
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     dfk = tl.zeros([BN, F], tl.float32)
     for ib in range((kb * BN) // BM, tl.cdiv(L, BM)):
         i = ib * BM + tl.arange(0, BM)
         q, fq, dn, gdn, d_den, d_max, m, arg = _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D, F)
-        soft, lin = _key_masks(i, j, FOLD + kv * L, VALID + b * L, L)
-        p, ds, lam, d_lam = _tile_grads(q, k, v, fq, fk, dn, gdn, d_den, d_max, m, arg, soft, lin, j, scale, DT)
-        dv = _dot_acc(tl.trans(p), dn, _dot_acc(tl.trans(lam), gdn, dv, DT), DT)
-        dk = _dot_acc(tl.trans(ds), q, dk, DT)
-        dfk = _dot_acc(tl.trans(d_lam), fq, dfk, DT)
+        seen = key_ok & (j[:, None] <= i[None, :])
+        soft = seen & (i[None, :] < fold[:, None])
+        p = tl.exp(tl.where(soft, _dot(k, tl.trans(q), DT) * scale - m[None, :], float("-inf")))
+        ds = p * (_dot(v, tl.trans(dn), DT) + d_den[None, :]) - tl.where(arg[None, :] == j[:, None],
+                                                                          d_max[None, :], 0.0)
+        lin = seen & ~soft
+        lam = tl.where(lin, _dot(fk, tl.trans(fq), DT), 0.0)
+        d_lam = tl.where(lin, _dot(v, tl.trans(gdn), DT) + d_den[None, :], 0.0)
+        dv = _dot_acc(p, dn, _dot_acc(lam, gdn, dv, DT), DT)
+        dk = _dot_acc(ds, q, dk, DT)
+        dfk = _dot_acc(d_lam, fq, dfk, DT)
     _store_tile(DK + bh * L * D, j, L, dk * scale, D, D)
     _store_tile(DV + bh * L * D, j, L, dv, D, D)
     _store_tile(DFK + bh * L * F, j, L, dfk, F, F)
@@ -245,7 +264,9 @@ class StillAttentionFunction(torch.autograd.Function):
         shapes = {"D": D, "F": F, "BM": block, "BN": block, "DT": DOT_DTYPES[q.dtype]}
         rows = (dn, gdn, d_den, d_max, m, arg)
         _bwd_dq_kernel[grid](q, k, v, fq, fk, fold, valid, *rows, dq, dfq, L, H, HKV, ctx.scale, **shapes)
-        _bwd_dkv_kernel[grid](q, k, v, fq, fk, fold, valid, *rows, dk, dv, dfk, L, H, HKV, ctx.scale, **shapes)
+        launch = key_kernel_launch(q.dtype, D, F)
+        _bwd_dkv_kernel[(B * H, triton.cdiv(L, launch["BN"]))](q, k, v, fq, fk, fold, valid, *rows, dk, dv, dfk, L, H,
+                                                             HKV, ctx.scale, **(shapes | launch))
         group = H // HKV
         dk, dv = (t.view(B, HKV, group, L, D).sum(2) for t in (dk, dv))
         dk, dv, dfq, dfk = (t.to(dtype) for t, dtype in zip((dk, dv, dfq, dfk), ctx.dtypes))
