@@ -122,18 +122,6 @@ def _fwd_kernel(Q, K, V, FQ, FK, G, FOLD, VALID, Y, YS, YL, M, LS, DEN, ARG, L, 
 
 
 @triton.jit
-def _tile_grads(q, k, v, fq, fk, dn, gdn, d_den, d_max, m, arg, soft, lin, j, scale, DT: tl.constexpr):
-    """A tile's softmax weights p and linear weights lam, and the gradients of their logits: ds (with
-    the row max's share on the key holding it) and d lam."""
-    p = tl.exp(tl.where(soft, _dot(q, tl.trans(k), DT) * scale - m[:, None], float("-inf")))
-    dp = _dot(dn, tl.trans(v), DT) + d_den[:, None]
-    ds = p * dp - tl.where(arg[:, None] == j[None, :], d_max[:, None], 0.0)
-    lam = tl.where(lin, _dot(fq, tl.trans(fk), DT), 0.0)
-    d_lam = tl.where(lin, _dot(gdn, tl.trans(v), DT) + d_den[:, None], 0.0)
-    return p, ds, lam, d_lam
-
-
-@triton.jit
 def _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D: tl.constexpr, F: tl.constexpr):
     """A block of queries' inputs to the backward: q, fq, the d numerator (plain and gated), d den,
     the row max's gradient, the row max and the key holding it."""
@@ -152,14 +140,18 @@ def _bwd_dq_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DQ
     bh, b, kv = _program_heads(H, HKV)
     qb = tl.program_id(1)
     i = qb * BM + tl.arange(0, BM)
-    q, fq, dn, gdn, d_den, d_max, m, arg = _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D, F)
+    q, _, dn, gdn, d_den, d_max, m, arg = _query_rows(Q, FQ, DN, GDN, DDEN, DMAX, M, ARG, bh, i, L, D, F)
     dq = tl.zeros([BM, D], tl.float32)
     dfq = tl.zeros([BM, F], tl.float32)
     for jb in range(tl.cdiv(tl.minimum((qb + 1) * BM, L), BN)):
         j = jb * BN + tl.arange(0, BN)
         k, v, fk = _keys(K, V, FK, bh, kv, j, L, D, F)
         soft, lin = _key_masks(i, j, FOLD + kv * L, VALID + b * L, L)
-        _, ds, _, d_lam = _tile_grads(q, k, v, fq, fk, dn, gdn, d_den, d_max, m, arg, soft, lin, j, scale, DT)
+        p = tl.exp(tl.where(soft, _dot(q, tl.trans(k), DT) * scale - m[:, None], float("-inf")))
+        # d of the logits: p dp, and the row max's share on the key holding it; d of the linear weights.
+        ds = p * (_dot(dn, tl.trans(v), DT) + d_den[:, None]) - tl.where(arg[:, None] == j[None, :],
+                                                                          d_max[:, None], 0.0)
+        d_lam = tl.where(lin, _dot(gdn, tl.trans(v), DT) + d_den[:, None], 0.0)
         dq = _dot_acc(ds, k, dq, DT)
         dfq = _dot_acc(d_lam, fk, dfq, DT)
     _store_tile(DQ + bh * L * D, i, L, dq * scale, D, D)
@@ -170,9 +162,9 @@ def _bwd_dq_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DQ
 def _bwd_dkv_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, DK, DV, DFK, L, H, HKV, scale,
                     D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BN)): d k, d v (per query head) and d fk of a block of keys, over the queries
-    from its first one. Its tiles are [keys, queries], the transpose of `_tile_grads`': the products
-    that accumulate into the keys' gradients then take them as they come, where transposing four
-    [queries, keys] tiles a step spilled registers."""
+    from its first one. Its tiles are [keys, queries], the transpose of the query kernel's: the
+    products that accumulate into the keys' gradients then take them as they come, where transposing
+    four [queries, keys] tiles a step spilled registers."""
     bh, b, kv = _program_heads(H, HKV)
     kb = tl.program_id(1)
     j = kb * BN + tl.arange(0, BN)
