@@ -20,6 +20,7 @@ from ..ops import still
 from .longcontext import build_sample, sample_seed
 
 VISIBLE, LEFT_WINDOW, EVICTED = "visible", "left_window", "evicted"
+SINGLE_ANSWER_TASKS = ("passkey", "niah_single")  # one needle string, in a haystack without essays (variant 1)
 
 
 def rotated_qk(model: nn.Module, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -95,8 +96,9 @@ def needle_routing(
     copy of the needle is softmax-visible at the question (`reachable`, overall and per layer), and
     the fates of the needle's tokens (`tokens`: shares of visible / left_window / evicted).
 
-    One forward per prompt (depth), its q and k routed under every config. `task` is one with a
-    single answer string (passkey, niah_single)."""
+    One forward per prompt (depth), its q and k routed under every config."""
+    if task not in SINGLE_ANSWER_TASKS:
+        raise ValueError(f"needle routing takes {' or '.join(SINGLE_ANSWER_TASKS)}, not {task!r}")
     device = next(model.parameters()).device
     tally = {name: {n: {"reach": [], "fates": []} for n in lengths} for name in configs}
     for length in lengths:

@@ -92,3 +92,8 @@ def test_needle_routing_reports_reach_and_fates(model, tokenizer):
     # The key sits >= 40 bytes before the question's end, out of a 16-token window.
     assert window["reachable"] == 0.0 and window["tokens"][LEFT_WINDOW] == 1.0
     assert result["configs"]["window only"]["per_chunk"] == 0
+
+
+def test_needle_routing_refuses_tasks_without_one_needle(model, tokenizer):
+    with pytest.raises(ValueError, match="passkey or niah_single, not 'niah_multikey'"):
+        needle_routing(model, tokenizer, {"default": StillConfig()}, task="niah_multikey")
