@@ -81,15 +81,16 @@ def test_needle_positions_find_every_copy(tokenizer):
     assert needle_positions(tokenizer, prompt, "99999") == []
 
 
-def test_needle_routing_reports_reach_and_fates(model, tokenizer):
+@pytest.mark.parametrize("task", ["passkey", "niah_single"])
+def test_needle_routing_reports_reach_and_fates(model, tokenizer, task):
     configs = {"keep all": StillConfig(**SMALL, budget=16 + 1024, max_chunks=128),
                "window only": StillConfig(**SMALL, budget=16)}
-    result = needle_routing(model, tokenizer, configs, lengths=[600], depths=[0, 50])
+    result = needle_routing(model, tokenizer, configs, task=task, lengths=[600], depths=[0, 50])
     keep, window = result["results"]["keep all"]["600"], result["results"]["window only"]["600"]
     layers = len(model.model.layers)
     assert keep["reachable"] == 1.0 and keep["reachable_by_layer"] == [1.0] * layers
     assert keep["tokens"] == {VISIBLE: 1.0, LEFT_WINDOW: 0.0, EVICTED: 0.0}
-    # The key sits >= 40 bytes before the question's end, out of a 16-token window.
+    # The needle sits well before the question's end, out of a 16-token window.
     assert window["reachable"] == 0.0 and window["tokens"][LEFT_WINDOW] == 1.0
     assert result["configs"]["window only"]["per_chunk"] == 0
 
