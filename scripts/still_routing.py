@@ -1,6 +1,6 @@
 """Where STILL's routing variants leave the passkey, replayed on a model's own q and k (CPU is enough).
 
-    python scripts/still_routing.py [--model smollm2] [--lengths 1024,2048,4096,8192] [--out DIR]
+    python scripts/still_routing.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100] [--out DIR]
 
 For each prompt of the passkey task (the evaluation's first sample at each depth) and each variant
 below: the share of (prompt, layer, KV head) triples whose softmax set still holds one whole copy of
