@@ -29,6 +29,11 @@ VARIANTS = {
     "saliency, budget 896 (ours: capped)": StillConfig(),
     "saliency, budget 1536": StillConfig(budget=1536),
     "saliency, uncapped (published)": StillConfig(budget=32768, max_chunks=680),
+    # The paper's lambda = (m - W) / T_max with T_max sized for the context instead of training's 1K:
+    # the same 768 slots, fewer picks a chunk, so they fill later (at T_max chunks).
+    "saliency, budget 896, T_max 32": StillConfig(max_chunks=32),
+    "saliency, budget 896, T_max 64": StillConfig(max_chunks=64),
+    "saliency, budget 896, T_max 128": StillConfig(max_chunks=128),
     "random, budget 896": StillConfig(routing="random"),
     "recency, budget 896": StillConfig(routing="recency"),
 }
