@@ -5,7 +5,8 @@ the device. Register spills, the usual reason a tile configuration is slow, can 
 
     python -m linearize.kernels.resources
 
-prints them for STILL's backward key kernel at the shapes the models use.
+prints them for STILL's backward key kernel at the shapes the models use, and for Lizard's forward
+at the Table 3 shapes (docs/kernels.md compares them with the H200's own report).
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ from triton.compiler import ASTSource
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def resources(kernel, types: dict[str, str], constants: dict, *, num_warps: int = 4, num_stages: int = 3,
-              arch: int = 90) -> dict[str, int]:
+def resources(kernel, types: dict[str, str], constants: dict, *, divisible=(), aligned: bool = True,
+              num_warps: int = 4, num_stages: int = 3, arch: int = 90) -> dict[str, int]:
     """{registers (per thread), spilled (stack bytes per thread), shared (bytes)} of `kernel` compiled for
     sm_`arch`: `types` gives each runtime argument's Triton type ("*bf16", "i32", "fp32"), `constants`
-    each constexpr's value."""
+    each constexpr's value, `divisible` the integer arguments that are multiples of 16 at run time.
+
+    As at launch, pointers are taken as 16-byte aligned (torch's allocations are) and `divisible`
+    as multiples of 16: Triton specializes on both, and without them (`aligned=False`) the code needs
+    more registers (the Lizard forward spills 1,136 bytes instead of the 72 its H200 run reported)."""
     missing = [name for name in kernel.arg_names if name not in types and name not in constants]
     if missing:
         raise ValueError(f"no type or value for {', '.join(missing)}")
     signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
+    hinted = [name for name, kind in signature.items() if aligned and (kind.startswith("*") or name in divisible)]
     source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+                       constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
+                       attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,20 +59,42 @@ def still_key_kernel_types(dtype: str) -> dict[str, str]:
             "L": "i32", "H": "i32", "HKV": "i32", "scale": "fp32"}
 
 
+def lizard_forward_types() -> dict[str, str]:
+    """`lizard_triton._fwd_kernel`'s argument types for bf16 operands (a scalar gate's float32 log g)."""
+    tile, f32 = "*bf16", "*fp32"
+    return {"FQ": tile, "FK": tile, "LG": f32, "QW": tile, "KW": tile, "V": tile, "SINKS": f32, "ALPHA": f32,
+            "HS": tile, "HZ": f32, "Y": tile, "Y_GLA": tile, "Y_WIN": tile, "DEN": f32, "LSE": f32, "ROW_MAX": f32,
+            "ARG": "*i32", "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32", "window": "i32", "scale": "fp32",
+            "eps": "fp32"}
+
+
 def main() -> None:
     import torch
 
     from . import still_triton
 
-    print("STILL's backward key kernel (d k, d v, d fk) for sm_90, as launched:")
+    print("STILL's backward key kernel (d k, d v, d fk) for sm_90, as launched, the length a multiple of 16:")
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         for d in (64, 128):
             launch = still_triton.key_kernel_launch(dtype, d, d)
             tiles = {"BM": launch["BM"], "BN": launch["BN"]}
             found = resources(still_triton._bwd_dkv_kernel, still_key_kernel_types(name),
-                              {"D": d, "F": d, "DT": still_triton.DOT_DTYPES[dtype]} | tiles,
+                              {"D": d, "F": d, "DT": still_triton.DOT_DTYPES[dtype]} | tiles, divisible=("L",),
                               num_warps=launch["num_warps"], num_stages=launch["num_stages"])
             print(f"  {name} d={d} {tiles}: {found}")
+
+    from . import lizard_triton
+
+    cfg = lizard_triton.Config.default(torch.bfloat16)
+    window = 128
+    print(f"Lizard's forward (inference), bf16, F = d = 128, w = {window}, 4 sinks, {cfg}:")
+    constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk),
+                 "M": 4, "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": True,
+                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+    for aligned in (True, False):
+        found = resources(lizard_triton._fwd_kernel, lizard_forward_types(), constants, aligned=aligned,
+                          divisible=("L", "H", "HKV", "NT", "window"), num_warps=cfg.warps, num_stages=cfg.stages)
+        print(f"  {'as launched at Table 3 shapes' if aligned else 'without alignment hints'}: {found}")
 
 
 if __name__ == "__main__":

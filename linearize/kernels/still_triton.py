@@ -45,7 +45,7 @@ def block_size(dtype, D, F):
 def key_kernel_launch(dtype, D, F) -> dict:
     """`_bwd_dkv_kernel`'s tiles and launch options: half as many keys a program as queries, and 8 warps.
     Its three [keys, d] accumulators beside the keys' own tiles spill registers at 64 x 64 and 4 warps
-    (616 bytes a thread at bf16, d = 64), not so (`linearize.kernels.resources`)."""
+    (480 bytes a thread at bf16, d = 64), not so (`linearize.kernels.resources`)."""
     block = block_size(dtype, D, F)
     return {"BM": block, "BN": max(16, block // 2), "num_warps": 8, "num_stages": 2}
 

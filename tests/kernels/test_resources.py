@@ -20,7 +20,8 @@ def test_still_key_kernel_does_not_spill_as_launched(still_triton, d):
     launch = still_triton.key_kernel_launch(torch.bfloat16, d, d)
     found = res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
                           {"D": d, "F": d, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": launch["BM"],
-                           "BN": launch["BN"]}, num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+                           "BN": launch["BN"]}, divisible=("L",), num_warps=launch["num_warps"],
+                          num_stages=launch["num_stages"])
     assert found["spilled"] == 0
     assert 0 < found["registers"] <= 255 and 0 < found["shared"] <= 227 * 1024
 
@@ -29,8 +30,16 @@ def test_square_tiles_on_four_warps_spill(still_triton):
     """The configuration the key kernel had before: the check sees its spills."""
     found = res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
                           {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64, "BN": 64},
-                          num_warps=4, num_stages=3)
+                          divisible=("L",), num_warps=4, num_stages=3)
     assert found["registers"] == 255 and found["spilled"] > 0
+
+
+def test_alignment_hints_as_at_launch_save_registers(still_triton):
+    constants = {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64, "BN": 64}
+    hinted, plain = (res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"), constants,
+                                   divisible=("L",), aligned=aligned, num_warps=4, num_stages=3)
+                     for aligned in (True, False))
+    assert hinted["spilled"] < plain["spilled"]
 
 
 def test_every_argument_needs_a_type_or_value(still_triton):
