@@ -64,8 +64,18 @@ class StillConfig:
     eps: float = 1e-6
 
     @property
+    def slots(self) -> int:
+        """Salient slots: the budget beyond the window."""
+        return self.budget - self.window
+
+    @property
     def per_chunk(self) -> int:
-        return (self.budget - self.window) // self.max_chunks
+        return self.slots // self.max_chunks
+
+    def op_options(self, scale: float) -> dict:
+        """The keyword options of `ops.still`'s forms and routing (`scale`: the attention's)."""
+        return {"window": self.window, "chunk": self.chunk_size, "per_chunk": self.per_chunk, "routing": self.routing,
+                "scale": scale, "eps": self.eps}
 
     def folds_within(self, length: int) -> bool:
         """Whether any of `length` tokens can reach the linear state (False: none does): one its chunk did

@@ -46,12 +46,10 @@ class StillAttention(LinearizedAttention):
         gate = None
         if cfg.gate:
             gate = self.projected[0].float().sigmoid().view(B, L, H, d).transpose(1, 2)
-        options = {"window": cfg.window, "chunk": cfg.chunk_size, "per_chunk": cfg.per_chunk,
-                   "routing": cfg.routing, "scale": self.scaling, "eps": cfg.eps}
+        options = cfg.op_options(self.scaling)
         fresh = state is None
         if fresh:
-            state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.budget - cfg.window,
-                                     device=q.device)
+            state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.slots, device=q.device)
         elif L == 1:
             return still.still_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
         if fresh and still_kernel_enabled() and not kernels.still_unsupported(q, k, self.features):

@@ -52,10 +52,9 @@ def fold_times(q: torch.Tensor, k: torch.Tensor, cfg: StillConfig) -> torch.Tens
     """When each token of a fresh pass leaves the softmax set [B, H_kv, L] (query i at time i;
     at least L for the tokens still visible to the last query), under `cfg`'s routing."""
     B, H, L, d = q.shape
-    state = still.init_state(B, H, k.shape[1], 1, d, cfg.window, cfg.budget - cfg.window, device=q.device)
+    state = still.init_state(B, H, k.shape[1], 1, d, cfg.window, cfg.slots, device=q.device)
     valid = torch.ones(B, L, dtype=torch.bool, device=q.device)
-    fold, _ = still.fresh_routing(q, k, k, valid, state, start=0, window=cfg.window, chunk=cfg.chunk_size,
-                                  per_chunk=cfg.per_chunk, routing=cfg.routing, scale=d**-0.5, eps=cfg.eps)
+    fold, _ = still.fresh_routing(q, k, k, valid, state, start=0, **cfg.op_options(d**-0.5))
     return fold
 
 
