@@ -69,8 +69,9 @@ class Recipe:
 
 
 def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, device: str | None = None,
-        progress: bool = True) -> Path:
-    """Distil (unless the recipe is a teacher row) and evaluate; returns OUT/<name>."""
+        progress: bool = True, evaluate_model: bool = True) -> Path:
+    """Distil (unless the recipe is a teacher row) and evaluate, or only distil (`evaluate_model=False`:
+    a later run evaluates the model it finds); returns OUT/<name>."""
     import torch
 
     from .eval.api import evaluate
@@ -103,6 +104,8 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
             if not finished_before:
                 add_time("distill_wall_s", started)
     record_path.write_text(json.dumps(record, indent=2))
+    if not evaluate_model:
+        return out
 
     eval_path = out / "eval.json"
     previous = json.loads(eval_path.read_text()) if eval_path.exists() else None
@@ -240,6 +243,8 @@ def register(subparsers) -> None:
     r.add_argument("--out", required=True, help="folder of run directories")
     r.add_argument("--model", help="teacher to use instead of each recipe's own (e.g. a local copy)")
     r.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    r.add_argument("--no-eval", dest="evaluate", action="store_false",
+                   help="distil only; a later run without it evaluates the models it finds")
     r.set_defaults(func=_run_command)
     t = sub.add_parser("table", help="a Markdown table of finished runs")
     t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
@@ -258,7 +263,8 @@ def _run_command(args) -> int:
     if len(set(names)) != len(names):
         raise RecipeError(f"two recipes share a name: {names}")
     for recipe in recipes:
-        print(f"recipe {recipe.name}: {run(recipe, args.out, model=args.model, device=args.device)}")
+        out = run(recipe, args.out, model=args.model, device=args.device, evaluate_model=args.evaluate)
+        print(f"recipe {recipe.name}: {out}")
     return 0
 
 

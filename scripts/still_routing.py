@@ -1,6 +1,7 @@
 """Where STILL's routing variants leave the passkey, replayed on a model's own q and k (CPU is enough).
 
-    python scripts/still_routing.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100] [--out DIR]
+    python scripts/still_routing.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100]
+                                    [--parts routing,mass] [--out DIR]
 
 For each prompt of the passkey task (the evaluation's first sample at each depth) and each variant
 below: the share of (prompt, layer, KV head) triples whose softmax set still holds one whole copy of
@@ -8,6 +9,10 @@ the key at the question, and what became of the key's tokens (`linearize.eval.ro
 teacher (the default) this isolates the routing: a trained row's q and k differ from it by stage 2's
 LoRA and, past layer 0, by the student's own hidden states; pass its directory to see its own.
 Writes routing.json, routing.md and routing.png to --out.
+
+The `mass` part asks the next question, on the model as it is (its own routing and feature maps; a
+teacher's softmax): at the question, how much of each head's normaliser goes to the key, and how much
+the linear state takes (`linearize.eval.routing.needle_mass`). Writes mass.json, mass.md, mass.png.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from matplotlib.figure import Figure
 from linearize.config import StillConfig
 from linearize.eval.api import parse_depths, parse_lengths
 from linearize.eval.report import length_label
-from linearize.eval.routing import EVICTED, LEFT_WINDOW, VISIBLE, needle_routing
+from linearize.eval.routing import EVICTED, LEFT_WINDOW, VISIBLE, needle_mass, needle_routing
 from linearize.loading import load_model, load_tokenizer
 
 VARIANTS = {
@@ -78,23 +83,74 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+MASS_SERIES = {
+    "needle": "key's share of the normaliser (best head)",
+    "needle_softmax_only": "key's share of the softmax terms alone (best head)",
+    "linear": "linear state's share (mean over heads)",
+}
+
+
+def mass_markdown(result: dict, model: str) -> str:
+    lengths = result["lengths"]
+    lines = [f"# The question's attention on the passkey: {model}", "",
+             (f"Depths {result['depths']}, one prompt each, seed {result['seed']}. From the last prompt token: "
+              "for the key, the best (layer, query head) of each prompt; for the linear state, the mean over "
+              "layers and heads; each averaged over the prompts."), "",
+             "| share | " + " | ".join(length_label(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for name, label in MASS_SERIES.items():
+        lines.append(f"| {label} | " + " | ".join(f"{result['results'][str(n)][name]['best']:.3f}" for n in lengths)
+                     + " |")
+    return "\n".join(lines + ["", "![by length and layer](mass.png)", ""])
+
+
+def mass_plot(result: dict, path: Path) -> None:
+    lengths, results = result["lengths"], result["results"]
+    fig = Figure(figsize=(12, 4.2), layout="constrained")
+    axes = fig.subplots(1, 3, width_ratios=[2.2, 1, 1])
+    for name, label in MASS_SERIES.items():
+        axes[0].plot(range(len(lengths)), [results[str(n)][name]["best"] for n in lengths], marker="o", label=label)
+    axes[0].set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+    axes[0].set(xlabel="prompt length (tokens)", ylabel="share", ylim=(0, 1), title="attention at the question")
+    axes[0].legend(fontsize=7)
+    for ax, name in zip(axes[1:], ("needle", "linear")):
+        grid = [list(values) for values in zip(*(results[str(n)][name]["by_layer"] for n in lengths))]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths], fontsize=7)
+        ax.set(xlabel="length", ylabel="layer", title=MASS_SERIES[name])
+        ax.title.set_fontsize(8)
+    fig.colorbar(image, ax=axes[1:], label="share")
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--lengths", default="1k,2k,4k,8k")
     parser.add_argument("--depths", default="0,25,50,75,100")
+    parser.add_argument("--parts", default="routing,mass", help="routing, mass or both (comma-separated)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/still-routing"))
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"routing", "mass"}:
+        parser.error(f"--parts takes routing and/or mass, not {args.parts!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
-    result = needle_routing(model, tokenizer, VARIANTS, lengths=parse_lengths(args.lengths),
-                            depths=parse_depths(args.depths),
-                            progress=lambda n, d: print(f"routed {n} tokens at depth {d:g}%", flush=True))
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "routing.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "routing.md").write_text(markdown(result, args.model))
-    plot(result, args.out / "routing.png")
-    print(f"wrote {args.out}/routing.md, routing.json, routing.png")
+    if "routing" in parts:
+        result = needle_routing(model, tokenizer, VARIANTS, lengths=lengths, depths=depths,
+                                progress=lambda n, d: print(f"routed {n} tokens at depth {d:g}%", flush=True))
+        (args.out / "routing.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "routing.md").write_text(markdown(result, args.model))
+        plot(result, args.out / "routing.png")
+        print(f"wrote {args.out}/routing.md, routing.json, routing.png")
+    if "mass" in parts:
+        result = needle_mass(model, tokenizer, lengths=lengths, depths=depths,
+                             progress=lambda n, d: print(f"weighed {n} tokens at depth {d:g}%", flush=True))
+        (args.out / "mass.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "mass.md").write_text(mass_markdown(result, args.model))
+        mass_plot(result, args.out / "mass.png")
+        print(f"wrote {args.out}/mass.md, mass.json, mass.png")
 
 
 if __name__ == "__main__":

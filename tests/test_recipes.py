@@ -86,7 +86,11 @@ def tiny_recipe(tmp_path, name, distill):
 def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspace_text):
     runs = tmp_path / "runs"
     student = Recipe.load(tiny_recipe(tmp_path, "student", str(workspace_text)))
-    out = run(student, runs, model=teacher, device="cpu", progress=False)
+    out = run(student, runs, model=teacher, device="cpu", progress=False, evaluate_model=False)
+    assert (out / "model" / "config.json").exists() and not (out / "eval.json").exists()
+    trained = (out / "model" / "config.json").stat().st_mtime_ns
+    out = run(student, runs, model=teacher, device="cpu", progress=False)  # evaluates the model it finds
+    assert (out / "model" / "config.json").stat().st_mtime_ns == trained
     record = json.loads((out / "run.json").read_text())
     assert record["training_tokens"] == 2 * 2 * 4 * 32 and record["distill_wall_s"] > 0
     assert (out / "model" / "config.json").exists()

@@ -3,7 +3,8 @@
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64]]]
-# | rows NAME... (recipes/NAME.json) | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs)
+# | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
+# | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # scripts/gpu/together.sh runs several parts at once, on one GPU or both.
@@ -70,10 +71,12 @@ case $part in
     fi
     step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" --set combine=shared \
       --set rope_in_window=true "${extra[@]}" --profile --time-limit 460 --out "$res/model-$shape" ;;
-  rows)
+  rows|distill)
     recipes=()
     for name in "$@"; do recipes+=("recipes/$name.json"); done
-    step rows 570 python -m linearize.cli recipe run "${recipes[@]}" --out /tmp/runs
+    only=()
+    [ "$part" = distill ] && only=(--no-eval)
+    step "$part" 570 python -m linearize.cli recipe run "${recipes[@]}" "${only[@]}" --out /tmp/runs
     # The runs stay in /tmp/runs (a later call on a warm machine resumes them); weights and checkpoints
     # stay there, the training logs come back.
     runs=()
@@ -82,7 +85,8 @@ case $part in
       -C /tmp/res "$tag" "${runs[@]}"
     exit ;;
   routing)
-    # Where the row's own q and k route the passkey, under each routing variant of the script.
+    # Where the row's own q and k route the passkey, under each routing variant of the script, and
+    # how much of the question's attention the key gets beside the linear state.
     step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" --out "$res/routing" ;;
   teacher)
     step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;

@@ -12,10 +12,13 @@ from linearize.eval.routing import (
     VISIBLE,
     classify,
     fold_times,
+    last_query_mass,
+    needle_mass,
     needle_positions,
     needle_routing,
     rotated_qk,
 )
+from linearize.ops import still
 
 SMALL = {"window": 16, "chunk_size": 8}
 
@@ -98,3 +101,47 @@ def test_needle_routing_reports_reach_and_fates(model, tokenizer, task):
 def test_needle_routing_refuses_tasks_without_one_needle(model, tokenizer):
     with pytest.raises(ValueError, match="passkey or niah_single, not 'niah_multikey'"):
         needle_routing(model, tokenizer, {"default": StillConfig()}, task="niah_multikey")
+    with pytest.raises(ValueError, match="passkey or niah_single, not 'niah_multikey'"):
+        needle_mass(model, tokenizer, task="niah_multikey")
+
+
+def test_last_query_mass_is_the_normaliser_of_the_still_output(new_model):
+    """Softmax and linear terms, as split here, rebuild the reference's last output row: so the shares
+    are the weights the layer really gives each key."""
+    student = convert(new_model(), "still", gate=False, **SMALL, budget=16 + 24, max_chunks=3)
+    attn = student.model.layers[0].self_attn
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 200, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
+    with torch.no_grad():
+        mass = last_query_mass(q, k, attn)
+        state = still.init_state(1, 4, 2, attn.features, 16, 16, attn.cfg.slots, device="cpu")
+        y, _ = still.still_parallel(q, k, v, torch.ones(1, 200, dtype=torch.bool), None, state, attn.feature_map_q,
+                                    attn.feature_map_k, start=0, fresh=True, keep_state=False,
+                                    **attn.cfg.op_options(attn.scaling))
+    weights = mass["softmax"] + mass["linear"]
+    assert (mass["linear"] > 0).any() and (mass["softmax"] > 0).sum(-1).eq(16 + 24).all()
+    expected = torch.einsum("hl,hld->hd", weights, v[0].repeat_interleave(2, dim=0))
+    expected = expected / (weights.sum(-1, keepdim=True) + attn.cfg.eps)
+    torch.testing.assert_close(expected, y[0, :, -1])
+
+
+def test_needle_mass_of_a_teacher_and_of_still(model, new_model, tokenizer):
+    teacher = needle_mass(model, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
+    assert teacher["linear"]["best"] == 0.0
+    assert teacher["needle"] == teacher["needle_softmax_only"]
+    assert 0 < teacher["needle"]["best"] <= 1
+    # Every token softmax-visible: an unconverted-equivalent student, the teacher's attention exactly.
+    keep_all = convert(new_model(), "still", **SMALL, budget=16 + 1024, max_chunks=128)
+    kept = needle_mass(keep_all, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
+    assert kept["linear"]["best"] == 0.0
+    torch.testing.assert_close(kept["needle"]["by_layer"], teacher["needle"]["by_layer"])
+    # A window only: the needle is folded, its softmax share gone, the linear terms take part of the mass.
+    window = convert(new_model(), "still", **SMALL, budget=16)
+    folded = needle_mass(window, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
+    assert folded["needle_softmax_only"]["best"] == 0.0 and folded["needle"]["best"] == 0.0
+    assert 0 < folded["linear"]["best"] < 1
+
+
+def test_needle_mass_refuses_other_linear_attentions(new_model, tokenizer):
+    with pytest.raises(TypeError, match="STILL and softmax layers, not LizardAttention"):
+        needle_mass(convert(new_model(), "lizard"), tokenizer, lengths=[600], depths=[0])
