@@ -167,11 +167,12 @@ def needle_mass(
     progress=None,
 ) -> dict:
     """How much of the question's attention can reach the needle, per length, from the last prompt
-    token of each layer and query head (`last_query_mass`): the needle's share of the whole normaliser
-    (`needle`), the share the linear state takes (`linear`), and the needle's share of the softmax terms
-    alone (`needle_softmax_only`: what it would get without the linear terms). Each is the mean over
-    prompts of the best head in each layer (`by_layer`), and of the best head in the model (`best`).
-    A teacher has no linear terms, so its `needle` is its own attention on the needle."""
+    token of each layer and query head (`last_query_mass`): the needle's softmax terms' share of the
+    whole normaliser (`needle`), the share the linear state takes (`linear`), and the needle's share of
+    the softmax terms alone (`needle_softmax_only`: what it would get without the linear terms).
+    Averaged over prompts: per layer (`by_layer`) the best head's share for the needle, the mean
+    head's for the linear state; for the model (`best`) the best layer's, or for the linear state
+    the mean layer's. A teacher has no linear terms, so its `needle` is its own attention on it."""
     tally = {n: {"needle": [], "linear": [], "needle_softmax_only": []} for n in lengths}
     for length, depth, copies, layers in _needle_prompts(model, tokenizer, task, lengths, depths, seed):
         needle = torch.cat(copies)
