@@ -85,8 +85,11 @@ def tiny_recipe(tmp_path, name, distill):
 
 def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspace_text):
     runs = tmp_path / "runs"
-    student = Recipe.load(tiny_recipe(tmp_path, "student", str(workspace_text)))
-    out = run(student, runs, model=teacher, device="cpu", progress=False, evaluate_model=False)
+    path = tiny_recipe(tmp_path, "student", str(workspace_text))
+    student = Recipe.load(path)
+    assert main(["recipe", "run", str(path), "--out", str(runs), "--model", teacher, "--device", "cpu",
+                 "--no-eval"]) == 0
+    out = runs / "student"
     assert (out / "model" / "config.json").exists() and not (out / "eval.json").exists()
     trained = (out / "model" / "config.json").stat().st_mtime_ns
     out = run(student, runs, model=teacher, device="cpu", progress=False)  # evaluates the model it finds
