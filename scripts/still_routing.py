@@ -10,9 +10,11 @@ teacher (the default) this isolates the routing: a trained row's q and k differ 
 LoRA and, past layer 0, by the student's own hidden states; pass its directory to see its own.
 Writes routing.json, routing.md and routing.png to --out.
 
-The `mass` part asks the next question, on the model as it is (its own routing and feature maps; a
-teacher's softmax): at the question, how much of each head's normaliser goes to the key, and how much
-the linear state takes (`linearize.eval.routing.needle_mass`). Writes mass.json, mass.md, mass.png.
+The `mass` part asks the next question, on the model as it is (a STILL model's own routing and
+feature maps, a Lizard model's gates and window, a teacher's softmax): at the question, how much of
+each head's normaliser goes to the key, and how much the linear terms take
+(`linearize.eval.routing.needle_mass`). Writes mass.json, mass.md, mass.png. On Lizard, pass
+`--parts mass` (the routing replay is STILL's).
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ def plot(result: dict, path: Path) -> None:
 
 MASS_SERIES = {
     "needle": "key's share of the normaliser (best head)",
+    "needle_linear": "key's linear terms' share (best head)",
     "needle_softmax_only": "key's share of the softmax terms alone (best head)",
-    "linear": "linear state's share (mean over heads)",
+    "linear": "linear terms' share (mean over heads)",
 }
 
 
@@ -94,7 +97,7 @@ def mass_markdown(result: dict, model: str) -> str:
     lengths = result["lengths"]
     lines = [f"# The question's attention on the passkey: {model}", "",
              (f"Depths {result['depths']}, one prompt each, seed {result['seed']}. From the last prompt token: "
-              "for the key, the best (layer, query head) of each prompt; for the linear state, the mean over "
+              "for the key, the best (layer, query head) of each prompt; for the linear terms, the mean over "
               "layers and heads; each averaged over the prompts."), "",
              "| share | " + " | ".join(length_label(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for name, label in MASS_SERIES.items():

@@ -5,6 +5,10 @@ there only in the (layer, KV head) pairs whose softmax set still holds them; a n
 linear state survives only as a blur. The routing is discrete and depends on q and k alone, so it is
 replayed here from each layer's RoPE'd q and k (`still.fresh_routing`, the rule training, prefill and
 decoding share) under any `StillConfig`, without training a model per routing variant.
+
+Visible is not used: `needle_mass` weighs, on a model as it is (STILL, Lizard with one shared
+normaliser, or a softmax teacher), how much of the question's normaliser the needle gets, and how
+much the linear terms take.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import torch
 from torch import nn
 
 from ..attention.base import LinearizedAttention, rotate
+from ..attention.lizard import LizardAttention
 from ..attention.still import StillAttention
 from ..config import StillConfig
 from ..ops import still
-from ..ops.common import repeat_kv
+from ..ops.common import cumsum_over_tokens, exp_weights, repeat_kv
 from .longcontext import build_sample, sample_seed
 
 VISIBLE, LEFT_WINDOW, EVICTED = "visible", "left_window", "evicted"
@@ -118,9 +123,10 @@ def needle_routing(
     }
 
 
-def _needle_prompts(model, tokenizer, task, lengths, depths, seed):
-    """(length, depth, the needle's copies as token indices, every layer's rotated (q, k)) for the
-    first sample of each of the evaluation's cells (`run_longcontext`'s seed), one forward each."""
+def _needle_prompts(model, tokenizer, task, lengths, depths, seed, capture=rotated_qk):
+    """(length, depth, the needle's copies as token indices, `capture(model, ids)`: by default every
+    layer's rotated (q, k)) for the first sample of each of the evaluation's cells (`run_longcontext`'s
+    seed), one forward each."""
     if task not in SINGLE_ANSWER_TASKS:
         raise ValueError(f"needle diagnostics take {' or '.join(SINGLE_ANSWER_TASKS)}, not {task!r}")
     device = next(model.parameters()).device
@@ -130,29 +136,72 @@ def _needle_prompts(model, tokenizer, task, lengths, depths, seed):
             sample = build_sample(task, tokenizer, length, depth, sample_seed(seed, task, length, depth, 0, variant),
                                   variant=variant)
             ids = tokenizer(sample.prompt, return_tensors="pt").input_ids.to(device)
-            yield length, depth, needle_positions(tokenizer, sample.prompt, sample.answers[0]), rotated_qk(model, ids)
+            yield length, depth, needle_positions(tokenizer, sample.prompt, sample.answers[0]), capture(model, ids)
 
 
-def last_query_mass(q: torch.Tensor, k: torch.Tensor, attn: nn.Module) -> dict[str, torch.Tensor]:
-    """The last query's normaliser split by source, per query head ([H, L] each) of a one-prompt pass
-    (q [1, H, L, d], k [1, H_kv, L, d]): `softmax` holds e^{s_j - max} for the keys softmax-visible to it
-    (the max over those), `linear` phi(q)^T phi(k_j) for the keys folded into the state. STILL layers
-    route with their own config; a teacher's softmax attention sees every key with softmax."""
+def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Per layer, in one forward, what `last_query_mass` needs: the rotated q and k (`rotated_qk`) and,
+    for Lizard layers, the branch inputs their own call computes (phi_q(q), phi_k(k) per query head,
+    the window's q and k, log gamma: `fq`, `fk`, `qw`, `kw`, `log_g`, float32)."""
+    captured = [{} for _ in model.model.layers]
+    for slot, layer in zip(captured, model.model.layers):
+        attn = layer.self_attn
+        if isinstance(attn, LizardAttention):
+            def attend(q, k, v, position_embeddings, *rest, attn=attn, slot=slot):
+                fq, fk, qw, kw = attn.branch_inputs(q, k, position_embeddings)
+                slot.update(fq=fq.float(), fk=fk.float(), qw=qw.float(), kw=kw.float(),
+                            log_g=attn.log_gate(q.shape[0], q.shape[2], q.device).float())
+                return type(attn).attend(attn, q, k, v, position_embeddings, *rest)
+
+            attn.attend = attend  # the instance's own, for this forward only
+    try:
+        for slot, (q, k) in zip(captured, rotated_qk(model, input_ids)):
+            slot.update(q=q, k=k)
+    finally:
+        for layer in model.model.layers:
+            vars(layer.self_attn).pop("attend", None)
+    return captured
+
+
+def last_query_mass(inputs: dict[str, torch.Tensor], attn: nn.Module) -> dict[str, torch.Tensor]:
+    """The last query's shared normaliser split by source, per query head, from a one-prompt pass's
+    `attention_inputs`: `softmax` [H, L] holds e^{s_j - m} for the keys softmax-visible to it, `linear`
+    [H, L] its linear weight on each key, `sinks` [H] the sinks' e^{t - m} (m: the max over the softmax
+    logits and sinks). Teacher layers see every key with softmax; STILL layers route with their own
+    config (their output gate scales the linear numerator, not these weights); Lizard layers with one
+    shared normaliser weigh every key linearly, decayed by the gates since it, and the window's with
+    softmax."""
+    q, k = inputs["q"], inputs["k"]
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
-    keys = repeat_kv(k, n_rep)
-    last = q[:, :, -1:]
-    logits = (last @ keys.transpose(-1, -2))[0, :, 0] * attn.scaling
-    if isinstance(attn, StillAttention):
+    sink_logits = None
+    if isinstance(attn, LizardAttention):
+        if attn.cfg.combine != "shared":
+            raise TypeError("needle mass reads Lizard with one shared normaliser (combine='shared'), not "
+                            f"combine={attn.cfg.combine!r}: its two branches normalise apart")
+        fq, fk, log_g = inputs["fq"], inputs["fk"], inputs["log_g"]
+        # Token j's weight at the end has decayed by the gates after it (state_after's reverse cumsum).
+        to_end = (cumsum_over_tokens(log_g, reverse=True) - log_g).exp()
+        linear = (fq[:, :, -1:] * fk * to_end).sum(-1)[0]
+        q, k = inputs["qw"], inputs["kw"]
+        visible = torch.arange(L, device=q.device) >= L - attn.cfg.window
+        if attn.cfg.num_sinks:
+            sink_logits = attn.sinks.float()
+    elif isinstance(attn, StillAttention):
         visible = fold_times(q, k, attn.cfg)[0].repeat_interleave(n_rep, dim=0) >= L
-        linear = (attn.feature_map_q(last) @ attn.feature_map_k(keys).transpose(-1, -2))[0, :, 0] * ~visible
+        keys = repeat_kv(k, n_rep)
+        linear = (attn.feature_map_q(q[:, :, -1:]) @ attn.feature_map_k(keys).transpose(-1, -2))[0, :, 0] * ~visible
     elif isinstance(attn, LinearizedAttention):
-        raise TypeError(f"needle mass reads STILL and softmax layers, not {type(attn).__name__}")
+        raise TypeError(f"needle mass reads STILL, Lizard and softmax layers, not {type(attn).__name__}")
     else:
-        visible, linear = torch.ones_like(logits, dtype=torch.bool), torch.zeros_like(logits)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    softmax = (logits - logits.max(-1, keepdim=True).values).exp()
-    return {"softmax": softmax, "linear": linear}
+        visible, linear = torch.ones(L, dtype=torch.bool, device=q.device), torch.zeros(H, L, device=q.device)
+    logits = (q[:, :, -1:] @ repeat_kv(k, n_rep).transpose(-1, -2))[0, :, 0] * attn.scaling
+    softmax, sinks = exp_weights(logits.masked_fill(~visible, float("-inf")), sink_logits)
+    return {"softmax": softmax, "linear": linear,
+            "sinks": torch.zeros(H, device=q.device) if sinks is None else sinks.sum(-1)}
+
+
+MASS_SHARES = ("needle", "needle_linear", "linear", "needle_softmax_only")
 
 
 def needle_mass(
@@ -166,24 +215,28 @@ def needle_mass(
     eps: float = 1e-6,
     progress=None,
 ) -> dict:
-    """How much of the question's attention can reach the needle, per length, from the last prompt
-    token of each layer and query head (`last_query_mass`): the needle's softmax terms' share of the
-    whole normaliser (`needle`), the share the linear state takes (`linear`), and the needle's share of
-    the softmax terms alone (`needle_softmax_only`: what it would get without the linear terms).
-    Averaged over prompts: per layer (`by_layer`) the best head's share for the needle, the mean
-    head's for the linear state; for the model (`best`) the best layer's, or for the linear state
-    the mean layer's. A teacher has no linear terms, so its `needle` is its own attention on it."""
-    tally = {n: {"needle": [], "linear": [], "needle_softmax_only": []} for n in lengths}
-    for length, depth, copies, layers in _needle_prompts(model, tokenizer, task, lengths, depths, seed):
+    """How much of the question's attention reaches the needle, per length, from the last prompt token
+    of each layer and query head (`last_query_mass`), as shares of the whole normaliser: the needle's
+    terms, softmax and linear (`needle`: the weight it gets in the output), its linear terms alone
+    (`needle_linear`), every key's linear terms (`linear`); and the needle's share of the softmax terms
+    alone (`needle_softmax_only`: what it would get without the linear terms). Averaged over prompts:
+    per layer (`by_layer`) the best head's share for the needle, the mean head's for `linear`; for the
+    model (`best`) the best layer's, or the mean layer's for `linear`. A teacher has no linear terms,
+    so its `needle` is its own attention on the needle."""
+    tally = {n: {name: [] for name in MASS_SHARES} for n in lengths}
+    for length, depth, copies, layers in _needle_prompts(model, tokenizer, task, lengths, depths, seed,
+                                                         capture=attention_inputs):
         needle = torch.cat(copies)
-        shares = {"needle": [], "linear": [], "needle_softmax_only": []}
-        for (q, k), layer in zip(layers, model.model.layers):
-            mass = last_query_mass(q, k, layer.self_attn)
+        shares = {name: [] for name in MASS_SHARES}
+        for inputs, layer in zip(layers, model.model.layers):
+            mass = last_query_mass(inputs, layer.self_attn)
             soft, lin = mass["softmax"], mass["linear"]
-            total = soft.sum(-1) + lin.sum(-1) + eps
-            shares["needle"].append((soft[:, needle].sum(-1) / total).max().item())
+            total = soft.sum(-1) + lin.sum(-1) + mass["sinks"] + eps
+            shares["needle"].append(((soft[:, needle] + lin[:, needle]).sum(-1) / total).max().item())
+            shares["needle_linear"].append((lin[:, needle].sum(-1) / total).max().item())
             shares["linear"].append((lin.sum(-1) / total).mean().item())
-            shares["needle_softmax_only"].append((soft[:, needle].sum(-1) / (soft.sum(-1) + eps)).max().item())
+            softmax_total = soft.sum(-1) + mass["sinks"] + eps
+            shares["needle_softmax_only"].append((soft[:, needle].sum(-1) / softmax_total).max().item())
         for name, values in shares.items():
             tally[length][name].append(values)
         if progress is not None:

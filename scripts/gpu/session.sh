@@ -4,7 +4,8 @@
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64]]]
 # | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
-# | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs)
+# | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs) | mass ROW (its mass part
+# alone: a Lizard row)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # scripts/gpu/together.sh runs several parts at once, on one GPU or both.
@@ -88,6 +89,8 @@ case $part in
     # Where the row's own q and k route the passkey, under each routing variant of the script, and
     # how much of the question's attention the key gets beside the linear state.
     step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" --out "$res/routing" ;;
+  mass)
+    step mass 300 python scripts/still_routing.py --parts mass --model "/tmp/runs/${1:?row}/model" --out "$res/mass" ;;
   teacher)
     step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
   *)

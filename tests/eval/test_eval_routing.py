@@ -10,6 +10,7 @@ from linearize.eval.routing import (
     EVICTED,
     LEFT_WINDOW,
     VISIBLE,
+    attention_inputs,
     classify,
     fold_times,
     last_query_mass,
@@ -18,7 +19,7 @@ from linearize.eval.routing import (
     needle_routing,
     rotated_qk,
 )
-from linearize.ops import still
+from linearize.ops import gla_window, still
 
 SMALL = {"window": 16, "chunk_size": 8}
 
@@ -113,7 +114,7 @@ def test_last_query_mass_is_the_normaliser_of_the_still_output(new_model):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 200, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
     with torch.no_grad():
-        mass = last_query_mass(q, k, attn)
+        mass = last_query_mass({"q": q, "k": k}, attn)
         state = still.init_state(1, 4, 2, attn.features, 16, 16, attn.cfg.slots, device="cpu")
         y, _ = still.still_parallel(q, k, v, torch.ones(1, 200, dtype=torch.bool), None, state, attn.feature_map_q,
                                     attn.feature_map_k, start=0, fresh=True, keep_state=False,
@@ -127,7 +128,7 @@ def test_last_query_mass_is_the_normaliser_of_the_still_output(new_model):
 
 def test_needle_mass_of_a_teacher_and_of_still(model, new_model, tokenizer):
     teacher = needle_mass(model, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
-    assert teacher["linear"]["best"] == 0.0
+    assert teacher["linear"]["best"] == 0.0 and teacher["needle_linear"]["best"] == 0.0
     assert teacher["needle"] == teacher["needle_softmax_only"]
     assert 0 < teacher["needle"]["best"] <= 1
     # Every token softmax-visible: an unconverted-equivalent student, the teacher's attention exactly.
@@ -135,13 +136,53 @@ def test_needle_mass_of_a_teacher_and_of_still(model, new_model, tokenizer):
     kept = needle_mass(keep_all, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
     assert kept["linear"]["best"] == 0.0
     torch.testing.assert_close(kept["needle"]["by_layer"], teacher["needle"]["by_layer"])
-    # A window only: the needle is folded, its softmax share gone, the linear terms take part of the mass.
+    # A window only: the needle is folded, its softmax share gone; what it keeps is linear weight.
     window = convert(new_model(), "still", **SMALL, budget=16)
     folded = needle_mass(window, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
-    assert folded["needle_softmax_only"]["best"] == 0.0 and folded["needle"]["best"] == 0.0
-    assert 0 < folded["linear"]["best"] < 1
+    assert folded["needle_softmax_only"]["best"] == 0.0
+    assert 0 < folded["needle_linear"]["best"] == folded["needle"]["best"] < folded["linear"]["best"] < 1
 
 
-def test_needle_mass_refuses_other_linear_attentions(new_model, tokenizer):
-    with pytest.raises(TypeError, match="STILL and softmax layers, not LizardAttention"):
+def test_last_query_mass_is_the_normaliser_of_the_shared_lizard_output(new_model):
+    student = convert(new_model(), "lizard", combine="shared", window=16, num_sinks=2)
+    attn = student.model.layers[0].self_attn
+    torch.manual_seed(0)
+    with torch.no_grad():
+        attn.sinks.normal_()
+        q, k, v = torch.randn(1, 4, 200, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
+        log_g = -torch.rand(1, 4, 200, 1) * 0.05  # a gate that forgets visibly over 200 tokens
+        fq, fk = attn.feature_map_q(q), attn.feature_map_k(k.repeat_interleave(2, dim=1))
+        inputs = {"q": q, "k": k, "fq": fq, "fk": fk, "qw": q, "kw": k, "log_g": log_g}
+        mass = last_query_mass(inputs, attn)
+        state = gla_window.init_state(1, 4, 2, attn.features, 16, 16, device="cpu")
+        y, _ = gla_window.gla_window_parallel(fq, fk, log_g, q, k, v, torch.ones(1, 200, dtype=torch.bool), state,
+                                              window=16, scale=attn.scaling, sinks=attn.sinks, alpha=attn.alpha,
+                                              beta=1.0, shared=True, eps=attn.cfg.eps)
+    assert (mass["softmax"] > 0).sum(-1).eq(16).all() and (mass["linear"] > 0).all() and (mass["sinks"] > 0).all()
+    weights = mass["softmax"] + mass["linear"]
+    expected = torch.einsum("hl,hld->hd", weights, v[0].repeat_interleave(2, dim=0))
+    expected = expected / (weights.sum(-1, keepdim=True) + mass["sinks"][:, None] + attn.cfg.eps)
+    torch.testing.assert_close(expected, y[0, :, -1])
+
+
+def test_attention_inputs_capture_lizard_branches_in_its_own_call(new_model, tokenizer):
+    student = convert(new_model(), "lizard", combine="shared", window=16, rope_in_window=True)
+    ids = tokenizer("The whale sailed far into the night. " * 8, return_tensors="pt").input_ids
+    captured = attention_inputs(student, ids)
+    L = ids.shape[1]
+    assert [sorted(c) for c in captured] == [["fk", "fq", "k", "kw", "log_g", "q", "qw"]] * len(captured)
+    assert captured[0]["fq"].shape == (1, 4, L, 16) and captured[0]["log_g"].shape == (1, 4, L, 1)
+    torch.testing.assert_close(captured[0]["qw"], captured[0]["q"])  # the window's RoPE is the teacher's
+    torch.testing.assert_close(captured[0]["kw"], captured[0]["k"])
+    assert not any("attend" in vars(layer.self_attn) for layer in student.model.layers)
+    lizard = needle_mass(student, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
+    # The needle lies far outside a 16-token window: it gets linear weight only.
+    assert lizard["needle_softmax_only"]["best"] == 0.0
+    assert 0 < lizard["needle_linear"]["best"] == lizard["needle"]["best"] < 1
+
+
+def test_needle_mass_refuses_what_it_cannot_split(new_model, tokenizer):
+    with pytest.raises(TypeError, match="STILL, Lizard and softmax layers, not LolcatsAttention"):
+        needle_mass(convert(new_model(), "lolcats"), tokenizer, lengths=[600], depths=[0])
+    with pytest.raises(TypeError, match="combine='alpha': its two branches normalise apart"):
         needle_mass(convert(new_model(), "lizard"), tokenizer, lengths=[600], depths=[0])
