@@ -2,7 +2,7 @@
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
-# | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64]]]
+# | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
 # | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs) | mass ROW (its mass part
 # alone: a Lizard row)
@@ -57,11 +57,18 @@ case $part in
   fsdp)
     step fsdp 400 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch 16 --out "$res/fsdp" ;;
   model)
-    # The best Lizard (recipes/lizard-rope-shared.json); at the 8B shape the batch sweep runs at the
-    # 32K context that the decode target names.
+    # The best Lizard (recipes/lizard-rope-shared.json), or METHOD with its defaults, prefilling in one
+    # call as the evaluation's generation does (STILL's kernels take fresh passes only); at the 8B
+    # shape the batch sweep runs at the 32K context that the decode target names.
     shape=${1:-llama3-8b}
-    extra=()
-    [ "$shape" = llama3-8b ] && extra=(--batch-context 32k --batches 1,16,64)
+    method=${4:-lizard}
+    extra=(--methods "$method")
+    if [ "$method" = lizard ]; then
+      extra+=(--set combine=shared --set rope_in_window=true)
+    else
+      extra+=(--prefill-chunk 128k)
+    fi
+    [ "$shape" = llama3-8b ] && extra+=(--batch-context 32k --batches 1,16,64)
     [ "${2:-}" = compile ] && extra+=(--compile-decode)
     # A third word narrows the sweep: CONTEXTS/BATCHES with + between values (together.sh splits
     # parts at commas), e.g. 1k+32k/1+64.
@@ -70,8 +77,8 @@ case $part in
       batches=${3#*/}
       extra+=(--contexts "${contexts//+/,}" --batches "${batches//+/,}")
     fi
-    step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" --set combine=shared \
-      --set rope_in_window=true "${extra[@]}" --profile --time-limit 460 --out "$res/model-$shape" ;;
+    step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" "${extra[@]}" --profile \
+      --time-limit 460 --out "$res/model-$shape" ;;
   rows|distill)
     recipes=()
     for name in "$@"; do recipes+=("recipes/$name.json"); done
