@@ -168,6 +168,22 @@ def _validate(cfg: MethodConfig) -> None:
         raise ConfigError(f"mix must be in [0, 1], got {cfg.mix}")
 
 
+# Options that shape a trained model's forward pass but none of its weights, so `set_inference_options`
+# may change them after training: what STILL keeps softmax-visible (its budget, T_max and routing).
+INFERENCE_OPTIONS: dict[str, tuple[str, ...]] = {"still": ("budget", "max_chunks", "routing")}
+
+
+def with_inference_options(method: str, options: dict, changes: dict) -> MethodConfig:
+    """`method`'s validated config from a trained model's `options` with `changes`, which may name
+    only its INFERENCE_OPTIONS (values may be strings, as from the command line)."""
+    allowed = INFERENCE_OPTIONS.get(method, ())
+    fixed = sorted(set(changes) - set(allowed))
+    if fixed:
+        raise ConfigError(f"{method} cannot change {', '.join(fixed)} after training; options it can: "
+                          f"{', '.join(allowed) or 'none'}")
+    return make_method_config(method, **{**options, **changes})
+
+
 def make_method_config(method: str, **options) -> MethodConfig:
     """Build and validate a method's config from keyword overrides (strings allowed, as from the CLI)."""
     if method not in METHOD_CONFIGS:

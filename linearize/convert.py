@@ -1,4 +1,5 @@
-"""`convert(model, method, **options)`: swap a teacher's attention in place."""
+"""`convert(model, method, **options)`: swap a teacher's attention in place; `set_inference_options`:
+change a linearized model's forward-only options (STILL's budget, say) after training."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import dataclasses
 
 from transformers import PreTrainedModel
 
-from .config import make_method_config
+from .attention import LinearizedAttention
+from .config import ConfigError, make_method_config, with_inference_options
 from .modeling import LINEARIZED_CLASSES, swap_attention
 
 
@@ -46,4 +48,20 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, **options)
             module.config = config
     model.__class__ = model_class
     swap_attention(model, spec)
+    return model
+
+
+def set_inference_options(model: PreTrainedModel, **options) -> PreTrainedModel:
+    """Change, in place, options of a linearized model that shape its forward pass but none of its
+    weights (`config.INFERENCE_OPTIONS`: STILL's budget, max_chunks and routing), in every linearized
+    layer and in `model.config.linearize`, so generation, evaluation (its provenance) and a later
+    `save_pretrained` all use them. Values may be strings, as from the command line."""
+    spec = getattr(model.config, "linearize", None)
+    if not spec:
+        raise ConfigError("inference options change a linearized model; this one has softmax attention only")
+    cfg = with_inference_options(spec["method"], spec["options"], options)
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, LinearizedAttention):
+            layer.self_attn.cfg = cfg
+    model.config.linearize = {**spec, "options": dataclasses.asdict(cfg)}
     return model

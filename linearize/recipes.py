@@ -22,8 +22,10 @@ from .eval.api import RULER
 from .eval.harness import AVERAGE_METRIC, ZEROSHOT
 from .eval.report import length_label
 
+# `linearize.eval.evaluate`'s arguments, and "set": inference options of the distilled model for this
+# evaluation (`convert.set_inference_options`).
 EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "harness_batch",
-             "seed"}
+             "seed", "set"}
 TABLE_START, TABLE_END = "<!-- recipe table -->", "<!-- end of recipe table -->"
 
 
@@ -56,6 +58,8 @@ class Recipe:
             raise RecipeError(f"recipe {path}: unknown eval settings {sorted(bad_eval)} (known: {sorted(EVAL_KEYS)})")
         if raw.get("distill") is not None and "out" in raw["distill"]:
             raise RecipeError(f"recipe {path}: 'distill' must not set 'out' (the run directory decides it)")
+        if raw["eval"].get("set"):
+            _check_inference_options(path, raw.get("distill"), raw["eval"]["set"])
         name = raw.get("name", path.stem)
         if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
             raise RecipeError(f"recipe {path}: name {name!r} must be letters, digits, '.', '_' or '-'")
@@ -68,12 +72,25 @@ class Recipe:
         return DistillConfig(**{**self.distill, "model": model or self.model, "out": str(out)})
 
 
+def _check_inference_options(path: Path, distill: dict | None, options: dict) -> None:
+    """An eval's "set" must name inference options of the recipe's method, with valid values."""
+    from .config import ConfigError, with_inference_options
+
+    if distill is None:
+        raise RecipeError(f"recipe {path}: eval 'set' changes a distilled model; this recipe distils none")
+    try:
+        with_inference_options(distill.get("method"), distill.get("options", {}), options)
+    except ConfigError as e:
+        raise RecipeError(f"recipe {path}: eval 'set': {e}") from None
+
+
 def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, device: str | None = None,
         progress: bool = True, evaluate_model: bool = True) -> Path:
     """Distil (unless the recipe is a teacher row) and evaluate, or only distil (`evaluate_model=False`:
     a later run evaluates the model it finds); returns OUT/<name>."""
     import torch
 
+    from .convert import set_inference_options
     from .eval.api import evaluate
     from .eval.report import write_json, write_report
     from .loading import load_model, load_tokenizer
@@ -117,7 +134,11 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
         tokenizer = load_tokenizer(subject)
         # bf16 on a GPU, as scripts/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
         model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None)
-        results = evaluate(model, tokenizer, **recipe.eval, model_spec=subject, resume=previous,
+        settings = dict(recipe.eval)
+        options = settings.pop("set", None)
+        if options:
+            set_inference_options(model, **options)
+        results = evaluate(model, tokenizer, **settings, model_spec=subject, resume=previous,
                            on_progress=lambda partial: write_json(partial, eval_path))
         write_report(results, eval_path)
         record["evaluated"] = recipe.eval  # a changed recipe runs again, keeping the tasks it still shares

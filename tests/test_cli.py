@@ -1,5 +1,7 @@
 """The CLI contract: flags, outputs, and one-line errors that leave nothing behind."""
 
+import json
+
 import pytest
 import torch
 from tiny_models import save_tiny_teacher, tiny_tokenizer
@@ -70,6 +72,24 @@ def test_bad_options_fail_in_one_line_and_write_nothing(teacher_dir, tmp_path, c
     assert code == 2
     assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out.exists() and list(tmp_path.iterdir()) == [teacher_dir]
+
+
+def test_eval_sets_inference_options_of_a_still_model(teacher_dir, tmp_path, capsys):
+    student = tmp_path / "still"
+    code, _, err = run(capsys, "convert", "--model", teacher_dir, "--method", "still", "--out", student,
+                       "--set", "window=8", "--set", "budget=14", "--set", "chunk_size=4", "--set", "max_chunks=2")
+    assert code == 0, err
+    text = tmp_path / "text.txt"
+    text.write_text("the whale swam far and the sea was wide " * 40)
+    out = tmp_path / "eval.json"
+    common = ("eval", "--model", student, "--tasks", "ppl", "--lengths", "64", "--limit", "1", "--text", text,
+              "--device", "cpu", "--out", out)
+    code, _, err = run(capsys, *common, "--set", "budget=32", "--set", "routing=recency")
+    assert code == 0, err
+    options = json.loads(out.read_text())["provenance"]["method_config"]["options"]
+    assert (options["budget"], options["routing"], options["window"]) == (32, "recency", 8)
+    code, _, err = run(capsys, *common, "--set", "window=4")
+    assert code == 2 and "still cannot change window after training" in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_model_path(tmp_path, capsys):

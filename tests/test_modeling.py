@@ -104,6 +104,32 @@ def test_hybrid_keeps_softmax_layers_and_their_kv_cache():
     torch.testing.assert_close(decode_token_by_token(model, ids), full, atol=1e-4, rtol=0)
 
 
+def test_inference_options_change_the_forward_as_a_conversion_with_them_would(tmp_path):
+    model = linearized("still")
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        linearize.set_inference_options(model, budget="32", max_chunks="6", routing="recency")
+        after = model(ids).logits
+        # The same weights converted with those options from the start.
+        expected = linearized("still", budget=32, max_chunks=6, routing="recency")(ids).logits
+    assert not torch.allclose(after, before) and torch.equal(after, expected)
+    model.save_pretrained(tmp_path)
+    options = AutoModelForCausalLM.from_pretrained(tmp_path).config.linearize["options"]
+    assert (options["budget"], options["max_chunks"], options["routing"]) == (32, 6, "recency")
+
+
+def test_inference_options_refuse_what_the_weights_depend_on():
+    with pytest.raises(linearize.ConfigError, match="still cannot change feature_dim, window after training"):
+        linearize.set_inference_options(linearized("still"), window=4, feature_dim=8)
+    with pytest.raises(linearize.ConfigError, match="budget \\(4\\) must be >= window"):
+        linearize.set_inference_options(linearized("still"), budget=4)
+    with pytest.raises(linearize.ConfigError, match="lizard cannot change window after training; options it can: none"):
+        linearize.set_inference_options(linearized("lizard"), window=4)
+    with pytest.raises(linearize.ConfigError, match="softmax attention only"):
+        linearize.set_inference_options(tiny_teacher(), budget=32)
+
+
 def test_converting_twice_is_refused():
     model = linearized("lizard")
     with pytest.raises(linearize.UnsupportedModelError, match="already linearized"):

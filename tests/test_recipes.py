@@ -56,6 +56,9 @@ def test_the_main_rows_share_data_budget_and_seed():
     ('{"eval": {"text": "x"}}', "unknown eval settings"),
     ('{"eval": {}, "distill": {"out": "x"}}', "must not set 'out'"),
     ('{"name": "a/b", "eval": {}}', "must be letters"),
+    ('{"eval": {"set": {"budget": 1024}}}', "distils none"),
+    ('{"eval": {"set": {"window": 64}}, "distill": {"method": "still"}}', "still cannot change window after training"),
+    ('{"eval": {"set": {"budget": 64}}, "distill": {"method": "still"}}', "eval 'set': "),
 ])
 def test_bad_recipes_are_clear_errors(content, message, tmp_path):
     path = tmp_path / "r.json"
@@ -130,6 +133,20 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     assert [row.split(" | ")[0] for row in rows] == ["| STUDENT", "| TEACHER"]
     assert rows[0].split(" | ")[2] == "512"
     assert rows[1].split(" | ")[2:4] == ["–", "–"]
+
+
+def test_run_evaluates_with_the_recipes_inference_options(teacher, tmp_path, workspace_text):
+    options = {"window": 8, "budget": 14, "chunk_size": 4, "max_chunks": 2}
+    path = tmp_path / "still.json"
+    path.write_text(json.dumps({
+        "eval": {"tasks": "passkey", "lengths": "1k", "depths": "50", "samples": 1, "batch": 2, "set": {"budget": 32}},
+        "distill": {"method": "still", "data": str(workspace_text), "max_tokens": 4 * 32, "seq_len": 32, "batch": 4,
+                    "stage": "1", "options": options}}))
+    out = run(Recipe.load(path), tmp_path / "runs", model=teacher, device="cpu", progress=False)
+    evaluated = json.loads((out / "eval.json").read_text())["provenance"]["method_config"]["options"]
+    assert evaluated == {**evaluated, **options, "budget": 32}
+    # The saved model keeps the options it was trained with.
+    assert json.loads((out / "model" / "config.json").read_text())["linearize"]["options"]["budget"] == 14
 
 
 def test_the_ruler_column_averages_the_ruler_tasks_at_each_length_they_share(tmp_path):

@@ -7,6 +7,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from linearize.config import parse_set_options
 from linearize.eval import api
 from linearize.eval.longcontext import DEFAULT_SAMPLES
 from linearize.eval.report import write_json, write_report
@@ -46,6 +47,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         help="default float32; auto keeps the checkpoint's dtype")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an inference option of a linearized model, changed for this evaluation (STILL: "
+                        "budget, max_chunks, routing); repeatable")
     parser.add_argument("--text", help="perplexity text (.txt); default Moby-Dick from the public-domain texts")
     parser.add_argument("--essay", help="essay haystack text (.txt); default the other public-domain texts")
     parser.add_argument("--resume", action="store_true",
@@ -69,15 +73,19 @@ def run(args) -> int:
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag} {getattr(args, flag)} is not a file.")
     previous = read_previous(args.out) if args.resume else None
+    options = parse_set_options(args.set)
 
     import torch
 
+    from linearize.convert import set_inference_options
     from linearize.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay, task_lengths)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device)
+    if options:
+        set_inference_options(model, **options)
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,

@@ -5,7 +5,7 @@
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
 # | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs) | mass ROW (its mass part
-# alone: a Lizard row)
+# alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # scripts/gpu/together.sh runs several parts at once, on one GPU or both.
@@ -98,6 +98,15 @@ case $part in
     step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" --out "$res/routing" ;;
   mass)
     step mass 300 python scripts/still_routing.py --parts mass --model "/tmp/runs/${1:?row}/model" --out "$res/mass" ;;
+  eval)
+    # TASKS and LENGTHS joined by + (together.sh splits parts at commas), e.g.
+    # `eval still-seq4096 passkey+niah_single 1k+2k+4k+8k budget=6272 max_chunks=128`; as the recipes evaluate.
+    sets=()
+    for option in "${@:4}"; do sets+=(--set "$option"); done
+    tasks=${2:?tasks}
+    lengths=${3:?lengths}
+    step eval 500 python -m linearize.cli eval --model "/tmp/runs/${1:?row}/model" --tasks "${tasks//+/,}" \
+      --lengths "${lengths//+/,}" --batch 32 --dtype bfloat16 "${sets[@]}" --out "$res/eval.json" ;;
   teacher)
     step teacher 570 bash scripts/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
   *)
