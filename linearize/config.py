@@ -169,8 +169,10 @@ def _validate(cfg: MethodConfig) -> None:
 
 
 # Options that shape a trained model's forward pass but none of its weights, so `set_inference_options`
-# may change them after training: what STILL keeps softmax-visible (its budget, T_max and routing).
-INFERENCE_OPTIONS: dict[str, tuple[str, ...]] = {"still": ("budget", "max_chunks", "routing")}
+# may change them after training: what STILL keeps softmax-visible (its budget, T_max and routing),
+# Lizard's window and how fast its state forgets (the gate's temperature).
+INFERENCE_OPTIONS: dict[str, tuple[str, ...]] = {"still": ("budget", "max_chunks", "routing"),
+                                                 "lizard": ("window", "gate_temperature")}
 
 
 def with_inference_options(method: str, options: dict, changes: dict) -> MethodConfig:

@@ -104,19 +104,23 @@ def test_hybrid_keeps_softmax_layers_and_their_kv_cache():
     torch.testing.assert_close(decode_token_by_token(model, ids), full, atol=1e-4, rtol=0)
 
 
-def test_inference_options_change_the_forward_as_a_conversion_with_them_would(tmp_path):
-    model = linearized("still")
+@pytest.mark.parametrize("method, options", [
+    ("still", {"budget": 32, "max_chunks": 6, "routing": "recency"}),
+    ("lizard", {"window": 4, "gate_temperature": 4.0}),
+])
+def test_inference_options_change_the_forward_as_a_conversion_with_them_would(method, options, tmp_path):
+    model = linearized(method)
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(ids).logits
-        linearize.set_inference_options(model, budget="32", max_chunks="6", routing="recency")
+        linearize.set_inference_options(model, **{key: str(value) for key, value in options.items()})
         after = model(ids).logits
         # The same weights converted with those options from the start.
-        expected = linearized("still", budget=32, max_chunks=6, routing="recency")(ids).logits
+        expected = linearized(method, **options)(ids).logits
     assert not torch.allclose(after, before) and torch.equal(after, expected)
     model.save_pretrained(tmp_path)
-    options = AutoModelForCausalLM.from_pretrained(tmp_path).config.linearize["options"]
-    assert (options["budget"], options["max_chunks"], options["routing"]) == (32, 6, "recency")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path).config.linearize["options"]
+    assert saved == {**saved, **options}
 
 
 def test_inference_options_refuse_what_the_weights_depend_on():
@@ -124,8 +128,11 @@ def test_inference_options_refuse_what_the_weights_depend_on():
         linearize.set_inference_options(linearized("still"), window=4, feature_dim=8)
     with pytest.raises(linearize.ConfigError, match="budget \\(4\\) must be >= window"):
         linearize.set_inference_options(linearized("still"), budget=4)
-    with pytest.raises(linearize.ConfigError, match="lizard cannot change window after training; options it can: none"):
-        linearize.set_inference_options(linearized("lizard"), window=4)
+    with pytest.raises(linearize.ConfigError, match="lizard cannot change gate, num_sinks after training; "
+                       "options it can: window, gate_temperature"):
+        linearize.set_inference_options(linearized("lizard"), num_sinks=4, gate="vector")
+    with pytest.raises(linearize.ConfigError, match="lolcats cannot change window after training; options it can: none"):
+        linearize.set_inference_options(linearized("lolcats"), window=4)
     with pytest.raises(linearize.ConfigError, match="softmax attention only"):
         linearize.set_inference_options(tiny_teacher(), budget=32)
 

@@ -49,7 +49,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an inference option of a linearized model, changed for this evaluation (STILL: "
-                        "budget, max_chunks, routing); repeatable")
+                        "budget, max_chunks, routing; Lizard: window, gate_temperature); repeatable")
     parser.add_argument("--text", help="perplexity text (.txt); default Moby-Dick from the public-domain texts")
     parser.add_argument("--essay", help="essay haystack text (.txt); default the other public-domain texts")
     parser.add_argument("--resume", action="store_true",
