@@ -120,9 +120,14 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
 
 
 def cmd_generate(args) -> None:
+    from .config import parse_set_options
+    from .convert import set_inference_options
     from .loading import load_model, load_tokenizer
 
+    options = parse_set_options(args.set)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
+    if options:
+        set_inference_options(model, **options)
     tokenizer = load_tokenizer(args.model)
     print(generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
                         temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile))
@@ -200,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --static: compile the step with torch.compile first (about a minute once, faster steps)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an inference option of a linearized model (STILL: budget, max_chunks, routing; Lizard: "
+                   "window, gate_temperature); repeatable")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="distil the default teacher into Lizard and compare the two")

@@ -74,7 +74,7 @@ def test_bad_options_fail_in_one_line_and_write_nothing(teacher_dir, tmp_path, c
     assert not out.exists() and list(tmp_path.iterdir()) == [teacher_dir]
 
 
-def test_eval_sets_inference_options_of_a_still_model(teacher_dir, tmp_path, capsys):
+def test_eval_and_generate_set_inference_options_of_a_still_model(teacher_dir, tmp_path, capsys):
     student = tmp_path / "still"
     code, _, err = run(capsys, "convert", "--model", teacher_dir, "--method", "still", "--out", student,
                        "--set", "window=8", "--set", "budget=14", "--set", "chunk_size=4", "--set", "max_chunks=2")
@@ -90,6 +90,11 @@ def test_eval_sets_inference_options_of_a_still_model(teacher_dir, tmp_path, cap
     assert (options["budget"], options["routing"], options["window"]) == (32, "recency", 8)
     code, _, err = run(capsys, *common, "--set", "window=4")
     assert code == 2 and "still cannot change window after training" in err and len(err.strip().splitlines()) == 1
+    code, text, err = run(capsys, "generate", "--model", student, "--prompt", "hello", "--max-new-tokens", "4",
+                          "--set", "budget=32")
+    assert code == 0 and text.strip(), err
+    code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hello", "--set", "gate=false")
+    assert code == 2 and "still cannot change gate after training" in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_model_path(tmp_path, capsys):
