@@ -54,9 +54,9 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, **options)
 def set_inference_options(model: PreTrainedModel, **options) -> PreTrainedModel:
     """Change, in place, options of a linearized model that shape its forward pass but none of its
     weights (`config.INFERENCE_OPTIONS`: STILL's budget, max_chunks and routing; Lizard's window and
-    gate_temperature), in every linearized
-    layer and in `model.config.linearize`, so generation, evaluation (its provenance) and a later
-    `save_pretrained` all use them. Values may be strings, as from the command line."""
+    gate_temperature), in every linearized layer and in `model.config.linearize`, so generation,
+    evaluation (its provenance) and a later `save_pretrained` all use them. Values may be strings, as
+    from the command line."""
     spec = getattr(model.config, "linearize", None)
     if not spec:
         raise ConfigError("inference options change a linearized model; this one has softmax attention only")
