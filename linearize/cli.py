@@ -121,13 +121,9 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
 
 def cmd_generate(args) -> None:
     from .config import parse_set_options
-    from .convert import set_inference_options
     from .loading import load_model, load_tokenizer
 
-    options = parse_set_options(args.set)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    if options:
-        set_inference_options(model, **options)
+    model = load_model(args.model, dtype=args.dtype, device=args.device, inference_options=parse_set_options(args.set))
     tokenizer = load_tokenizer(args.model)
     print(generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
                         temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile))

@@ -30,9 +30,15 @@ class ModelNotFoundError(ModelSpecError, FileNotFoundError):
     """A spec that is a path, but nothing is there."""
 
 
-def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, device=None) -> PreTrainedModel:
-    """A causal LM in eval mode. `dtype` None means float32; "auto" keeps the checkpoint's dtype."""
+def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, device=None,
+               inference_options: dict | None = None) -> PreTrainedModel:
+    """A causal LM in eval mode. `dtype` None means float32; "auto" keeps the checkpoint's dtype.
+    `inference_options` change a linearized model's forward-only options (`convert.set_inference_options`)."""
     model = _from_pretrained(AutoModelForCausalLM, *resolve_spec(spec), dtype=_dtype(dtype))
+    if inference_options:
+        from .convert import set_inference_options
+
+        set_inference_options(model, **inference_options)
     if device is not None:
         model.to(device)
     return model.eval()

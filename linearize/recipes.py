@@ -90,7 +90,6 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     a later run evaluates the model it finds); returns OUT/<name>."""
     import torch
 
-    from .convert import set_inference_options
     from .eval.api import evaluate
     from .eval.report import write_json, write_report
     from .loading import load_model, load_tokenizer
@@ -133,11 +132,9 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     try:
         tokenizer = load_tokenizer(subject)
         # bf16 on a GPU, as scripts/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
-        model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None)
         settings = dict(recipe.eval)
-        options = settings.pop("set", None)
-        if options:
-            set_inference_options(model, **options)
+        model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None,
+                           inference_options=settings.pop("set", None))
         results = evaluate(model, tokenizer, **settings, model_spec=subject, resume=previous,
                            on_progress=lambda partial: write_json(partial, eval_path))
         write_report(results, eval_path)

@@ -77,15 +77,12 @@ def run(args) -> int:
 
     import torch
 
-    from linearize.convert import set_inference_options
     from linearize.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay, task_lengths)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, dtype=args.dtype, device=device)
-    if options:
-        set_inference_options(model, **options)
+    model = load_model(args.model, dtype=args.dtype, device=device, inference_options=options)
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
