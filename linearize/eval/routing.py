@@ -144,22 +144,28 @@ def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> list[dict[str
     for Lizard layers, the branch inputs their own call computes (phi_q(q), phi_k(k) per query head,
     the window's q and k, log gamma: `fq`, `fk`, `qw`, `kw`, `log_g`, float32)."""
     captured = [{} for _ in model.model.layers]
+    wrapped = ("branch_inputs", "log_gate")
+
+    def recording(attn, slot, name, keys):
+        def method(*args, **kwargs):
+            out = getattr(type(attn), name)(attn, *args, **kwargs)
+            slot.update(zip(keys, (t.float() for t in (out if isinstance(out, tuple) else (out,)))))
+            return out
+        return method
+
     for slot, layer in zip(captured, model.model.layers):
         attn = layer.self_attn
         if isinstance(attn, LizardAttention):
-            def attend(q, k, v, position_embeddings, *rest, attn=attn, slot=slot):
-                fq, fk, qw, kw = attn.branch_inputs(q, k, position_embeddings)
-                slot.update(fq=fq.float(), fk=fk.float(), qw=qw.float(), kw=kw.float(),
-                            log_g=attn.log_gate(q.shape[0], q.shape[2], q.device).float())
-                return type(attn).attend(attn, q, k, v, position_embeddings, *rest)
-
-            attn.attend = attend  # the instance's own, for this forward only
+            # The instance's own, for this forward only: its call's results, not a second computation.
+            attn.branch_inputs = recording(attn, slot, "branch_inputs", ("fq", "fk", "qw", "kw"))
+            attn.log_gate = recording(attn, slot, "log_gate", ("log_g",))
     try:
         for slot, (q, k) in zip(captured, rotated_qk(model, input_ids)):
             slot.update(q=q, k=k)
     finally:
         for layer in model.model.layers:
-            vars(layer.self_attn).pop("attend", None)
+            for name in wrapped:
+                vars(layer.self_attn).pop(name, None)
     return captured
 
 
@@ -171,11 +177,13 @@ def last_query_mass(inputs: dict[str, torch.Tensor], attn: nn.Module) -> dict[st
     config (their output gate scales the linear numerator, not these weights); Lizard layers with one
     shared normaliser weigh every key linearly, decayed by the gates since it, and the window's with
     softmax."""
-    q, k = inputs["q"], inputs["k"]
+    lizard = isinstance(attn, LizardAttention)
+    q, k = (inputs["qw"], inputs["kw"]) if lizard else (inputs["q"], inputs["k"])  # what softmax sees
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
+    keys = repeat_kv(k, n_rep)
     sink_logits = None
-    if isinstance(attn, LizardAttention):
+    if lizard:
         if attn.cfg.combine != "shared":
             raise TypeError("needle mass reads Lizard with one shared normaliser (combine='shared'), not "
                             f"combine={attn.cfg.combine!r}: its two branches normalise apart")
@@ -183,19 +191,17 @@ def last_query_mass(inputs: dict[str, torch.Tensor], attn: nn.Module) -> dict[st
         # Token j's weight at the end has decayed by the gates after it (state_after's reverse cumsum).
         to_end = (cumsum_over_tokens(log_g, reverse=True) - log_g).exp()
         linear = (fq[:, :, -1:] * fk * to_end).sum(-1)[0]
-        q, k = inputs["qw"], inputs["kw"]
         visible = torch.arange(L, device=q.device) >= L - attn.cfg.window
         if attn.cfg.num_sinks:
             sink_logits = attn.sinks.float()
     elif isinstance(attn, StillAttention):
         visible = fold_times(q, k, attn.cfg)[0].repeat_interleave(n_rep, dim=0) >= L
-        keys = repeat_kv(k, n_rep)
         linear = (attn.feature_map_q(q[:, :, -1:]) @ attn.feature_map_k(keys).transpose(-1, -2))[0, :, 0] * ~visible
     elif isinstance(attn, LinearizedAttention):
         raise TypeError(f"needle mass reads STILL, Lizard and softmax layers, not {type(attn).__name__}")
     else:
         visible, linear = torch.ones(L, dtype=torch.bool, device=q.device), torch.zeros(H, L, device=q.device)
-    logits = (q[:, :, -1:] @ repeat_kv(k, n_rep).transpose(-1, -2))[0, :, 0] * attn.scaling
+    logits = (q[:, :, -1:] @ keys.transpose(-1, -2))[0, :, 0] * attn.scaling
     softmax, sinks = exp_weights(logits.masked_fill(~visible, float("-inf")), sink_logits)
     return {"softmax": softmax, "linear": linear,
             "sinks": torch.zeros(H, device=q.device) if sinks is None else sinks.sum(-1)}

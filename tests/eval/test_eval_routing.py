@@ -174,7 +174,8 @@ def test_attention_inputs_capture_lizard_branches_in_its_own_call(new_model, tok
     assert captured[0]["fq"].shape == (1, 4, L, 16) and captured[0]["log_g"].shape == (1, 4, L, 1)
     torch.testing.assert_close(captured[0]["qw"], captured[0]["q"])  # the window's RoPE is the teacher's
     torch.testing.assert_close(captured[0]["kw"], captured[0]["k"])
-    assert not any("attend" in vars(layer.self_attn) for layer in student.model.layers)
+    assert not any(name in vars(layer.self_attn) for layer in student.model.layers
+                   for name in ("branch_inputs", "log_gate"))
     lizard = needle_mass(student, tokenizer, lengths=[600], depths=[0, 50])["results"]["600"]
     # The needle lies far outside a 16-token window: it gets linear weight only.
     assert lizard["needle_softmax_only"]["best"] == 0.0
