@@ -134,26 +134,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results/still-routing"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts or parts - {"routing", "mass"}:
+    if parts - {"routing", "mass"}:
         parser.error(f"--parts takes routing and/or mass, not {args.parts!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     args.out.mkdir(parents=True, exist_ok=True)
+    def write(name: str, result: dict, to_markdown, draw) -> None:
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / f"{name}.md").write_text(to_markdown(result, args.model))
+        draw(result, args.out / f"{name}.png")
+        print(f"wrote {args.out}/{name}.md, {name}.json, {name}.png")
+
     if "routing" in parts:
-        result = needle_routing(model, tokenizer, VARIANTS, lengths=lengths, depths=depths,
-                                progress=lambda n, d: print(f"routed {n} tokens at depth {d:g}%", flush=True))
-        (args.out / "routing.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "routing.md").write_text(markdown(result, args.model))
-        plot(result, args.out / "routing.png")
-        print(f"wrote {args.out}/routing.md, routing.json, routing.png")
+        write("routing", needle_routing(model, tokenizer, VARIANTS, lengths=lengths, depths=depths,
+                                        progress=lambda n, d: print(f"routed {n} tokens at depth {d:g}%", flush=True)),
+              markdown, plot)
     if "mass" in parts:
-        result = needle_mass(model, tokenizer, lengths=lengths, depths=depths,
-                             progress=lambda n, d: print(f"weighed {n} tokens at depth {d:g}%", flush=True))
-        (args.out / "mass.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "mass.md").write_text(mass_markdown(result, args.model))
-        mass_plot(result, args.out / "mass.png")
-        print(f"wrote {args.out}/mass.md, mass.json, mass.png")
+        write("mass", needle_mass(model, tokenizer, lengths=lengths, depths=depths,
+                                  progress=lambda n, d: print(f"weighed {n} tokens at depth {d:g}%", flush=True)),
+              mass_markdown, mass_plot)
 
 
 if __name__ == "__main__":
