@@ -261,7 +261,8 @@ def fake_loading(monkeypatch, model, tokenizer):
     """Stand-in for linearize.loading, so the CLI test needs no checkpoint."""
     calls = []
 
-    def load_model(spec, dtype=None, device=None):
+    def load_model(spec, dtype=None, device=None, inference_options=None):
+        assert not inference_options  # these tests pass no --set
         calls.append((spec, dtype, device))
         return model
 
