@@ -1,0 +1,54 @@
+"""Times STILL's routing of one fresh pass (one layer at SmolLM2's shape, random q/k/v) on this machine.
+
+    python scripts/time_still_routing.py [--shapes 8x2048,4x4096,1x32768] [--repeats 3]
+
+The routing (`linearize.ops.still.fresh_routing`: saliency scores, chunk picks, the eviction replay)
+runs in PyTorch before the STILL kernels in every training step and prefill. Prints the best of
+`--repeats` wall times per batch x length, and a checksum of the fold times (equal across versions
+of the code that route alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from linearize.config import StillConfig
+from linearize.ops import still
+
+HEADS, KV_HEADS, HEAD_DIM, FEATURES = 9, 3, 64, 128  # SmolLM2-135M
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x2048,4x4096,1x32768")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    cfg = StillConfig()
+    options = cfg.op_options(HEAD_DIM**-0.5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"{device}, {torch.get_num_threads()} threads, {cfg}")
+    for shape in args.shapes.split(","):
+        B, L = (int(x) for x in shape.split("x"))
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, HEADS, L, HEAD_DIM, generator=g).to(device)
+        k, v = (torch.randn(B, KV_HEADS, L, HEAD_DIM, generator=g).to(device) for _ in range(2))
+        valid = torch.ones(B, L, dtype=torch.bool, device=device)
+        state = still.init_state(B, HEADS, KV_HEADS, FEATURES, HEAD_DIM, cfg.window, cfg.slots, device=device)
+        times = []
+        for _ in range(args.repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fold, _ = still.fresh_routing(q, k, v, valid, state, start=0, **options)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        checksum = int(torch.where(fold == still.NEVER, -1, fold).sum())
+        print(f"batch {B} x {L} tokens: {min(times):.3f} s (fold-time checksum {checksum})")
+
+
+if __name__ == "__main__":
+    main()
