@@ -344,11 +344,11 @@ def _kth_ranked_above(rank, K, block):
     block weighs [block, block + 1] pairs. O(N * block) instead of the O(N^2) of counting every pair
     (a 32K-token prefill at 896 slots: 33K x 33K pairs per KV head and layer).
     """
+    if K == 0:
+        return torch.zeros_like(rank, dtype=torch.long)
     *lead, N = rank.shape
     device = rank.device
     index = torch.arange(N, device=device)
-    if K == 0:
-        return torch.zeros_like(rank, dtype=torch.long)
     # Distinct values: outside the set, each apart and below every member; the K highest start as
     # padding below them all.
     value = torch.where(rank >= 0, rank.long(), -2 - index)

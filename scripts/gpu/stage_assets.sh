@@ -20,9 +20,12 @@ texts=$(.venv/bin/python -m linearize.assets path texts)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 
-# The teacher in three equal parts; a rerun finds them already split.
-cat .device/a/part .device/b/part $([ -f .device/c/part ] && echo .device/c/part) > "$scratch/teacher.gguf"
-echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet
+# The teacher in three equal parts: from prepare.sh's two halves, or from an earlier run's thirds.
+cat .device/a/part .device/b/part > "$scratch/teacher.gguf"
+if ! echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet 2>/dev/null; then
+  cat .device/a/part .device/b/part .device/c/part > "$scratch/teacher.gguf"
+  echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet
+fi
 third=$(($(stat -c %s "$scratch/teacher.gguf") / 3 + 1))
 mkdir -p .device/c
 split -b "$third" -d -a 1 "$scratch/teacher.gguf" "$scratch/part"
