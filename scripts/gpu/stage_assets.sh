@@ -22,7 +22,7 @@ trap 'rm -rf "$scratch"' EXIT
 
 # The teacher in three equal parts: from prepare.sh's two halves, or from an earlier run's thirds.
 cat .device/a/part .device/b/part > "$scratch/teacher.gguf"
-if ! echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet 2>/dev/null; then
+if ! echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet >/dev/null 2>&1; then
   cat .device/a/part .device/b/part .device/c/part > "$scratch/teacher.gguf"
   echo "$teacher_sum  $scratch/teacher.gguf" | sha256sum -c --quiet
 fi
