@@ -77,8 +77,12 @@ case $part in
       batches=${3#*/}
       extra+=(--contexts "${contexts//+/,}" --batches "${batches//+/,}")
     fi
-    step "model_$shape" 500 python -m linearize.cli bench model --shape "$shape" "${extra[@]}" --profile \
-      --time-limit 460 --out "$res/model-$shape" ;;
+    # Further LINEARIZE_*=VALUE words set that environment variable for this part alone, e.g.
+    # LINEARIZE_STILL_KERNEL=0 to time STILL's blocked PyTorch prefill against its kernels.
+    envs=()
+    for option in "${@:5}"; do envs+=("$option"); done
+    step "model_$shape" 500 env "${envs[@]}" python -m linearize.cli bench model --shape "$shape" "${extra[@]}" \
+      --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows|distill)
     recipes=()
     for name in "$@"; do recipes+=("recipes/$name.json"); done
