@@ -217,7 +217,7 @@ def test_eviction_replay_equals_routing_one_by_one(seed, K, block):
         assert torch.equal(slots[name], ref_slots[name]), name
 
 
-@pytest.mark.parametrize("K, N, block", [(1, 9, 4), (5, 40, 7), (16, 100, 3), (16, 100, 64), (40, 300, 128)])
+@pytest.mark.parametrize("K, N, block", [(0, 9, 4), (1, 9, 4), (5, 40, 7), (16, 100, 3), (16, 100, 64), (40, 300, 128)])
 def test_kth_ranked_above_equals_counting_every_pair(K, N, block):
     """The blocked search against its definition: for each element, count the higher-ranked ones in
     index order and take where the count reaches K (members ranked 0.., non-members -1)."""
