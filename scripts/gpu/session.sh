@@ -55,7 +55,8 @@ case $part in
     while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
     exit ;;
   fsdp)
-    step fsdp 400 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch 16 --out "$res/fsdp" ;;
+    # An optional word sets the global batch (16 by default, the fifth session's).
+    step fsdp 400 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --out "$res/fsdp" ;;
   model)
     # The best Lizard (recipes/lizard-rope-shared.json), or METHOD with its defaults, prefilling in one
     # call as the evaluation's generation does (STILL's kernels take fresh passes only); at the 8B
