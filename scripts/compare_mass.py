@@ -15,6 +15,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from linearize.eval.report import length_label
+from linearize.eval.routing import MASS_SHARES
 
 
 def load(pairs: list[str]) -> dict[str, dict]:
@@ -50,14 +51,13 @@ def markdown(runs: dict[str, dict]) -> str:
 def plot(runs: dict[str, dict], path: Path) -> None:
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
-    titles = {"needle": "key's share of the normaliser (best head)", "linear": "linear terms' share (mean over heads)"}
-    for ax, (name, title) in zip(axes, titles.items()):
+    for ax, name in zip(axes, ("needle", "linear")):
         for label, result in runs.items():
             ax.plot(result["lengths"], series(result, name), marker="o", label=label)
         ax.set_xscale("log", base=2)
         lengths = sorted({n for result in runs.values() for n in result["lengths"]})
         ax.set_xticks(lengths, [length_label(n) for n in lengths])
-        ax.set(xlabel="prompt length (tokens)", title=title, ylim=(0, 1))
+        ax.set(xlabel="prompt length (tokens)", title=MASS_SHARES[name], ylim=(0, 1))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share at the question")
     axes[1].legend(fontsize=7)

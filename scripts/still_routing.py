@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from linearize.config import StillConfig
 from linearize.eval.api import parse_depths, parse_lengths
 from linearize.eval.report import length_label
-from linearize.eval.routing import EVICTED, LEFT_WINDOW, VISIBLE, needle_mass, needle_routing
+from linearize.eval.routing import EVICTED, LEFT_WINDOW, MASS_SHARES, VISIBLE, needle_mass, needle_routing
 from linearize.loading import load_model, load_tokenizer
 
 VARIANTS = {
@@ -85,12 +85,8 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-MASS_SERIES = {
-    "needle": "key's share of the normaliser (best head)",
-    "needle_linear": "key's linear terms' share (best head)",
-    "needle_softmax_only": "key's share of the softmax terms alone (best head)",
-    "linear": "linear terms' share (mean over heads)",
-}
+# The key's shares first, then the linear terms'.
+MASS_SERIES = {name: MASS_SHARES[name] for name in ("needle", "needle_linear", "needle_softmax_only", "linear")}
 
 
 def mass_markdown(result: dict, model: str) -> str:

@@ -6,7 +6,7 @@ linear state survives only as a blur. The routing is discrete and depends on q a
 replayed here from each layer's RoPE'd q and k (`still.fresh_routing`, the rule training, prefill and
 decoding share) under any `StillConfig`, without training a model per routing variant.
 
-Visible is not used: `needle_mass` weighs, on a model as it is (STILL, Lizard with one shared
+Visible is not the same as attended to: `needle_mass` weighs, on a model as it is (STILL, Lizard with one shared
 normaliser, or a softmax teacher), how much of the question's normaliser the needle gets, and how
 much the linear terms take.
 """
@@ -207,7 +207,13 @@ def last_query_mass(inputs: dict[str, torch.Tensor], attn: nn.Module) -> dict[st
             "sinks": torch.zeros(H, device=q.device) if sinks is None else sinks.sum(-1)}
 
 
-MASS_SHARES = ("needle", "needle_linear", "linear", "needle_softmax_only")
+# The shares `needle_mass` reports, as the reports and plots label them.
+MASS_SHARES = {
+    "needle": "key's share of the normaliser (best head)",
+    "needle_linear": "key's linear terms' share (best head)",
+    "linear": "linear terms' share (mean over heads)",
+    "needle_softmax_only": "key's share of the softmax terms alone (best head)",
+}
 
 
 def needle_mass(
