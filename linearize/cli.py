@@ -14,7 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, inference_options_help
 
 EXIT_USAGE = 2
 
@@ -202,8 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="an inference option of a linearized model (STILL: budget, max_chunks, routing; Lizard: "
-                   "window, gate_temperature); repeatable")
+                   help=inference_options_help())
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="distil the default teacher into Lizard and compare the two")

@@ -175,6 +175,12 @@ INFERENCE_OPTIONS: dict[str, tuple[str, ...]] = {"still": ("budget", "max_chunks
                                                  "lizard": ("window", "gate_temperature")}
 
 
+def inference_options_help() -> str:
+    """`--set`'s help for a trained model: the options each method can change."""
+    listed = "; ".join(f"{method}: {', '.join(names)}" for method, names in INFERENCE_OPTIONS.items())
+    return f"an inference option of a linearized model ({listed}); repeatable"
+
+
 def with_inference_options(method: str, options: dict, changes: dict) -> MethodConfig:
     """`method`'s validated config from a trained model's `options` with `changes`, which may name
     only its INFERENCE_OPTIONS (values may be strings, as from the command line)."""

@@ -7,7 +7,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from linearize.config import parse_set_options
+from linearize.config import inference_options_help, parse_set_options
 from linearize.eval import api
 from linearize.eval.longcontext import DEFAULT_SAMPLES
 from linearize.eval.report import write_json, write_report
@@ -48,8 +48,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="default float32; auto keeps the checkpoint's dtype")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an inference option of a linearized model, changed for this evaluation (STILL: "
-                        "budget, max_chunks, routing; Lizard: window, gate_temperature); repeatable")
+                        help=inference_options_help())
     parser.add_argument("--text", help="perplexity text (.txt); default Moby-Dick from the public-domain texts")
     parser.add_argument("--essay", help="essay haystack text (.txt); default the other public-domain texts")
     parser.add_argument("--resume", action="store_true",
