@@ -31,12 +31,16 @@ def load(pairs: list[str]) -> dict[str, dict]:
     return runs
 
 
+def all_lengths(runs: dict[str, dict]) -> list[int]:
+    return sorted({n for result in runs.values() for n in result["lengths"]})
+
+
 def series(result: dict, name: str) -> list[float]:
     return [result["results"][str(n)][name]["best"] for n in result["lengths"]]
 
 
 def markdown(runs: dict[str, dict]) -> str:
-    lengths = sorted({n for result in runs.values() for n in result["lengths"]})
+    lengths = all_lengths(runs)
     labels = [length_label(n) for n in lengths]
     lines = ["| model | " + " | ".join(f"key {label}" for label in labels) + " | "
              + " | ".join(f"linear {label}" for label in labels) + " |",
@@ -51,11 +55,11 @@ def markdown(runs: dict[str, dict]) -> str:
 def plot(runs: dict[str, dict], path: Path) -> None:
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
+    lengths = all_lengths(runs)
     for ax, name in zip(axes, ("needle", "linear")):
         for label, result in runs.items():
             ax.plot(result["lengths"], series(result, name), marker="o", label=label)
         ax.set_xscale("log", base=2)
-        lengths = sorted({n for result in runs.values() for n in result["lengths"]})
         ax.set_xticks(lengths, [length_label(n) for n in lengths])
         ax.set(xlabel="prompt length (tokens)", title=MASS_SHARES[name], ylim=(0, 1))
         ax.grid(alpha=0.3)

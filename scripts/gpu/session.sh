@@ -80,8 +80,7 @@ case $part in
     fi
     # Further LINEARIZE_*=VALUE words set that environment variable for this part alone, e.g.
     # LINEARIZE_STILL_KERNEL=0 to time STILL's blocked PyTorch prefill against its kernels.
-    envs=()
-    for option in "${@:5}"; do envs+=("$option"); done
+    envs=("${@:5}")
     step "model_$shape" 500 env "${envs[@]}" python -m linearize.cli bench model --shape "$shape" "${extra[@]}" \
       --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows|distill)
