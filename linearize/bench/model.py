@@ -97,6 +97,17 @@ def prefill_chunk(variant: str, context: int, batch: int, settings: dict) -> int
     return context if variant == SOFTMAX else max(1, settings["prefill_chunk"] // batch)
 
 
+def profile_point(variant: str, settings: dict) -> tuple[int, int]:
+    """(context, tokens per call) of the profiled batch-1 prefill: two calls for a linear model, so the
+    profile shows a fresh and a continued pass, one for softmax. It never exceeds the sweep's largest
+    context: a method whose fresh pass is quadratic (STILL's kernels) took minutes at twice a 128K chunk."""
+    context = min(2 * settings["prefill_chunk"], settings["contexts"][-1])
+    if variant == SOFTMAX:
+        context = min(context, settings["teacher_max"])
+        return context, context
+    return context, max(1, context // 2)
+
+
 def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict, device: torch.device,
                   profile_to: str | None = None) -> dict:
     """One (batch, context) point; with `profile_to`, one more prefill and decode step under
@@ -180,8 +191,7 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
           options: dict | None = None, quick: bool = False, profile: bool = False, **overrides) -> list[Path]:
     """Run both sweeps for softmax and each method (converted with `options`); `overrides` replace entries
     of FULL / QUICK. With `profile`, each model then writes `profile-<model>-{prefill,decode}.txt`
-    (`softmax` for SDPA): the top ops of a batch-1 prefill of two `prefill_chunk` calls and of one
-    decode step after it."""
+    (`softmax` for SDPA): the top ops of a batch-1 prefill (`profile_point`) and of one decode step after it."""
     device = default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are unrepresentative
     settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
@@ -212,10 +222,9 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
             sweep(net, variant, "context", [(1, c) for c in settings["contexts"]], settings, device, deadline,
                   results, out)
             if profile:
-                # Two prefill calls of a linear model (the second continues the cache), one for softmax.
-                context = 2 * settings["prefill_chunk"]
-                measure_point(net, batch=1, context=context, chunk=prefill_chunk(variant, context, 1, settings),
-                              settings=settings, device=device, profile_to=str(out / f"profile-{variant.split()[0]}"))
+                context, chunk = profile_point(variant, settings)
+                measure_point(net, batch=1, context=context, chunk=chunk, settings=settings, device=device,
+                              profile_to=str(out / f"profile-{variant.split()[0]}"))
         del net
         free_memory()
     return write_outputs(results, out, tables, plots)

@@ -114,6 +114,16 @@ def test_model_profile_lists_each_models_top_ops_in_prefill_and_decode(outputs):
             assert "Self CPU" in table and "aten::mm" in table, (name, phase)
 
 
+def test_profile_prefill_stays_within_the_sweep_and_continues_a_linear_cache():
+    settings = dict(model_bench.FULL, prefill_chunk=128 * 1024, contexts=[4096, 32768])
+    assert model_bench.profile_point("still", settings) == (32768, 16384)  # not 256K: STILL's is quadratic
+    assert model_bench.profile_point(model_bench.SOFTMAX, settings) == (32768, 32768)
+    settings.update(contexts=parse_sizes("1k,1m"), prefill_chunk=16384)
+    assert model_bench.profile_point("lizard", settings) == (32768, 16384)
+    settings.update(teacher_max=8192)
+    assert model_bench.profile_point(model_bench.SOFTMAX, settings) == (8192, 8192)
+
+
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nHow to rerun.\n")
