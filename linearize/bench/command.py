@@ -57,7 +57,7 @@ def register(subparsers) -> None:
     p.add_argument("--contexts", type=sizes, help="batch-1 context sweep, e.g. 1k,4k,1m (default 1k..1m, doubling)")
     p.add_argument("--batches", type=sizes, help="batch sweep, e.g. 1,4,16,64 (default)")
     p.add_argument("--batch-context", type=size, help="context of the batch sweep (default 4k)")
-    p.add_argument("--methods", type=methods, default=["lizard"], help="linear methods to compare with softmax")
+    p.add_argument("--methods", type=methods, help="linear methods to compare with softmax (default lizard)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
     p.add_argument("--decode-steps", type=positive_int, help="timed decode steps per point (default 32)")
     p.add_argument("--prefill-chunk", type=size, help="tokens per prefill call of a linear model (default 16k)")
@@ -101,8 +101,9 @@ def run_model(args) -> None:
     from ..config import parse_set_options
     from . import model
 
-    options = parse_set_options(args.set or [], args.methods)
-    wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=args.methods,
+    methods = args.methods or list(model.DEFAULT_METHODS)
+    options = parse_set_options(args.set or [], methods)
+    wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods,
                       options=options, quick=args.quick, profile=args.profile,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,

@@ -50,6 +50,7 @@ from .common import (
 )
 
 SOFTMAX = "softmax (sdpa)"
+DEFAULT_METHODS = ("lizard",)  # compared with softmax unless --methods names others
 
 # Random-weight models of known shapes. max_position_embeddings only has to cover the sweep: RoPE is computed on
 # the fly, and speed does not depend on its trained range.
@@ -187,7 +188,7 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
         save_json(results, out)
 
 
-def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
+def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = DEFAULT_METHODS,
           options: dict | None = None, quick: bool = False, profile: bool = False, **overrides) -> list[Path]:
     """Run both sweeps for softmax and each method (converted with `options`); `overrides` replace entries
     of FULL / QUICK. With `profile`, each model then writes `profile-<model>-{prefill,decode}.txt`

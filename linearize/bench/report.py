@@ -23,11 +23,14 @@ END = "<!-- end of bench section -->"
 
 
 def title(results: dict) -> str:
-    """The run's title, plus its method options (`--set`), a compiled decode step and the code-path
-    switches set in its environment: a run with other options is another section."""
+    """The run's title, plus its method options (`--set`), the model bench's methods other than its
+    default, a compiled decode step and the code-path switches set in its environment: a run with
+    other options is another section."""
     settings = results["settings"]
     options = [f"{k}={v}" for k, v in settings.get("options", {}).items()]
     options += [f"{k}={v}" for k, v in results["environment"].get("switches", {}).items()]
+    if tuple(settings.get("methods", model.DEFAULT_METHODS)) != model.DEFAULT_METHODS:
+        options.append(f"methods {'+'.join(settings['methods'])}")
     if settings.get("ops"):
         options.append(f"ops {'+'.join(settings['ops'])}")
     if settings.get("cuda_graph"):

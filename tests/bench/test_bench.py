@@ -157,6 +157,15 @@ def test_code_path_switches_name_the_section_and_lead_the_command(monkeypatch):
     assert plain["environment"]["switches"] == {} and title(plain) == plain["title"]
 
 
+def test_a_model_run_of_other_methods_is_another_section():
+    """A STILL-only `bench model` must not replace the default (Lizard) run's section."""
+    default = new_results("model", "Model speed", torch.device("cpu"), {"methods": ["lizard"]})
+    still = new_results("model", "Model speed", torch.device("cpu"), {"methods": ["still"]})
+    both = new_results("model", "Model speed", torch.device("cpu"), {"methods": ["lizard", "still"]})
+    assert title(default) == default["title"]
+    assert title(still).endswith("(methods still)") and title(both).endswith("(methods lizard+still)")
+
+
 def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_path, monkeypatch):
     measure = model_bench.measure_point
 
