@@ -4,8 +4,9 @@
 
 The routing (`linearize.ops.still.fresh_routing`: saliency scores, chunk picks, the eviction replay)
 runs in PyTorch before the STILL kernels in every training step and prefill. Prints the best of
-`--repeats` wall times per batch x length, and a checksum of the fold times (equal across versions
-of the code that route alike).
+`--repeats` wall times per batch x length, the number of PyTorch ops one call dispatches (what an
+eager prefill pays per op on any device, a CUDA graph not at all), and a checksum of the fold times
+(equal across versions of the code that route alike).
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ import argparse
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from linearize.config import StillConfig
 from linearize.ops import still
 
 HEADS, KV_HEADS, HEAD_DIM, FEATURES = 9, 3, 64, 128  # SmolLM2-135M
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -46,8 +58,10 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+        with OpCount() as count:
+            still.fresh_routing(q, k, v, valid, state, start=0, **options)
         checksum = int(torch.where(fold == still.NEVER, -1, fold).sum())
-        print(f"batch {B} x {L} tokens: {min(times):.3f} s (fold-time checksum {checksum})")
+        print(f"batch {B} x {L} tokens: {min(times):.3f} s, {count.ops} ops (fold-time checksum {checksum})")
 
 
 if __name__ == "__main__":
