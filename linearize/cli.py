@@ -107,12 +107,11 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
     if static:
-        from .decode import greedy_decode
+        from .decode import greedy_decode, until_end
 
-        new = greedy_decode(model, inputs["input_ids"], max_new_tokens,
-                            compile_backend="inductor" if compile_step else None)[0]
-        ends = (new == tokenizer.eos_token_id).nonzero()
-        return tokenizer.decode(new[: ends[0, 0]] if len(ends) else new, skip_special_tokens=True)
+        new = greedy_decode(model, inputs["input_ids"], max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            compile_backend="inductor" if compile_step else None)
+        return tokenizer.decode(until_end(new, tokenizer.eos_token_id)[0], skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                              **sampling)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention.base import LinearizedAttention
 from .cache import LinearizeCacheLayer
 from .fused_projections import fuse_projections, projections_fused
 
@@ -41,7 +42,7 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 class StaticDecoder:
     def __init__(self, model, cache, *, batch: int, cuda_graph: bool | None = None,
-                 compile_backend: str | None = None):
+                 compile_backend: str | None = None, padding: torch.Tensor | None = None):
         layers = list(getattr(cache, "layers", []))
         if not layers or not all(isinstance(layer, LinearizeCacheLayer) and layer.state is not None
                                  for layer in layers):
@@ -61,6 +62,11 @@ class StaticDecoder:
         self._unfuse = fuse_projections(model)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        # Left padding per row ([B]): each row's positions count from its first real token, as HF's
+        # generate counts them.
+        self.row_start = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        if padding is not None:
+            self.row_start.copy_(padding.view(batch, 1))
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None  # why capture failed, when it did
@@ -102,7 +108,7 @@ class StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.tokens, past_key_values=self.cache, use_cache=True,
-                         cache_position=self.position, position_ids=self.position[None].expand(self.tokens.shape[0], 1),
+                         cache_position=self.position, position_ids=self.position - self.row_start,
                          logits_to_keep=1)
         return out.logits
 
@@ -159,25 +165,58 @@ class StaticDecoder:
             restore()
 
 
+def fully_linearized(model) -> bool:
+    """Every decoder layer's attention linearized (no softmax layers, whose caches grow): what
+    StaticDecoder decodes."""
+    linear = sum(isinstance(m, LinearizedAttention) for m in model.modules())
+    return linear > 0 and linear == model.config.num_hidden_layers
+
+
 @torch.no_grad()
-def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None,
+def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+                  eos_token_id: int | list[int] | None = None, cuda_graph: bool | None = None,
                   compile_backend: str | None = None):
-    """Greedy continuation of unpadded `input_ids` [B, L] by a fully linearized model: [B, max_new_tokens].
+    """Greedy continuation of `input_ids` [B, L] by a fully linearized model: [B, n] new tokens.
+
+    `attention_mask` marks left padding, positions counting from each row's first real token (as
+    HF's generate does). n is `max_new_tokens`, or fewer once every row has produced one of
+    `eos_token_id`; a row that ended earlier goes on past its end (`until_end` cuts it).
     `compile_backend`: see StaticDecoder."""
     from transformers import DynamicCache
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    positions = padding = None
+    if attention_mask is not None:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        padding = attention_mask.shape[1] - attention_mask.long().sum(-1)
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1:].argmax(-1)
     generated = [token]
+    ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=token.device).view(-1)
+    ended = None if ends is None else torch.isin(token, ends)
     decoder = StaticDecoder(model, cache, batch=input_ids.shape[0], cuda_graph=cuda_graph,
-                            compile_backend=compile_backend)
+                            compile_backend=compile_backend, padding=padding)
     try:
         for _ in range(max_new_tokens - 1):
+            if ended is not None and bool(ended.all()):
+                break
             token = decoder.step(token)[:, -1:].argmax(-1)
             generated.append(token)
+            if ended is not None:
+                ended |= torch.isin(token, ends)
     finally:
         decoder.close()
     return torch.cat(generated, 1)
+
+
+def until_end(tokens: torch.Tensor, eos_token_id: int | list[int] | None) -> list[list[int]]:
+    """Each row of `tokens` [B, n] up to (not including) its first end-of-sequence token."""
+    ends = set() if eos_token_id is None else set(torch.tensor(eos_token_id).view(-1).tolist())
+    rows = []
+    for row in tokens.tolist():
+        cut = next((i for i, t in enumerate(row) if t in ends), len(row))
+        rows.append(row[:cut])
+    return rows

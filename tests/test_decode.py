@@ -5,7 +5,7 @@ import torch
 from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
 import linearize
-from linearize.decode import StaticDecoder, greedy_decode
+from linearize.decode import StaticDecoder, fully_linearized, greedy_decode, until_end
 
 
 def student(method, **extra):
@@ -28,6 +28,20 @@ def test_greedy_decode_equals_the_uncached_model(method):
     model = student(method)
     ids = torch.randint(3, 128, (2, 19), generator=torch.Generator().manual_seed(0))
     assert torch.equal(greedy_decode(model, ids, 14, cuda_graph=False), uncached_greedy(model, ids, 14))
+
+
+def test_decoding_stops_once_every_row_has_ended_and_until_end_cuts_each_row():
+    model = student("still")
+    ids = torch.randint(3, 128, (3, 11), generator=torch.Generator().manual_seed(1))
+    full = greedy_decode(model, ids, 8, cuda_graph=False)
+    ends = full[:, 2].tolist()  # every row ends by its third token
+    stopped = greedy_decode(model, ids, 8, eos_token_id=ends, cuda_graph=False)
+    last = max(next(i for i, t in enumerate(row) if t in ends) for row in full.tolist())
+    assert torch.equal(stopped, full[:, : last + 1])
+    cut = until_end(full, ends)
+    assert [len(row) for row in cut] == [next(i for i, t in enumerate(row) if t in ends) for row in full.tolist()]
+    assert all(row == full[i, : len(row)].tolist() for i, row in enumerate(cut))
+    assert fully_linearized(model) and not fully_linearized(student("lizard", softmax_layers=[1]))
 
 
 def test_steps_write_the_state_in_place():

@@ -6,6 +6,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from ..decode import fully_linearized, greedy_decode, until_end
+
 # Tokens (prompt + new) per generate call. Generation keeps only the last position's logits, so the
 # KV cache bounds memory: 256K tokens of a 135M Llama are ~6 GB of cache.
 DEFAULT_MAX_BATCH_TOKENS = 262144
@@ -44,20 +46,27 @@ def greedy_generate(
     batch: int = 8,
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     desc: str = "generate",
+    static: bool | None = None,
 ) -> list[str]:
     """Greedy continuations of `prompts` (decoded new tokens only), in input order.
 
-    Prompts are sorted by length before batching so each batch carries little padding.
+    Prompts are sorted by length before batching so each batch carries little padding. A fully
+    linearized model (or any, with `static`) steps on its fixed-shape cache (`linearize.decode.greedy_decode`:
+    a CUDA graph per step on a GPU, where HF's generate runs each step's hundreds of small ops
+    eagerly); others, or with `static=False`, go through HF's generate.
     """
+    if static is None:
+        static = fully_linearized(model)
     encoded = [tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     pad = pad_token_id(tokenizer)
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         num_beams=1,
         pad_token_id=pad,
-        eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id,
+        eos_token_id=eos,
     )
     outputs: list[str] = [""] * len(prompts)
     progress = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
@@ -66,8 +75,11 @@ def greedy_generate(
         longest = len(encoded[order[min(start + batch, len(order)) - 1]]) + max_new_tokens
         chunk = order[start : start + rows_per_batch(longest, batch, max_batch_tokens)]
         ids, mask = left_pad([encoded[i] for i in chunk], pad, model.device)
-        generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        texts = tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
+        if static:
+            new = until_end(greedy_decode(model, ids, max_new_tokens, attention_mask=mask, eos_token_id=eos), eos)
+        else:
+            new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
         for i, text in zip(chunk, texts):
             outputs[i] = text
         progress.update(len(chunk))

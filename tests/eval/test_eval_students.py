@@ -3,6 +3,7 @@
 import pytest
 
 from linearize import convert
+from linearize.decode import fully_linearized
 from linearize.eval import evaluate
 from linearize.eval.generation import greedy_generate
 
@@ -24,6 +25,16 @@ def test_left_padded_batch_generation_matches_one_by_one(student, tokenizer):
     prompts = ["The whale", "Call me Ishmael. Some years ago", "Sea", "The captain walked the deck at night and"]
     batched = greedy_generate(student, tokenizer, prompts, 10, batch=4)
     assert batched == [greedy_generate(student, tokenizer, [p], 10, batch=1)[0] for p in prompts]
+
+
+def test_fixed_shape_steps_give_what_hf_generate_gives(student, tokenizer):
+    """A student generates on its fixed-shape cache (left padding, per-row positions, early stop at
+    the end token) exactly as HF's generate does on the same prompts."""
+    assert fully_linearized(student)  # so greedy_generate's default is the fixed-shape path
+    prompts = ["The whale", "Call me Ishmael. Some years ago", "Sea", "The captain walked the deck at night and"]
+    static = greedy_generate(student, tokenizer, prompts, 10, batch=4)
+    assert static == greedy_generate(student, tokenizer, prompts, 10, batch=4, static=False)
+    assert len(set(static)) >= 3
 
 
 def test_student_evaluates_and_records_its_method(student, tokenizer, ppl_text):
