@@ -93,6 +93,27 @@ def test_cuda_graph_decode_equals_eager(method):
     decoder.close()
 
 
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_left_padded_graph_decode_equals_hf_generate(method):
+    """The evaluation's path on a GPU: left padding, per-row positions, a captured step."""
+    from transformers import GenerationConfig
+
+    from linearize.decode import greedy_decode, until_end
+
+    model = cuda_student(method)
+    g = torch.Generator("cuda").manual_seed(1)
+    ids = torch.randint(3, 128, (3, 30), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :9], mask[2, :4] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    eos = model.generation_config.eos_token_id
+    config = GenerationConfig(max_new_tokens=16, do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=eos)
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    got = greedy_decode(model, ids, 16, attention_mask=mask, eos_token_id=eos, cuda_graph=True)
+    assert until_end(got, eos) == until_end(expected, eos)
+
+
 def test_decoders_leave_no_memory_behind():
     """Each bench point builds a decoder: the third one must end with as much memory allocated as the second."""
     import gc
