@@ -51,9 +51,9 @@ def greedy_generate(
     """Greedy continuations of `prompts` (decoded new tokens only), in input order.
 
     Prompts are sorted by length before batching so each batch carries little padding. A fully
-    linearized model (or any, with `static`) steps on its fixed-shape cache (`linearize.decode.greedy_decode`:
-    a CUDA graph per step on a GPU, where HF's generate runs each step's hundreds of small ops
-    eagerly); others, or with `static=False`, go through HF's generate.
+    linearized model steps on its fixed-shape cache (`linearize.decode.greedy_decode`: a CUDA graph
+    per step on a GPU, where HF's generate runs each step's hundreds of small ops eagerly); other
+    models go through HF's generate, and so does a student with `static=False`.
     """
     if static is None:
         static = fully_linearized(model)
