@@ -16,27 +16,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import linearize.kernels
+from linearize.bench.common import OpCount
 from linearize.bench.model import MAX_POSITIONS, SHAPES
 from linearize.convert import convert
 from linearize.fused_projections import fuse_projections
-
-VIEWS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "transpose", "t", "permute",
-         "as_strided", "alias", "unflatten", "detach", "split", "split_with_sizes", "unfold"}
-
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = self.views = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.views += func.__name__.split(".")[0] in VIEWS
-        return func(*args, **(kwargs or {}))
 
 
 def counts(method: str, layers: int, tokens: int) -> tuple[OpCount, OpCount]:

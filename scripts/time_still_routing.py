@@ -15,22 +15,12 @@ import argparse
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from linearize.bench.common import OpCount
 from linearize.config import StillConfig
 from linearize.ops import still
 
 HEADS, KV_HEADS, HEAD_DIM, FEATURES = 9, 3, 64, 128  # SmolLM2-135M
-
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:

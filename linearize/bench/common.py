@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 OOM = torch.cuda.OutOfMemoryError
 GIB = 1 << 30
@@ -89,6 +90,24 @@ def write_profile(step, device: torch.device, path: Path, rows: int = 40) -> Non
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n")
+
+
+VIEW_OPS = frozenset({"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "transpose", "t",
+                      "permute", "as_strided", "alias", "unflatten", "detach", "split", "split_with_sizes", "unfold"})
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the PyTorch ops dispatched while active, views (which launch no kernel) apart: what an
+    eager pass pays Python and launch overhead for, on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.views += func.__name__.split(".")[0] in VIEW_OPS
+        return func(*args, **(kwargs or {}))
 
 
 def failure(error: BaseException) -> dict:

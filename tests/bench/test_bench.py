@@ -7,7 +7,7 @@ import torch
 
 from linearize.bench import model as model_bench
 from linearize.bench.command import register
-from linearize.bench.common import new_results, parse_sizes
+from linearize.bench.common import OpCount, new_results, parse_sizes
 from linearize.bench.report import main as report_main
 from linearize.bench.report import title
 from linearize.cli import _Parser
@@ -122,6 +122,13 @@ def test_profile_prefill_stays_within_the_sweep_and_continues_a_linear_cache():
     assert model_bench.profile_point("lizard", settings) == (32768, 16384)
     settings.update(teacher_max=8192)
     assert model_bench.profile_point(model_bench.SOFTMAX, settings) == (8192, 8192)
+
+
+def test_op_count_counts_dispatched_ops_and_views_apart():
+    x = torch.ones(4, 3)
+    with OpCount() as count:
+        x.view(3, 4).t().add(1).sum()
+    assert (count.ops, count.views) == (4, 2)
 
 
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
