@@ -12,11 +12,11 @@ eager prefill pays per op on any device, a CUDA graph not at all), and a checksu
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import torch
 
-from linearize.bench.common import OpCount
+from linearize.bench.common import OpCount, default_device, wall_ms
 from linearize.config import StillConfig
 from linearize.ops import still
 
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = StillConfig()
     options = cfg.op_options(HEAD_DIM**-0.5)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     print(f"{device}, {torch.get_num_threads()} threads, {cfg}")
     for shape in args.shapes.split(","):
         B, L = (int(x) for x in shape.split("x"))
@@ -39,19 +39,12 @@ def main() -> None:
         k, v = (torch.randn(B, KV_HEADS, L, HEAD_DIM, generator=g).to(device) for _ in range(2))
         valid = torch.ones(B, L, dtype=torch.bool, device=device)
         state = still.init_state(B, HEADS, KV_HEADS, FEATURES, HEAD_DIM, cfg.window, cfg.slots, device=device)
-        times = []
-        for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fold, _ = still.fresh_routing(q, k, v, valid, state, start=0, **options)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        route = partial(still.fresh_routing, q, k, v, valid, state, start=0, **options)
+        best = min(wall_ms(route, device) for _ in range(args.repeats)) / 1e3
         with OpCount() as count:
-            still.fresh_routing(q, k, v, valid, state, start=0, **options)
+            fold, _ = route()
         checksum = int(torch.where(fold == still.NEVER, -1, fold).sum())
-        print(f"batch {B} x {L} tokens: {min(times):.3f} s, {count.ops} ops (fold-time checksum {checksum})")
+        print(f"batch {B} x {L} tokens: {best:.3f} s, {count.ops} ops (fold-time checksum {checksum})")
 
 
 if __name__ == "__main__":
