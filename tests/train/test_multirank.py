@@ -26,6 +26,13 @@ def torchrun(nproc: int, workspace: Path, out: Path, *extra: str, entry=DISTILL)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
 
 
+def failure(proc: subprocess.CompletedProcess) -> str:
+    """A failed torchrun's one-line `linearize: error:` messages (a rank's own cause, which the other
+    rank's long traceback would push out of the tail), then the tail of its stderr."""
+    errors = [line for line in proc.stderr.splitlines() if "linearize: error:" in line]
+    return "\n".join([*errors, proc.stderr[-4000:]])
+
+
 def losses(out: Path, stage: int) -> list[float]:
     return [r["loss"] for r in log(out) if r["stage"] == stage and "loss" in r]
 
@@ -36,7 +43,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
     runs = ((1, one, ()), (2, two, ()), (2, gathered, ("--no-fsdp-reshard",)), (2, replicated, ("--fsdp-replicate",)))
     for n, out, extra in runs:
         proc = torchrun(n, workspace, out, *extra)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, failure(proc)
     for stage in (1, 2):
         a, b = losses(one, stage), losses(two, stage)
         assert len(a) == len(b) == 6
@@ -65,7 +72,7 @@ def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_
 
     for nproc, out in ((2, cut), (1, one_rank)):
         proc = torchrun(nproc, workspace, out, "--resume", *extra)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, failure(proc)
     # On the same ranks the resumed run is the uninterrupted one, bit for bit.
     a, b = load_model(straight), load_model(cut)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
