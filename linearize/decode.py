@@ -72,12 +72,13 @@ class StaticDecoder:
         self.graph_error: str | None = None  # why capture failed, when it did
         self.closed = False
         # Compiled once at the first step: a replayed graph never calls it again. Stepping eagerly, it
-        # may recompile as the token count changes, until dynamo makes that count dynamic.
+        # compiles a second time as the token count changes, which dynamo then makes dynamic (`dynamic=False`
+        # would compile anew at every token).
         self.compile_backend = compile_backend
         self.compile_error: str | None = None
         self._compiled = None
         if compile_backend is not None and method in GRAPH_METHODS:
-            self._compiled = torch.compile(self._forward, backend=compile_backend, dynamic=False)
+            self._compiled = torch.compile(self._forward, backend=compile_backend)
 
     @property
     def path(self) -> str:

@@ -125,3 +125,18 @@ def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncomp
 
     assert decode(compile_fails=False) == "eager, fused projections, compiled (aot_eager)"
     assert decode(compile_fails=True) == "eager, fused projections, not compiled (ZeroDivisionError: division by zero)"
+
+
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_eager_compiled_steps_compile_at_most_twice(method):
+    """Dynamo specialises the first step on the cache's token count, then makes that count dynamic:
+    later steps reuse the second graph (specialised on every count, each token compiled anew)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = student(method)
+    ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(3))
+    tokens = greedy_decode(model, ids, 7, cuda_graph=False, compile_backend="aot_eager")
+    assert torch.equal(tokens, uncached_greedy(model, ids, 7))
+    assert counters["stats"]["unique_graphs"] == 2
