@@ -213,6 +213,9 @@ class Run:
     def stage(self, stage: int) -> None:
         cfg, rt = self.cfg, self.rt
         ckpt_path = self.out / CHECKPOINT_NAME
+        # The main rank alone writes checkpoints (the previous stage's last one just now): no rank reads
+        # before it is done, or it finds the checkpoint between the old one's rename and the new one's.
+        rt.barrier()
         state = checkpoint.load(ckpt_path) if ckpt_path.exists() else None
         if state is not None and (state["stage"] > stage or (state["stage"] == stage and state["stage_done"])):
             return  # finished in an earlier invocation

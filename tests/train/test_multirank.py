@@ -59,6 +59,15 @@ def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
 
 
 @pytest.mark.slow
+def test_no_rank_reads_a_checkpoint_the_main_rank_is_still_writing(workspace, tmp_path):
+    """Stage 1's last checkpoint is written by rank 0 alone, and stage 2 opens by reading it: the
+    other rank must wait for the write, or it finds the checkpoint mid-replacement (a
+    FileNotFoundError, exit status 2, in one CI run of the two-rank tests)."""
+    proc = torchrun(2, workspace, tmp_path / "out", entry=(str(Path(__file__).with_name("slow_checkpoint_distill.py")),))
+    assert proc.returncode == 0, failure(proc)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("--fsdp-replicate",)], ids=["sharded", "replicated"])
 def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_path, extra):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
