@@ -1,10 +1,11 @@
-"""Where STILL's routing variants leave the passkey, replayed on a model's own q and k (CPU is enough).
+"""Where STILL's routing variants leave a needle (passkey or niah_single), replayed on a model's own q and k (CPU is enough).
 
     python scripts/still_routing.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100]
-                                    [--parts routing,mass] [--out DIR]
+                                    [--task passkey | --task niah_single [--variant 1|2|3]]
+                                    [--configs 0,2] [--parts routing,mass] [--out DIR]
 
-For each prompt of the passkey task (the evaluation's first sample at each depth) and each variant
-below: the share of (prompt, layer, KV head) triples whose softmax set still holds one whole copy of
+For each prompt of the task (passkey by default; the evaluation's first sample at each depth) and
+each routing variant below (`--configs`: their indices, all by default): the share of (prompt, layer, KV head) triples whose softmax set still holds one whole copy of
 the key at the question, and what became of the key's tokens (`linearize.eval.routing`). On the
 teacher (the default) this isolates the routing: a trained row's q and k differ from it by stage 2's
 LoRA and, past layer 0, by the student's own hidden states; pass its directory to see its own.
@@ -46,10 +47,14 @@ VARIANTS = {
 }
 
 
+def needle_name(result: dict) -> str:
+    return result["task"] + (f" (variant {result['variant']})" if result.get("variant") else "")
+
+
 def markdown(result: dict, model: str) -> str:
     lengths = result["lengths"]
     header = "| variant | " + " | ".join(length_label(n) for n in lengths) + " |"
-    lines = [f"# Passkey under STILL's routing: {model}", "",
+    lines = [f"# The {needle_name(result)} needle under STILL's routing: {model}", "",
              f"Depths {result['depths']}, one prompt each, seed {result['seed']}; per chunk: "
              + ", ".join(f"{name} {cfg['per_chunk']}" for name, cfg in result["configs"].items()), "",
              "## Reachable: share of (prompt, layer, KV head) with one whole copy of the key softmax-visible", "",
@@ -91,7 +96,7 @@ MASS_SERIES = {name: MASS_SHARES[name] for name in ("needle", "needle_linear", "
 
 def mass_markdown(result: dict, model: str) -> str:
     lengths = result["lengths"]
-    lines = [f"# The question's attention on the passkey: {model}", "",
+    lines = [f"# The question's attention on the {needle_name(result)} needle: {model}", "",
              (f"Depths {result['depths']}, one prompt each, seed {result['seed']}. From the last prompt token: "
               "for the key, the best (layer, query head) of each prompt; for the linear terms, the mean over "
               "layers and heads; each averaged over the prompts."), "",
@@ -126,12 +131,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--lengths", default="1k,2k,4k,8k")
     parser.add_argument("--depths", default="0,25,50,75,100")
+    parser.add_argument("--task", default="passkey", choices=["passkey", "niah_single"])
+    parser.add_argument("--variant", type=int, choices=[1, 2, 3], help="niah_single's: 3 hides a UUID")
+    parser.add_argument("--configs", help="indices into the routing variants (comma-separated; all by default)")
     parser.add_argument("--parts", default="routing,mass", help="routing, mass or both (comma-separated)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/still-routing"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if parts - {"routing", "mass"}:
         parser.error(f"--parts takes routing and/or mass, not {args.parts!r}")
+    names = list(VARIANTS)
+    configs = {names[int(i)]: VARIANTS[names[int(i)]] for i in args.configs.split(",")} if args.configs else VARIANTS
+    needle = {"task": args.task, "variant": args.variant}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
@@ -143,11 +154,11 @@ def main() -> None:
         print(f"wrote {args.out}/{name}.md, {name}.json, {name}.png")
 
     if "routing" in parts:
-        write("routing", needle_routing(model, tokenizer, VARIANTS, lengths=lengths, depths=depths,
+        write("routing", needle_routing(model, tokenizer, configs, **needle, lengths=lengths, depths=depths,
                                         progress=lambda n, d: print(f"routed {n} tokens at depth {d:g}%", flush=True)),
               markdown, plot)
     if "mass" in parts:
-        write("mass", needle_mass(model, tokenizer, lengths=lengths, depths=depths,
+        write("mass", needle_mass(model, tokenizer, **needle, lengths=lengths, depths=depths,
                                   progress=lambda n, d: print(f"weighed {n} tokens at depth {d:g}%", flush=True)),
               mass_markdown, mass_plot)
 

@@ -25,9 +25,10 @@ from ..config import StillConfig
 from ..ops import still
 from ..ops.common import cumsum_over_tokens, exp_weights, repeat_kv
 from .longcontext import build_sample, sample_seed
+from .texts import essay_sentences
 
 VISIBLE, LEFT_WINDOW, EVICTED = "visible", "left_window", "evicted"
-SINGLE_ANSWER_TASKS = ("passkey", "niah_single")  # one needle string, in a haystack without essays (variant 1)
+SINGLE_ANSWER_TASKS = ("passkey", "niah_single")  # one needle string (niah_single: any of its three variants)
 
 
 def rotated_qk(model: nn.Module, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,6 +94,8 @@ def needle_routing(
     configs: Mapping[str, StillConfig],
     *,
     task: str = "passkey",
+    variant: int | None = None,
+    essay: Sequence[str] = (),
     lengths: Sequence[int] = (1024, 2048, 4096, 8192),
     depths: Sequence[float] = (0, 25, 50, 75, 100),
     seed: int = 0,
@@ -104,7 +107,8 @@ def needle_routing(
 
     One forward per prompt (depth), its q and k routed under every config."""
     tally = {name: {n: {"reach": [], "fates": []} for n in lengths} for name in configs}
-    for length, depth, copies, layers in _needle_prompts(model, tokenizer, task, lengths, depths, seed):
+    prompts = _needle_prompts(model, tokenizer, task, variant, essay, lengths, depths, seed)
+    for length, depth, copies, layers in prompts:
         for name, cfg in configs.items():
             reach, fates = [], []
             for q, k in layers:
@@ -117,24 +121,36 @@ def needle_routing(
         if progress is not None:
             progress(length, depth)
     return {
-        "task": task, "lengths": list(lengths), "depths": list(depths), "seed": seed,
+        "task": task, "variant": _variant(task, variant), "lengths": list(lengths), "depths": list(depths), "seed": seed,
         "configs": {name: vars(cfg) | {"per_chunk": cfg.per_chunk} for name, cfg in configs.items()},
         "results": {name: {str(n): _summary(cell) for n, cell in by_length.items()} for name, by_length in tally.items()},
     }
 
 
-def _needle_prompts(model, tokenizer, task, lengths, depths, seed, capture=rotated_qk):
+def _variant(task: str, variant: int | None) -> int | None:
+    """niah_single's variant (1 unless given: word keys and numbers in a noise haystack); None for passkey."""
+    if task == "niah_single":
+        return 1 if variant is None else variant
+    if variant is not None:
+        raise ValueError(f"only niah_single has variants, not {task!r}")
+    return None
+
+
+def _needle_prompts(model, tokenizer, task, variant, essay, lengths, depths, seed, capture=rotated_qk):
     """(length, depth, the needle's copies as token indices, `capture(model, ids)`: by default every
     layer's rotated (q, k)) for the first sample of each of the evaluation's cells (`run_longcontext`'s
-    seed), one forward each."""
+    seed), one forward each. niah_single's variants 2 and 3 (numbers, UUIDs) hide the needle in essay
+    sentences: `essay`, or the evaluation's default texts."""
     if task not in SINGLE_ANSWER_TASKS:
         raise ValueError(f"needle diagnostics take {' or '.join(SINGLE_ANSWER_TASKS)}, not {task!r}")
+    variant = _variant(task, variant)
+    if variant is not None and variant > 1 and not essay:
+        essay = essay_sentences()
     device = next(model.parameters()).device
-    variant = 1 if task == "niah_single" else None
     for length in lengths:
         for depth in depths:
             sample = build_sample(task, tokenizer, length, depth, sample_seed(seed, task, length, depth, 0, variant),
-                                  variant=variant)
+                                  variant=variant, essay=essay)
             ids = tokenizer(sample.prompt, return_tensors="pt").input_ids.to(device)
             yield length, depth, needle_positions(tokenizer, sample.prompt, sample.answers[0]), capture(model, ids)
 
@@ -221,6 +237,8 @@ def needle_mass(
     tokenizer,
     *,
     task: str = "passkey",
+    variant: int | None = None,
+    essay: Sequence[str] = (),
     lengths: Sequence[int] = (1024, 2048, 4096, 8192),
     depths: Sequence[float] = (0, 25, 50, 75, 100),
     seed: int = 0,
@@ -236,8 +254,8 @@ def needle_mass(
     model (`best`) the best layer's, or the mean layer's for `linear`. A teacher has no linear terms,
     so its `needle` is its own attention on the needle."""
     tally = {n: {name: [] for name in MASS_SHARES} for n in lengths}
-    for length, depth, copies, layers in _needle_prompts(model, tokenizer, task, lengths, depths, seed,
-                                                         capture=attention_inputs):
+    prompts = _needle_prompts(model, tokenizer, task, variant, essay, lengths, depths, seed, capture=attention_inputs)
+    for length, depth, copies, layers in prompts:
         needle = torch.cat(copies)
         shares = {name: [] for name in MASS_SHARES}
         for inputs, layer in zip(layers, model.model.layers):
@@ -260,7 +278,8 @@ def needle_mass(
             per_layer = torch.tensor(values)  # [prompts, layers]
             best = per_layer.mean(dim=1) if name == "linear" else per_layer.max(dim=1).values
             summary[str(n)][name] = {"by_layer": per_layer.mean(dim=0).tolist(), "best": best.mean().item()}
-    return {"task": task, "lengths": list(lengths), "depths": list(depths), "seed": seed, "results": summary}
+    return {"task": task, "variant": _variant(task, variant), "lengths": list(lengths), "depths": list(depths),
+            "seed": seed, "results": summary}
 
 
 def _summary(cell: dict) -> dict:

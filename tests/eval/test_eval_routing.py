@@ -85,11 +85,17 @@ def test_needle_positions_find_every_copy(tokenizer):
     assert needle_positions(tokenizer, prompt, "99999") == []
 
 
-@pytest.mark.parametrize("task", ["passkey", "niah_single"])
-def test_needle_routing_reports_reach_and_fates(model, tokenizer, task):
+ESSAY = ("The captain walked the deck at night.", "A storm came in from the far sea.",
+         "The crew hauled the old rope in the morning wind.")
+
+
+@pytest.mark.parametrize(("task", "variant"), [("passkey", None), ("niah_single", None), ("niah_single", 3)])
+def test_needle_routing_reports_reach_and_fates(model, tokenizer, task, variant):
     configs = {"keep all": StillConfig(**SMALL, budget=16 + 1024, max_chunks=128),
                "window only": StillConfig(**SMALL, budget=16)}
-    result = needle_routing(model, tokenizer, configs, task=task, lengths=[600], depths=[0, 50])
+    result = needle_routing(model, tokenizer, configs, task=task, variant=variant, essay=ESSAY, lengths=[600],
+                            depths=[0, 50])
+    assert result["variant"] == (None if task == "passkey" else variant or 1)
     keep, window = result["results"]["keep all"]["600"], result["results"]["window only"]["600"]
     layers = len(model.model.layers)
     assert keep["reachable"] == 1.0 and keep["reachable_by_layer"] == [1.0] * layers
@@ -104,6 +110,8 @@ def test_needle_routing_refuses_tasks_without_one_needle(model, tokenizer):
         needle_routing(model, tokenizer, {"default": StillConfig()}, task="niah_multikey")
     with pytest.raises(ValueError, match="passkey or niah_single, not 'niah_multikey'"):
         needle_mass(model, tokenizer, task="niah_multikey")
+    with pytest.raises(ValueError, match="only niah_single has variants, not 'passkey'"):
+        needle_routing(model, tokenizer, {"default": StillConfig()}, task="passkey", variant=3)
 
 
 def test_last_query_mass_is_the_normaliser_of_the_still_output(new_model):
