@@ -1,13 +1,13 @@
-"""Where STILL's routing variants leave a needle (passkey or niah_single), replayed on a model's own q and k (CPU is enough).
+"""Where STILL's routing variants leave a needle (passkey, niah_single), replayed on a model's q and k (CPU will do).
 
     python scripts/still_routing.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100]
                                     [--task passkey | --task niah_single [--variant 1|2|3]]
                                     [--configs 0,2] [--parts routing,mass] [--out DIR]
 
 For each prompt of the task (passkey by default; the evaluation's first sample at each depth) and
-each routing variant below (`--configs`: their indices, all by default): the share of (prompt, layer, KV head) triples whose softmax set still holds one whole copy of
-the key at the question, and what became of the key's tokens (`linearize.eval.routing`). On the
-teacher (the default) this isolates the routing: a trained row's q and k differ from it by stage 2's
+each routing variant below (`--configs`: their indices, all by default): the share of (prompt,
+layer, KV head) triples whose softmax set still holds one whole copy of the key at the question,
+and what became of the key's tokens (`linearize.eval.routing`). On the teacher (the default) this isolates the routing: a trained row's q and k differ from it by stage 2's
 LoRA and, past layer 0, by the student's own hidden states; pass its directory to see its own.
 Writes routing.json, routing.md and routing.png to --out.
 

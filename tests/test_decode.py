@@ -128,7 +128,7 @@ def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncomp
 
 
 @pytest.mark.parametrize("method", ["lizard", "still"])
-def test_eager_compiled_steps_compile_at_most_twice(method):
+def test_eager_compiled_steps_compile_twice_then_reuse_the_graph(method):
     """Dynamo specialises the first step on the cache's token count, then makes that count dynamic:
     later steps reuse the second graph (specialised on every count, each token compiled anew)."""
     from torch._dynamo.utils import counters
