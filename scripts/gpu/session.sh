@@ -4,7 +4,7 @@
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
 # | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
-# | routing ROW (scripts/still_routing.py on a trained STILL row in /tmp/runs) | mass ROW (its mass part
+# | routing ROW [KEY=VALUE...] (scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
@@ -98,8 +98,13 @@ case $part in
     exit ;;
   routing)
     # Where the row's own q and k route the passkey, under each routing variant of the script, and
-    # how much of the question's attention the key gets beside the linear state.
-    step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" --out "$res/routing" ;;
+    # how much of the question's attention the key gets beside the linear state. KEY=VALUE words
+    # become the script's options, + for commas: `routing ROW task=niah_single variant=3 lengths=1k+4k configs=2`.
+    flags=()
+    for option in "${@:2}"; do flags+=("--${option%%=*}" "${option#*=}"); done
+    flags=("${flags[@]//+/,}")
+    step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" "${flags[@]}" \
+      --out "$res/routing" ;;
   mass)
     step mass 300 python scripts/still_routing.py --parts mass --model "/tmp/runs/${1:?row}/model" --out "$res/mass" ;;
   eval)
