@@ -16,23 +16,21 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import linearize.kernels
 from linearize.bench.common import OpCount
-from linearize.bench.model import MAX_POSITIONS, SHAPES
+from linearize.bench.model import random_model
 from linearize.convert import convert
 from linearize.fused_projections import fuse_projections
 
 
 def counts(method: str, layers: int, tokens: int) -> tuple[OpCount, OpCount]:
-    config = LlamaConfig(**dict(SHAPES["smollm2"], num_hidden_layers=layers), max_position_embeddings=MAX_POSITIONS)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    model = random_model("smollm2", num_hidden_layers=layers).eval()
     if method != "softmax":
         convert(model, method)
         fuse_projections(model)
-    ids = torch.randint(config.vocab_size, (1, tokens + 1))
+    ids = torch.randint(model.config.vocab_size, (1, tokens + 1))
     prefill, step = OpCount(), OpCount()
     with torch.no_grad():
         cache = DynamicCache(config=model.config)

@@ -19,22 +19,20 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch  # after the cache switch, which inductor reads at import
 from torch._dynamo.utils import counters
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
-from linearize.bench.model import MAX_POSITIONS, SHAPES
+from linearize.bench.model import random_model
 from linearize.convert import convert
 from linearize.decode import StaticDecoder
 
 
 def time_compile(method: str, layers: int, backend: str, steps: int) -> dict:
-    config = LlamaConfig(**dict(SHAPES["smollm2"], num_hidden_layers=layers), max_position_embeddings=MAX_POSITIONS)
-    torch.manual_seed(0)
-    model = convert(LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval(), method)
+    model = convert(random_model("smollm2", num_hidden_layers=layers).eval(), method)
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        ids = torch.randint(config.vocab_size, (1, 64))
+        ids = torch.randint(model.config.vocab_size, (1, 64))
         token = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
         decoder = StaticDecoder(model, cache, batch=1, cuda_graph=False, compile_backend=backend)
         seconds = []

@@ -72,6 +72,15 @@ QUICK = {"contexts": [64, 256], "batches": [1, 2], "batch_context": 64, "decode_
          "prefill_chunk": 128, "teacher_max": 256, "time_limit": 120.0, "compile_decode": None}
 
 
+def random_model(shape: str, *, device="cpu", dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
+    """A Llama of a known shape (`SHAPES[shape]`, entries replaced by `overrides`, e.g. a layer count) with
+    random weights (seed 0) and SDPA attention."""
+    config = LlamaConfig(**dict(SHAPES[shape], **overrides), max_position_embeddings=MAX_POSITIONS)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised in place: an 8B model never passes through host memory
+        return LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
 def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype):
     """The teacher (loaded, or random weights of a known shape), converted unless `variant` is softmax."""
     if settings["model"]:
@@ -80,10 +89,7 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
         model = load_model(settings["model"], dtype=dtype, device=device)
         model.set_attn_implementation("sdpa")
     else:
-        config = LlamaConfig(**SHAPES[settings["shape"]], max_position_embeddings=MAX_POSITIONS)
-        torch.manual_seed(0)
-        with torch.device(device):  # initialised in place: an 8B model never passes through host memory
-            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = random_model(settings["shape"], device=device, dtype=dtype)
     if variant != SOFTMAX:
         convert(model, variant, **settings.get("options", {}))
         # Once for the whole sweep, prefill and decode alike: fused anew per decoder, every point's new fused
