@@ -14,7 +14,10 @@ While it is open, the model's q/k/v and gate/up projections run fused (`lineariz
 
 `compile_backend="inductor"` also runs the step through `torch.compile` before capturing it, so that
 the graph replays fused kernels for the glue between the projections (RMSNorm, SiLU, casts, the gate)
-instead of ~1,500 small ones at the Llama-3-8B shape. A step that fails to compile runs uncompiled.
+instead of ~1,500 small ones at the Llama-3-8B shape. STILL's step is too large for that: dynamo
+unrolls the layers, and inductor took over 6 minutes on its 30 on the H200. There only the attention
+step is compiled, once, and every layer calls the same compiled function (`compile_attention_steps`).
+A step that fails to compile runs uncompiled.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ from __future__ import annotations
 import torch
 
 from .attention.base import LinearizedAttention
+from .attention.still import StillAttention
 from .cache import LinearizeCacheLayer
 from .fused_projections import fuse_projections, projections_fused
+from .ops.still import still_step
 
 # The methods whose decode step reads nothing back from the device and no position as a Python
 # number (STILL keeps its position in its state), so that a captured graph replays it.
 GRAPH_METHODS = ("lizard", "liger", "lolcats", "still")
+
+# The methods whose attention step is compiled on its own (shared by the layers) rather than the whole step.
+STEP_COMPILED_METHODS = ("still",)
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -77,7 +85,11 @@ class StaticDecoder:
         self.compile_backend = compile_backend
         self.compile_error: str | None = None
         self._compiled = None
-        if compile_backend is not None and method in GRAPH_METHODS:
+        self._uncompile = None  # puts back the attention steps `compile_attention_steps` replaced
+        if compile_backend is not None and method in STEP_COMPILED_METHODS:
+            self._uncompile = compile_attention_steps(model, compile_backend)
+            self._compiled = self._forward
+        elif compile_backend is not None and method in GRAPH_METHODS:
             self._compiled = torch.compile(self._forward, backend=compile_backend)
 
     @property
@@ -91,7 +103,10 @@ class StaticDecoder:
             path += ", fused projections"
         if self.compile_error:
             return f"{path}, not compiled ({self.compile_error})"
-        return f"{path}, compiled ({self.compile_backend})" if self._compiled else path
+        if self._compiled is None:
+            return path
+        scope = ", the attention step once for every layer" if self._uncompile is not None else ""
+        return f"{path}, compiled ({self.compile_backend}{scope})"
 
     @property
     def seen(self) -> int:
@@ -104,8 +119,16 @@ class StaticDecoder:
         try:
             return self._compiled()
         except Exception as e:  # noqa: BLE001 (dynamo and inductor raise many kinds: step uncompiled instead)
-            self._compiled, self.compile_error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            # A compile fails at the first layer's call, before any layer has stored its new state.
+            self._drop_compiled()
+            self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             return self._forward()
+
+    def _drop_compiled(self) -> None:
+        self._compiled = None
+        if self._uncompile is not None:
+            self._uncompile()
+            self._uncompile = None
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.tokens, past_key_values=self.cache, use_cache=True,
@@ -116,7 +139,8 @@ class StaticDecoder:
     def close(self) -> None:
         """Give the model its own projections back (where this decoder fused them) and drop the graph,
         which read the fused ones. The cache stays as the last step left it."""
-        self.graph, self.graphed, self._compiled = None, False, None
+        self.graph, self.graphed = None, False
+        self._drop_compiled()
         if self._unfuse is not None:
             self._unfuse()
             self._unfuse = None
@@ -164,6 +188,24 @@ class StaticDecoder:
             self.graph = graph
         finally:
             restore()
+
+
+def compile_attention_steps(model, backend: str):
+    """Give every STILL layer one `torch.compile`d step function. Dynamo guards it on the inputs'
+    shapes and dtypes, not on which layer's tensors they are, so it compiles once for all layers
+    (what a whole-step compile, unrolled over the layers, cannot). Returns the undo."""
+    layers = [m for m in model.modules() if isinstance(m, StillAttention)]
+    if not layers:
+        return None
+    compiled = torch.compile(still_step, backend=backend)
+    for layer in layers:
+        layer.decode_step = compiled
+
+    def undo():
+        for layer in layers:
+            layer.decode_step = still_step
+
+    return undo
 
 
 def fully_linearized(model) -> bool:

@@ -127,16 +127,54 @@ def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncomp
     assert decode(compile_fails=True) == "eager, fused projections, not compiled (ZeroDivisionError: division by zero)"
 
 
-@pytest.mark.parametrize("method", ["lizard", "still"])
-def test_eager_compiled_steps_compile_twice_then_reuse_the_graph(method):
+def test_eager_compiled_steps_compile_twice_then_reuse_the_graph():
     """Dynamo specialises the first step on the cache's token count, then makes that count dynamic:
     later steps reuse the second graph (specialised on every count, each token compiled anew)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = student(method)
+    model = student("lizard")
     ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(3))
     tokens = greedy_decode(model, ids, 7, cuda_graph=False, compile_backend="aot_eager")
     assert torch.equal(tokens, uncached_greedy(model, ids, 7))
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_still_compiles_its_attention_step_once_for_every_layer_and_step(monkeypatch):
+    """STILL's step is compiled alone (its position lives in the state: nothing to specialise on) and
+    every layer calls the same compiled function: one graph for both layers and all steps. `close`
+    gives the layers the plain step back; a step that fails to compile runs uncompiled."""
+    from torch._dynamo.utils import counters
+    from transformers import DynamicCache
+
+    from linearize.attention.still import StillAttention
+    from linearize.ops.still import still_step
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = student("still")
+    layers = [m for m in model.modules() if isinstance(m, StillAttention)]
+    assert len(layers) == 2
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(4))
+    expected = uncached_greedy(model, ids, 6)
+
+    def decode():
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        decoder = StaticDecoder(model, cache, batch=2, cuda_graph=False, compile_backend="aot_eager")
+        tokens = [token]
+        for _ in range(5):
+            tokens.append(decoder.step(tokens[-1])[:, -1:].argmax(-1))
+        path = decoder.path
+        assert all(layer.decode_step is not still_step for layer in layers) == path.endswith("every layer)")
+        decoder.close()
+        assert all(layer.decode_step is still_step for layer in layers)
+        assert torch.equal(torch.cat(tokens, 1), expected)
+        return path
+
+    assert decode() == "eager, fused projections, compiled (aot_eager, the attention step once for every layer)"
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: lambda *args, **kw: 1 / 0)
+    assert decode() == "eager, fused projections, not compiled (ZeroDivisionError: division by zero)"

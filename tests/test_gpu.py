@@ -93,6 +93,23 @@ def test_cuda_graph_decode_equals_eager(method):
     decoder.close()
 
 
+def test_still_inductor_compiled_graph_decode_equals_eager():
+    """STILL's attention step through inductor, compiled once for every layer, then captured."""
+    from linearize.decode import StaticDecoder, greedy_decode
+
+    model = cuda_student("still")
+    ids = torch.randint(3, 128, (3, 21), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    compiled = greedy_decode(model, ids, 24, cuda_graph=True, compile_backend="inductor")
+    assert torch.equal(compiled, greedy_decode(model, ids, 24, cuda_graph=False))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    decoder = StaticDecoder(model, cache, batch=ids.shape[0], cuda_graph=True, compile_backend="inductor")
+    decoder.step(ids[:, -1:])
+    assert decoder.path == "cuda graph, fused projections, compiled (inductor, the attention step once for every layer)"
+    decoder.close()
+
+
 @pytest.mark.parametrize("method", ["lizard", "still"])
 def test_left_padded_graph_decode_equals_hf_generate(method):
     """The evaluation's path on a GPU: left padding, per-row positions, a captured step."""

@@ -35,6 +35,9 @@ class StillAttention(LinearizedAttention):
             nn.init.zeros_(self.gate.weight)
             nn.init.zeros_(self.gate.bias)
         self._param_like(self)
+        # The one-token step; `linearize.decode.compile_attention_steps` swaps in one compiled function
+        # shared by every layer.
+        self.decode_step = still.still_step
 
     def input_projections(self) -> list[nn.Linear]:
         return [self.gate] if self.cfg.gate else []
@@ -51,7 +54,7 @@ class StillAttention(LinearizedAttention):
         if fresh:
             state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.slots, device=q.device)
         elif L == 1:
-            return still.still_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
+            return self.decode_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
         if fresh and still_kernel_enabled() and not kernels.still_unsupported(q, k, self.features):
             return self._fresh_pass_through_kernels(q, k, v, valid, gate, state, start, options)
         # The parallel form holds [L, K + W + L] scores per head: long inputs go through it in blocks,
