@@ -3,9 +3,10 @@ at SmolLM2's shape with random weights, on this machine's CPU (eager steps, no C
 
     python scripts/time_decode_compile.py [--methods lizard,still] [--layers 1,2,4] [--backend inductor]
 
-Dynamo traces the step's layers unrolled, so the first step's compile grows with the layer count; the
-rate per layer says what a 30-layer model's compile would cost. Also prints the graphs dynamo built
-over a few steps (a step that compiles anew at every token would show one graph per step).
+Dynamo traces a whole step's layers unrolled (Lizard), so its first step's compile grows with the
+layer count; STILL compiles its attention step alone, once for every layer, so its compile should not.
+Also prints the graphs dynamo built over a few steps (a step that compiles anew at every token would
+show one graph per step).
 """
 
 from __future__ import annotations
