@@ -249,3 +249,28 @@ def test_folds_within_says_when_the_linear_state_gets_tokens():
         folded = bool(state["S"].ne(0).any())
         assert folded or not (L > budget or (cfg.per_chunk < chunk and L >= window + chunk)), (cfg, L)
         assert cfg.folds_within(L) or not folded, (cfg, L)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", ["saliency", "recency"])
+def test_inductor_compiled_step_equals_the_eager_one_as_slots_overflow(routing):
+    """`StaticDecoder` runs `still_step` through inductor: its generated code must route as the eager
+    step does, step after step, once the slots are full and evict (inductor gets the prefill's
+    eviction search wrong on this CPU: scripts/check_compiled_routing.py)."""
+    L, window, chunk, budget, max_chunks = 29, 4, 4, 10, 2
+    (q, k, v, gate), valid, phi_q, phi_k = setup(L, seed=5)
+    opts = {"window": window, "chunk": chunk, "per_chunk": (budget - window) // max_chunks, "routing": routing,
+            "scale": D**-0.5}
+    compiled = torch.compile(still.still_step, backend="inductor")
+    eager_state = compiled_state = state0(window, budget)
+    evicted = False
+    with torch.no_grad():
+        for t in range(L):
+            step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], valid[:, t : t + 1], gate[:, :, t : t + 1])
+            y, eager_state = still.still_step(*step[:4], step[4], eager_state, phi_q, phi_k, **opts)
+            y_c, compiled_state = compiled(*step[:4], step[4], compiled_state, phi_q, phi_k, **opts)
+            torch.testing.assert_close(y_c, y, atol=1e-10, rtol=1e-9)
+            for name in eager_state:
+                torch.testing.assert_close(compiled_state[name], eager_state[name], atol=1e-10, rtol=1e-9)
+            evicted |= bool(eager_state["sal_used"].all()) and t > budget
+    assert evicted
