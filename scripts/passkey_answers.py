@@ -1,0 +1,50 @@
+"""What the passkey answers are, for results rows, from their committed eval.json files: per length,
+how many predictions hold a number at all (3 or more digits) and how many are the key.
+
+    python scripts/passkey_answers.py docs/results/h200/runs/teacher docs/results/h200/runs/lizard ...
+
+A row that answers with numbers that are not the key retrieves something and copies it badly; a row
+that answers without one ("a key that is used to open a door") never found the key. Also prints
+one answer without a number per row, the first by length and depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+NUMBER = re.compile(r"\d{3,}")
+
+
+def row_cells(samples: list[dict]) -> list[str]:
+    cells = []
+    for length in sorted({s["length"] for s in samples}):
+        at = [s for s in samples if s["length"] == length]
+        numbers = sum(bool(NUMBER.search(s["prediction"])) for s in at)
+        keys = sum(s["score"] == 1 for s in at)
+        cells.append(f"{numbers} / {keys} of {len(at)}")
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rows", nargs="+", type=Path)
+    args = parser.parse_args()
+    rows = {row.name: json.loads((row / "eval.json").read_text())["tasks"]["passkey"]["samples"] for row in args.rows}
+    lengths = sorted({s["length"] for samples in rows.values() for s in samples})
+    print("Per length: predictions holding a number / predictions that are the key, of the prompts.\n")
+    print("| row | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for name, samples in rows.items():
+        print(f"| {name} | " + " | ".join(row_cells(samples)) + " |")
+    print("\nThe first answer without a number, per row:\n")
+    for name, samples in rows.items():
+        first = next((s for s in samples if not NUMBER.search(s["prediction"])), None)
+        if first is not None:
+            print(f"- {name} ({first['length']} tokens, depth {first['depth']:g}%): {first['prediction'].strip()!r}")
+
+
+if __name__ == "__main__":
+    main()
