@@ -267,8 +267,8 @@ def test_inductor_compiled_step_equals_the_eager_one_as_slots_overflow(routing):
     with torch.no_grad():
         for t in range(L):
             step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], valid[:, t : t + 1], gate[:, :, t : t + 1])
-            y, eager_state = still.still_step(*step[:4], step[4], eager_state, phi_q, phi_k, **opts)
-            y_c, compiled_state = compiled(*step[:4], step[4], compiled_state, phi_q, phi_k, **opts)
+            y, eager_state = still.still_step(*step, eager_state, phi_q, phi_k, **opts)
+            y_c, compiled_state = compiled(*step, compiled_state, phi_q, phi_k, **opts)
             torch.testing.assert_close(y_c, y, atol=1e-10, rtol=1e-9)
             for name in eager_state:
                 torch.testing.assert_close(compiled_state[name], eager_state[name], atol=1e-10, rtol=1e-9)
