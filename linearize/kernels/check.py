@@ -143,6 +143,7 @@ CHECK_CASES = [
     Case(L=1000, dtype=torch.bfloat16, window=128, F=128, D=128, split=False),
     Case(L=600, window=256, sinks=8, F=128, D=128, gate="vector", split=True),
     Case(L=1000, dtype=torch.bfloat16, window=64, sinks=0, F=64, D=64, normalize=False),
+    Case(L=1000, dtype=torch.bfloat16, window=256, F=128, D=64, shared=True),  # twice SmolLM2's features
 ]
 
 

@@ -41,6 +41,7 @@ INTERPRETER_CASES = {
     "unnormalised-L100-nosinks": Case(L=100, sinks=0, normalize=False),
     "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True),
     "shared-split-L63-nosinks-bf16": Case(L=63, sinks=0, dtype=bf16, shared=True, split=True),
+    "shared-split-L100-F128-D64": Case(L=100, F=128, D=64, shared=True, split=True),  # more features than head dims
     "shared-one-pass-L37-vector": Case(L=37, gate="vector", shared=True, split=False),
     "frozen-shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, frozen=True),
     "frozen-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, frozen=True),
