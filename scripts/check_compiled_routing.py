@@ -2,7 +2,10 @@
 `torch.compile` (inductor) for the wavelet search `_kth_ranked_above` alone and for the whole
 `fresh_routing`, on random inputs at STILL's default shape (3 KV heads of 64, 896-token budget):
 
-    python scripts/check_compiled_routing.py [--lengths 1024,4096] [--device cpu|cuda]
+    python scripts/check_compiled_routing.py [--lengths 1024,4096] [--device cpu|cuda] [--kth-eager]
+
+With --kth-eager the search runs uncompiled (a graph break) and one `fresh_routing` compiled with
+dynamic shapes serves every length, as it would serve a prefill's prompts.
 
 Compiling the routing would cut a prefill's ~100 small ops a layer (the eager pass is bound by their
 dispatch); it is only worth trying where this prints no mismatch. On the project's CPU (torch 2.13,
@@ -48,23 +51,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kth-eager", action="store_true")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {args.device}")
+    print(f"torch {torch.__version__}, {args.device}" + (", the search uncompiled" if args.kth_eager else ""))
+    if args.kth_eager:
+        still._kth_ranked_above = torch.compiler.disable(still._kth_ranked_above)
+        routing_compiled = torch.compile(still.fresh_routing, backend="inductor", dynamic=True)
     for length in map(int, args.lengths.split(",")):
         inputs, fk, options, slots = random_inputs(length, args.device)
         g = torch.Generator(args.device).manual_seed(1)
         N = slots + length
         rank = torch.randperm(N, generator=g, device=args.device).expand(1, 3, N)
         rank = torch.where(torch.rand(1, 3, N, generator=g, device=args.device) < 0.7, rank, -1).to(torch.int32)
-        torch._dynamo.reset()
-        kth = mismatches(still._kth_ranked_above(rank, slots),
-                         torch.compile(still._kth_ranked_above, backend="inductor")(rank, slots))
-        print(f"L={length}: _kth_ranked_above {kth} of {rank.numel()} wrong", flush=True)
-        torch._dynamo.reset()
+        if not args.kth_eager:
+            torch._dynamo.reset()
+            kth = mismatches(still._kth_ranked_above(rank, slots),
+                             torch.compile(still._kth_ranked_above, backend="inductor")(rank, slots))
+            print(f"L={length}: _kth_ranked_above {kth} of {rank.numel()} wrong", flush=True)
+            torch._dynamo.reset()
+            routing_compiled = torch.compile(still.fresh_routing, backend="inductor")
         with torch.no_grad():
             eager = still.fresh_routing(*inputs, start=0, **options, fk=fk)
             try:
-                compiled = torch.compile(still.fresh_routing, backend="inductor")(*inputs, start=0, **options, fk=fk)
+                compiled = routing_compiled(*inputs, start=0, **options, fk=fk)
                 routing = f"{mismatches(eager, compiled)} mismatched elements"
             except Exception as e:  # noqa: BLE001 (report whatever inductor raises, then go on)
                 routing = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
