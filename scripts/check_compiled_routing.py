@@ -59,11 +59,12 @@ def main() -> None:
         routing_compiled = torch.compile(still.fresh_routing, backend="inductor", dynamic=True)
     for length in map(int, args.lengths.split(",")):
         inputs, fk, options, slots = random_inputs(length, args.device)
-        g = torch.Generator(args.device).manual_seed(1)
-        N = slots + length
-        rank = torch.randperm(N, generator=g, device=args.device).expand(1, 3, N)
-        rank = torch.where(torch.rand(1, 3, N, generator=g, device=args.device) < 0.7, rank, -1).to(torch.int32)
         if not args.kth_eager:
+            # Distinct ranks for 70% of the slots and tokens, -1 (outside the set) for the others.
+            g = torch.Generator(args.device).manual_seed(1)
+            N = slots + length
+            rank = torch.randperm(N, generator=g, device=args.device).expand(1, 3, N)
+            rank = torch.where(torch.rand(1, 3, N, generator=g, device=args.device) < 0.7, rank, -1).to(torch.int32)
             torch._dynamo.reset()
             kth = mismatches(still._kth_ranked_above(rank, slots),
                              torch.compile(still._kth_ranked_above, backend="inductor")(rank, slots))
