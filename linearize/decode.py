@@ -34,9 +34,6 @@ from .ops.still import still_step
 # number (STILL keeps its position in its state), so that a captured graph replays it.
 GRAPH_METHODS = ("lizard", "liger", "lolcats", "still")
 
-# The methods whose attention step is compiled on its own (shared by the layers) rather than the whole step.
-STEP_COMPILED_METHODS = ("still",)
-
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -86,11 +83,10 @@ class StaticDecoder:
         self.compile_error: str | None = None
         self._compiled = None
         self._uncompile = None  # puts back the attention steps `compile_attention_steps` replaced
-        if compile_backend is not None and method in STEP_COMPILED_METHODS:
+        if compile_backend is not None and method in GRAPH_METHODS:
+            # STILL's layers take one compiled attention step; the other methods compile the whole step.
             self._uncompile = compile_attention_steps(model, compile_backend)
-            self._compiled = self._forward
-        elif compile_backend is not None and method in GRAPH_METHODS:
-            self._compiled = torch.compile(self._forward, backend=compile_backend)
+            self._compiled = self._forward if self._uncompile else torch.compile(self._forward, backend=compile_backend)
 
     @property
     def path(self) -> str:
@@ -193,7 +189,8 @@ class StaticDecoder:
 def compile_attention_steps(model, backend: str):
     """Give every STILL layer one `torch.compile`d step function. Dynamo guards it on the inputs'
     shapes and dtypes, not on which layer's tensors they are, so it compiles once for all layers
-    (what a whole-step compile, unrolled over the layers, cannot). Returns the undo."""
+    (what a whole-step compile, unrolled over the layers, cannot). Returns the undo, or None for a
+    model without STILL layers."""
     layers = [m for m in model.modules() if isinstance(m, StillAttention)]
     if not layers:
         return None

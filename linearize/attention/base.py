@@ -20,6 +20,8 @@ def token_validity(attention_mask, batch: int, length: int, device) -> torch.Ten
 
     A 4D mask's last row belongs to the last query, which may attend to every non-padding key up to
     itself, so its last L columns are the validity of the current tokens (left or right padding).
+    Always contiguous: HF hands some calls a mask expanded over the batch, others not, and a compiled
+    consumer (STILL's decode step) would recompile on the stride, inside a CUDA graph's capture too.
     """
     if attention_mask is None:
         return torch.ones(batch, length, dtype=torch.bool, device=device)
@@ -28,7 +30,7 @@ def token_validity(attention_mask, batch: int, length: int, device) -> torch.Ten
     if attention_mask.dim() == 4:
         last = attention_mask[:, 0, -1, -length:]
         keep = last if last.dtype == torch.bool else last == 0
-        return keep.to(device).expand(batch, length)
+        return keep.to(device).expand(batch, length).contiguous()
     raise TypeError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
 
 

@@ -54,10 +54,7 @@ class StillAttention(LinearizedAttention):
         if fresh:
             state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.slots, device=q.device)
         elif L == 1:
-            # Contiguous: HF's expanded masks give `valid` a zero stride in some calls and not in others,
-            # and a compiled step would recompile on the change (inside a CUDA graph capture, where it fails).
-            return self.decode_step(q, k, v, valid.contiguous(), gate, state, self.feature_map_q, self.feature_map_k,
-                                    **options)
+            return self.decode_step(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, **options)
         if fresh and still_kernel_enabled() and not kernels.still_unsupported(q, k, self.features):
             return self._fresh_pass_through_kernels(q, k, v, valid, gate, state, start, options)
         # The parallel form holds [L, K + W + L] scores per head: long inputs go through it in blocks,
