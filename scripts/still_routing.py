@@ -44,6 +44,9 @@ VARIANTS = {
     "saliency, budget 896, T_max 128": StillConfig(max_chunks=128),
     "random, budget 896": StillConfig(routing="random"),
     "recency, budget 896": StillConfig(routing="recency"),
+    # More picks a chunk (lambda 56 and 60 of 64), uncapped: does a whole UUID (34 tokens) survive?
+    "saliency, uncapped, 56 a chunk": StillConfig(budget=128 + 56 * 680, max_chunks=680),
+    "saliency, uncapped, 60 a chunk": StillConfig(budget=128 + 60 * 680, max_chunks=680),
 }
 
 
