@@ -37,13 +37,17 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--no-fsdp", dest="fsdp", action="store_false",
+                   help="multi-GPU stage 2: a whole replica on every rank, gradients averaged in one all-reduce "
+                        "a step (no FSDP2; with --cuda-graph the steps replay from graphs)")
     p.add_argument("--no-fsdp-reshard", dest="fsdp_reshard", action="store_false",
                    help="multi-GPU stage 2: keep each layer's weights gathered from forward to backward")
     p.add_argument("--fsdp-replicate", action="store_true",
                    help="multi-GPU stage 2: whole weights on every rank (HSDP, shards of one), gradients all-reduced")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in backward to save memory")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="one GPU: capture an optimizer step as a CUDA graph and replay it (fewer host launches)")
+                   help="capture an optimizer step as a CUDA graph and replay it (fewer host launches); "
+                        "under torchrun where FSDP2 does not shard (stage 1, stage 2 with --no-fsdp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -70,7 +74,7 @@ def config_from_args(args):
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
                          softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
-                         gradient_checkpointing=args.gradient_checkpointing, fsdp_reshard=args.fsdp_reshard,
+                         gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp, fsdp_reshard=args.fsdp_reshard,
                          fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,
                          precision=args.precision, **lrs)
 

@@ -39,14 +39,19 @@ class DistillConfig:
     # After stage 1, this many more layers — those it left with the highest error — go back to
     # softmax for stage 2 and the final model (the hybrid selection rule; see docs/training.md).
     softmax_by_error: int = 0
-    fsdp_reshard: bool = True  # stage 2 under torchrun: free each layer's gathered weights after its forward
-    fsdp_replicate: bool = False  # stage 2 under torchrun: whole weights on every rank, gradients all-reduced
+    # Stage 2 under torchrun: FSDP2 (the default), or (fsdp=False) a whole replica on every rank with the
+    # gradients averaged in one all-reduce a step, as stage 1 always trains: then steps can be CUDA graphs.
+    fsdp: bool = True
+    fsdp_reshard: bool = True  # FSDP2: free each layer's gathered weights after its forward
+    fsdp_replicate: bool = False  # FSDP2: whole weights on every rank (HSDP), gradients all-reduced per layer
     save_every: int = 100  # optimizer steps between checkpoints
     eval_every: int = 100
     val_batches: int = 4
     seed: int = 0
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, more time
-    cuda_graph: bool = False  # one GPU: replay each optimizer step from a CUDA graph (linearize/train/step.py)
+    # Replay each optimizer step from a CUDA graph (linearize/train/step.py): on one GPU, and under torchrun
+    # wherever no FSDP2 hooks run (stage 1, and stage 2 with fsdp=False).
+    cuda_graph: bool = False
     device: str | None = None  # None: cuda if available
     precision: str = "auto"  # auto: bf16 autocast on cuda, float32 on cpu
 
@@ -62,6 +67,9 @@ class DistillConfig:
             raise ValueError(f"softmax_by_error must be >= 0, got {self.softmax_by_error}")
         if self.softmax_by_error and self.stage != "both":
             raise ValueError("softmax_by_error picks layers by their stage-1 error: it needs both stages")
+        if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
+            raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
+                             "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.method == "still" and 1 in self.stages:
@@ -96,6 +104,6 @@ class DistillConfig:
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
-        free = {"out", "save_every", "eval_every", "device", "fsdp_reshard", "fsdp_replicate", "cuda_graph"}
+        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

@@ -229,15 +229,17 @@ class Run:
         model.to(rt.device)
         # Stage 1's losses are taken inside each layer while the layer returns the teacher's output, so
         # FSDP2's unshard-for-backward hooks (set on layer outputs) never fire: there, every rank keeps a
-        # whole replica and the few trained parameters' gradients are averaged by hand.
-        sharded = rt.distributed and stage == 2
+        # whole replica and the few trained parameters' gradients are averaged by hand (one all-reduce,
+        # which a CUDA graph can hold; FSDP2's hooks cannot be captured). Stage 2 does so too with fsdp=False.
+        sharded = rt.distributed and stage == 2 and cfg.fsdp
         if sharded:
             shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
         elif rt.bf16:
             frozen_projections_to(model, torch.bfloat16)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
-        graphed = cfg.cuda_graph and not rt.distributed
+        uncapturable = "FSDP2's hooks cannot be captured (--no-fsdp trains replicas, which can)" if sharded else None
+        graphed = cfg.cuda_graph and not sharded
         optimizer = step_optimizer(groups, rt.device, cuda_graph=graphed, betas=cfg.betas, weight_decay=cfg.weight_decay)
         total = cfg.steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
@@ -265,7 +267,7 @@ class Run:
         model.train()
         average = (lambda: rt.average_gradients(params)) if rt.distributed and not sharded else None
         train_step = TrainStep(lambda ids: stage_loss(model, ids, stage), params, optimizer, cfg.clip, rt.autocast,
-                               cuda_graph=graphed, before_clip=average)
+                               cuda_graph=cfg.cuda_graph, before_clip=average, uncapturable=uncapturable)
         started, tokens_at_start = time.perf_counter(), tokens
         layer_errors = None  # stage 1's per-layer MSE at the last validation
         try:

@@ -61,15 +61,9 @@ class Runtime:
         return (t / self.world_size).tolist()
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Mean of each gradient over the ranks, in one all-reduce (for replicated, unsharded models)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if not self.distributed or not grads:
-            return
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        """Mean of each gradient over the ranks (for replicated, unsharded models)."""
+        if self.distributed:
+            average_gradients(params, self.world_size)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -78,6 +72,19 @@ class Runtime:
     def stop(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
+    """Mean of each gradient over the default group's `world_size` ranks, in one all-reduce; a CUDA graph
+    can hold it (no host reads)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def shard(model: torch.nn.Module, reshard_after_forward: bool = True, replicate: bool = False) -> None:

@@ -48,7 +48,8 @@ class TrainStep:
 
     `loss_fn(ids)` gives one micro-batch's loss; `autocast(cache_enabled)` its precision context.
     `before_clip` runs between the backward passes and clipping (the hand-averaged gradients of data
-    parallelism). With `cuda_graph` (CUDA only, and an optimizer from `graphable_optimizer`), the first
+    parallelism; its all-reduce is captured with the rest). `uncapturable`, the caller's reason why a
+    requested graph cannot hold this step, keeps it eager and is what `path` says. With `cuda_graph` (CUDA only, and an optimizer from `graphable_optimizer`), the first
     WARMUP_STEPS steps run eagerly on a side stream, the next is captured and every later one replays
     the graph on copies of its micro-batches. A capture that fails (an op that reads back from the
     device, say) leaves the step eager, and `path` says why.
@@ -57,11 +58,11 @@ class TrainStep:
     def __init__(self, loss_fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter],
                  optimizer: torch.optim.Optimizer, clip: float,
                  autocast: Callable[[bool], AbstractContextManager], *, cuda_graph: bool = False,
-                 before_clip: Callable[[], None] | None = None):
+                 before_clip: Callable[[], None] | None = None, uncapturable: str | None = None):
         self.loss_fn, self.params, self.optimizer, self.clip = loss_fn, params, optimizer, clip
         self.autocast, self.before_clip = autocast, before_clip
-        self.graphed = cuda_graph and all(p.is_cuda for p in params)
-        self.reason = None if self.graphed or not cuda_graph else "parameters not on a CUDA device"
+        self.graphed = cuda_graph and uncapturable is None and all(p.is_cuda for p in params)
+        self.reason = None if self.graphed or not cuda_graph else uncapturable or "parameters not on a CUDA device"
         self.steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: list[torch.Tensor] = []

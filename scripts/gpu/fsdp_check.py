@@ -1,14 +1,15 @@
-"""One GPU vs N GPUs (FSDP2) at the same global batch: same loss curve, tokens/s ratio, resume.
+"""One GPU vs N GPUs at the same global batch: same loss curve, tokens/s ratio.
 
-    python scripts/gpu/fsdp_check.py --gpus 2 --out $OUT/fsdp [--model smollm2] [--steps 40]
+    python scripts/gpu/fsdp_check.py --gpus 2 --out $OUT/fsdp [--model smollm2] [--steps 40] [--cases fsdp,graphed]
     python scripts/gpu/fsdp_check.py --from-log fsdp.log --batch 16   # per-step rates of a captured log
 
-Runs `linearize distill` under torchrun with 1 and with N processes on identical settings (stage 1
-then stage 2), and N processes again with `--no-fsdp-reshard` (each layer stays gathered from its
-forward to its backward in stage 2) and with `--fsdp-replicate` (whole weights on every rank, only
-gradients all-reduced). Writes fsdp.json (per-step losses of the runs, their largest
-relative difference, median tokens/s and the speed-ups) and fsdp.png. Resuming a multi-rank run, on
-as many ranks or fewer, is tested on CPU (tests/train/test_multirank.py).
+Runs `linearize distill` under torchrun on identical settings (stage 1 then stage 2), once per case
+below on N processes and once per baseline on one, and compares each case with its baseline: the
+eager cases with the eager one-GPU run, the CUDA-graph case with the graphed one-GPU run (the fast
+single-GPU path that N GPUs have to beat). Stage 1 always trains whole replicas; the cases differ in
+stage 2. Writes fsdp.json (per case and stage: both runs' losses, their largest relative difference,
+median tokens/s and the speed-up) and fsdp.png. Resuming a multi-rank run, on as many ranks or fewer,
+is tested on CPU (tests/train/test_multirank.py).
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 
 def distill(nproc: int, out: Path, args, extra=()) -> None:
     tokens = args.steps * args.batch * args.seq_len
     cmd = ["torchrun", f"--nproc-per-node={nproc}", "-m", "linearize.cli", "distill", "--model", args.model,
-           "--method", args.method, "--out", str(out), "--max-tokens", str(tokens), "--seq-len", str(args.seq_len),
+           "--data", args.data, "--method", args.method, "--out", str(out), "--max-tokens", str(tokens), "--seq-len", str(args.seq_len),
            "--batch", str(args.batch), "--save-every", "10", "--eval-every", str(args.steps), *extra]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -38,6 +38,16 @@ def read_log(out: Path) -> list[dict]:
 def median_rate(step_seconds: list[float], tokens_per_step: int) -> float:
     """Median tokens/s of the steps after the first quarter (the first step compiles kernels)."""
     return statistics.median(tokens_per_step / t for t in step_seconds[len(step_seconds) // 4:])
+
+
+# name: (the one-GPU baseline it is measured against, its flags on N GPUs)
+CASES = {
+    "fsdp": ("eager", ()),  # FSDP2, each layer its own unit, resharded after its forward
+    "gathered": ("eager", ("--no-fsdp-reshard",)),  # FSDP2, layers kept gathered to their backward
+    "replicated": ("eager", ("--fsdp-replicate",)),  # FSDP2 on a [N, 1] mesh: whole weights, per-layer all-reduce
+    "graphed": ("graphed", ("--no-fsdp", "--cuda-graph")),  # replicas, one all-reduce a step, CUDA-graph steps
+}
+BASELINES = {"eager": (), "graphed": ("--cuda-graph",)}
 
 
 def summary(records: list[dict], stage: int, tokens_per_step: int) -> dict:
@@ -74,9 +84,11 @@ def main() -> None:
     parser.add_argument("--from-log", help="only print per-step rates from a captured log of this script")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--method", default="lizard")
+    parser.add_argument("--data", default="default")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     args = parser.parse_args()
     if args.from_log:
         for row in rates_from_log(Path(args.from_log).read_text(), args.batch * args.seq_len):
@@ -86,30 +98,28 @@ def main() -> None:
         parser.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cases = args.cases.split(",")
+    if unknown := set(cases) - set(CASES):
+        parser.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
     runs = Path("/tmp/fsdp_runs")
-    one, many = runs / "gpu1", runs / f"gpu{args.gpus}"
-    gathered = runs / f"gpu{args.gpus}-gathered"
-    replicated = runs / f"gpu{args.gpus}-replicated"
-    distill(1, one, args)
-    distill(args.gpus, many, args)
-    distill(args.gpus, gathered, args, ["--no-fsdp-reshard"])
-    distill(args.gpus, replicated, args, ["--fsdp-replicate"])
+    for baseline in dict.fromkeys(CASES[case][0] for case in cases):
+        distill(1, runs / f"gpu1-{baseline}", args, BASELINES[baseline])
+    for case in cases:
+        distill(args.gpus, runs / f"gpu{args.gpus}-{case}", args, CASES[case][1])
 
     result = {"gpus": args.gpus, "model": args.model, "method": args.method, "batch": args.batch,
-              "seq_len": args.seq_len, "steps": args.steps, "stages": {}}
+              "seq_len": args.seq_len, "steps": args.steps, "cases": {}}
     per_step = args.batch * args.seq_len
-    for stage in (1, 2):
-        a, b = summary(read_log(one), stage, per_step), summary(read_log(many), stage, per_step)
-        worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["loss"], b["loss"]))
-        result["stages"][stage] = {"loss_1gpu": a["loss"], f"loss_{args.gpus}gpu": b["loss"],
-                                   "max_relative_loss_difference": worst,
-                                   "tokens_per_s_1gpu": a["tokens_per_s"],
-                                   f"tokens_per_s_{args.gpus}gpu": b["tokens_per_s"],
-                                   "speedup": b["tokens_per_s"] / a["tokens_per_s"]}
-    for name, folder in (("no_reshard", gathered), ("replicate", replicated)):
-        rate = summary(read_log(folder), 2, per_step)["tokens_per_s"]
-        result["stages"][2][f"tokens_per_s_{name}"] = rate
-        result["stages"][2][f"speedup_{name}"] = rate / result["stages"][2]["tokens_per_s_1gpu"]
+    for case in cases:
+        one, many = read_log(runs / f"gpu1-{CASES[case][0]}"), read_log(runs / f"gpu{args.gpus}-{case}")
+        result["cases"][case] = {"flags": list(CASES[case][1]), "baseline": CASES[case][0], "stages": {}}
+        for stage in (1, 2):
+            a, b = summary(one, stage, per_step), summary(many, stage, per_step)
+            worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["loss"], b["loss"], strict=True))
+            result["cases"][case]["stages"][stage] = {
+                "loss_1gpu": a["loss"], f"loss_{args.gpus}gpu": b["loss"], "max_relative_loss_difference": worst,
+                "tokens_per_s_1gpu": a["tokens_per_s"], f"tokens_per_s_{args.gpus}gpu": b["tokens_per_s"],
+                "speedup": b["tokens_per_s"] / a["tokens_per_s"]}
     (out / "fsdp.json").write_text(json.dumps(result, indent=2))
 
     import matplotlib
@@ -117,18 +127,21 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, stage in zip(axes, (1, 2)):
-        s = result["stages"][stage]
-        ax.plot(s["loss_1gpu"], label="1 GPU")
-        ax.plot(s[f"loss_{args.gpus}gpu"], "--", label=f"{args.gpus} GPUs (FSDP2)")
-        ax.set_title(f"stage {stage}: speed-up {s['speedup']:.2f}x")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
+    fig, axes = plt.subplots(len(cases), 2, figsize=(10, 3.2 * len(cases)), squeeze=False)
+    for row, case in zip(axes, cases):
+        for ax, stage in zip(row, (1, 2)):
+            s = result["cases"][case]["stages"][stage]
+            ax.plot(s["loss_1gpu"], label=f"1 GPU ({CASES[case][0]})")
+            ax.plot(s[f"loss_{args.gpus}gpu"], "--", label=f"{args.gpus} GPUs ({case})")
+            ax.set_title(f"{case}, stage {stage}: speed-up {s['speedup']:.2f}x")
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss")
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fsdp.png", dpi=120)
-    json.dump(result["stages"], sys.stdout, indent=1)
+    for case in cases:
+        print(case, " ".join(f"stage {stage}: {s['speedup']:.2f}x"
+                             for stage, s in result["cases"][case]["stages"].items()), flush=True)
 
 
 if __name__ == "__main__":

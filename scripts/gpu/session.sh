@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of the planned runs (scripts/gpu/README.md), each step under its own limit:
 #   source scripts/gpu/env.sh && bash scripts/gpu/session.sh PART [NAME...]
-# PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp (2 GPUs)
+# PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp [BATCH [CASES]] (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
 # | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
@@ -55,8 +55,11 @@ case $part in
     while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
     exit ;;
   fsdp)
-    # An optional word sets the global batch (16 by default, the fifth session's).
-    step fsdp 400 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --out "$res/fsdp" ;;
+    # An optional word sets the global batch (16 by default, the fifth session's), a second the cases
+    # joined by + (all of fsdp_check.py's by default), e.g. `fsdp 16 graphed`.
+    cases=${2:-fsdp+gathered+replicated+graphed}
+    step fsdp 540 python scripts/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --cases "${cases//+/,}" \
+      --out "$res/fsdp" ;;
   model)
     # The best Lizard (recipes/lizard-rope-shared.json), or METHOD with its defaults, prefilling in one
     # call as the evaluation's generation does (STILL's kernels take fresh passes only); at the 8B

@@ -97,6 +97,9 @@ def test_bad_settings_are_rejected():
         DistillConfig(model="m", method="lizard", out="o", batch=6, grad_accum=4)
     with pytest.raises(ValueError, match="head_lr_scale must be > 0"):
         DistillConfig(model="m", method="lizard", out="o", head_lr_scale=0)
+    for fsdp_option in ({"fsdp_replicate": True}, {"fsdp_reshard": False}):
+        with pytest.raises(ValueError, match="pick one"):
+            DistillConfig(model="m", method="lizard", out="o", fsdp=False, **fsdp_option)
     # Every token of a 1,024-token sequence fits 1,536 slots: STILL's linear state would see none.
     with pytest.raises(ValueError, match="stage 1 would train nothing"):
         DistillConfig(model="m", method="still", out="o", seq_len=1024, options={"budget": 1536})

@@ -39,8 +39,10 @@ def losses(out: Path, stage: int) -> list[float]:
 
 @pytest.mark.slow
 def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
-    one, two, gathered, replicated = (tmp_path / name for name in ("one", "two", "gathered", "replicated"))
-    runs = ((1, one, ()), (2, two, ()), (2, gathered, ("--no-fsdp-reshard",)), (2, replicated, ("--fsdp-replicate",)))
+    one, two, gathered, replicated, replicas = (tmp_path / name for name in
+                                                ("one", "two", "gathered", "replicated", "replicas"))
+    runs = ((1, one, ()), (2, two, ()), (2, gathered, ("--no-fsdp-reshard",)), (2, replicated, ("--fsdp-replicate",)),
+            (2, replicas, ("--no-fsdp", "--cuda-graph")))
     for n, out, extra in runs:
         proc = torchrun(n, workspace, out, *extra)
         assert proc.returncode == 0, failure(proc)
@@ -52,6 +54,12 @@ def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
     assert losses(gathered, 2) == losses(two, 2)  # keeping layers gathered changes when, not what
     for x, y in zip(losses(replicated, 2), losses(two, 2)):  # whole weights per rank: the same steps
         assert abs(x - y) <= 1e-5 * abs(y), (losses(replicated, 2), losses(two, 2))
+    # Without FSDP2: replicas and one all-reduce of the gradients, as stage 1 trains; the same steps again.
+    for x, y in zip(losses(replicas, 2), losses(two, 2), strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y), (losses(replicas, 2), losses(two, 2))
+    # Asked for graphs, gloo ranks on the CPU step eagerly and say why; a sharded stage would name FSDP2.
+    paths = {r["step_path"] for r in log(replicas) if "loss" in r}
+    assert paths == {"eager (parameters not on a CUDA device)"}, paths
     assert json.loads((two / "distill_config.json").read_text())["method"] == "lizard"
     # A second start on the finished directory is refused on every rank alike, with the one-line error.
     again = torchrun(2, workspace, two)
@@ -68,7 +76,7 @@ def test_no_rank_reads_a_checkpoint_the_main_rank_is_still_writing(workspace, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--fsdp-replicate",)], ids=["sharded", "replicated"])
+@pytest.mark.parametrize("extra", [(), ("--fsdp-replicate",), ("--no-fsdp",)], ids=["sharded", "replicated", "replicas"])
 def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_path, extra):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     assert torchrun(2, workspace, straight, *extra).returncode == 0

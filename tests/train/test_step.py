@@ -4,10 +4,12 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 from tiny_models import TINY_OPTIONS, tiny_teacher
 
 from linearize.convert import convert
 from linearize.train.distillation import stage_loss
+from linearize.train.runtime import average_gradients
 from linearize.train.step import WARMUP_STEPS, TrainStep, failing_line, graphable_optimizer, rates_on_device
 
 # STILL's routing reads the device back unless every chunk's picks fit the slots (as they do at its
@@ -51,18 +53,24 @@ def trained(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
-def test_eager_step_equals_the_plain_loop_with_accumulation(cuda_graph):
-    """On the CPU, asking for a graph steps eagerly and says why."""
+@pytest.mark.parametrize(("cuda_graph", "uncapturable", "path"), [
+    (False, None, "eager"),
+    (True, None, "eager (parameters not on a CUDA device)"),
+    (True, "FSDP2's hooks", "eager (FSDP2's hooks)"),
+    (False, "FSDP2's hooks", "eager"),
+])
+def test_eager_step_equals_the_plain_loop_with_accumulation(cuda_graph, uncapturable, path):
+    """On the CPU, or where the caller says the step cannot be captured, asking for a graph steps
+    eagerly and says why."""
     data = batches(3, accum=2)
     reference = student()
     ref_losses, ref_norms = plain_loop(reference, torch.optim.AdamW(trained(reference), lr=1e-2), trained(reference),
                                        data)
     model = student()
     step = TrainStep(lambda ids: stage_loss(model, ids, 2), trained(model), torch.optim.AdamW(trained(model), lr=1e-2),
-                     1.0, lambda cache: nullcontext(), cuda_graph=cuda_graph)
+                     1.0, lambda cache: nullcontext(), cuda_graph=cuda_graph, uncapturable=uncapturable)
     results = [step(micro_batches) for micro_batches in data]
-    assert step.path == ("eager (parameters not on a CUDA device)" if cuda_graph else "eager")
+    assert step.path == path
     assert [float(loss) for loss, _ in results] == pytest.approx(ref_losses, rel=1e-6)
     assert [float(norm) for _, norm in results] == pytest.approx(ref_norms, rel=1e-6)
     for p, q in zip(trained(model), trained(reference), strict=True):
@@ -125,3 +133,29 @@ def test_a_graphed_step_trains_as_the_eager_loop_does(accum, method):
     assert losses == pytest.approx(ref_losses, rel=2e-2)
     for p, q in zip(trained(model), trained(reference), strict=True):
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_graphed_step_holds_the_gradient_all_reduce_of_replicas():
+    """Under torchrun, replicas average their gradients in one NCCL all-reduce before clipping; the
+    capture must hold it (a one-rank group here: the mean over one rank is the gradient itself)."""
+    device = torch.device("cuda")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        data = batches(WARMUP_STEPS + 3, 2, device)
+        reference = student(device)
+        ref_losses, _ = plain_loop(reference, graphable_optimizer([{"params": trained(reference), "lr": 1e-3}], device),
+                                   trained(reference), data)
+        model = student(device)
+        optimizer = graphable_optimizer([{"params": trained(model), "lr": 1e-3}], device)
+        step = TrainStep(lambda ids: stage_loss(model, ids, 2), trained(model), optimizer, 1.0,
+                         lambda cache: nullcontext(), cuda_graph=True,
+                         before_clip=lambda: average_gradients(trained(model), 1))
+        losses = [float(step(micro_batches)[0]) for micro_batches in data]
+        assert step.path == "cuda graph"
+        assert losses == pytest.approx(ref_losses, rel=1e-4)
+        for p, q in zip(trained(model), trained(reference), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
