@@ -74,8 +74,8 @@ def config_from_args(args):
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
                          softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
-                         gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp, fsdp_reshard=args.fsdp_reshard,
-                         fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,
+                         gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+                         fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,
                          precision=args.precision, **lrs)
 
 

@@ -238,7 +238,9 @@ class Run:
             frozen_projections_to(model, torch.bfloat16)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
-        uncapturable = "FSDP2's hooks cannot be captured (--no-fsdp trains replicas, which can)" if sharded else None
+        uncapturable = None
+        if sharded:
+            uncapturable = "FSDP2's hooks cannot be captured (--no-fsdp trains replicas, which can)"
         graphed = cfg.cuda_graph and not sharded
         optimizer = step_optimizer(groups, rt.device, cuda_graph=graphed, betas=cfg.betas, weight_decay=cfg.weight_decay)
         total = cfg.steps()

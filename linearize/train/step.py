@@ -48,11 +48,12 @@ class TrainStep:
 
     `loss_fn(ids)` gives one micro-batch's loss; `autocast(cache_enabled)` its precision context.
     `before_clip` runs between the backward passes and clipping (the hand-averaged gradients of data
-    parallelism; its all-reduce is captured with the rest). `uncapturable`, the caller's reason why a
-    requested graph cannot hold this step, keeps it eager and is what `path` says. With `cuda_graph` (CUDA only, and an optimizer from `graphable_optimizer`), the first
-    WARMUP_STEPS steps run eagerly on a side stream, the next is captured and every later one replays
-    the graph on copies of its micro-batches. A capture that fails (an op that reads back from the
-    device, say) leaves the step eager, and `path` says why.
+    parallelism; its all-reduce is captured with the rest). With `cuda_graph` (CUDA only, and an
+    optimizer from `graphable_optimizer`), the first WARMUP_STEPS steps run eagerly on a side stream,
+    the next is captured and every later one replays the graph on copies of its micro-batches.
+    `uncapturable`, the caller's reason why a graph cannot hold this step, keeps it eager and is what
+    `path` says. A capture that fails (an op that reads back from the device, say) leaves the step
+    eager, and `path` says why.
     """
 
     def __init__(self, loss_fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter],

@@ -25,8 +25,9 @@ from pathlib import Path
 def distill(nproc: int, out: Path, args, extra=()) -> None:
     tokens = args.steps * args.batch * args.seq_len
     cmd = ["torchrun", f"--nproc-per-node={nproc}", "-m", "linearize.cli", "distill", "--model", args.model,
-           "--data", args.data, "--method", args.method, "--out", str(out), "--max-tokens", str(tokens), "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--save-every", "10", "--eval-every", str(args.steps), *extra]
+           "--data", args.data, "--method", args.method, "--out", str(out), "--max-tokens", str(tokens),
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--save-every", "10",
+           "--eval-every", str(args.steps), *extra]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
