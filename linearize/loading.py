@@ -44,8 +44,15 @@ def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, devi
     return model.eval()
 
 
+# Any one of these makes a folder's tokenizer loadable (fast, sentencepiece, BPE or WordPiece files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
     kind, where = resolve_spec(spec)
+    if kind == "dir" and not any((where / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelSpecError(f"{where} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                             "save the tokenizer into that folder too")
     tokenizer = _from_pretrained(AutoTokenizer, kind, where)
     if kind == "gguf":
         _set_gguf_special_tokens(tokenizer, where)

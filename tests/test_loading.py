@@ -159,6 +159,12 @@ def test_folder_without_config_and_other_files_are_rejected(tmp_path):
         load_tokenizer(tmp_path / "weights.bin")
 
 
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path)
+    with pytest.raises(ModelSpecError, match="holds a model but no tokenizer"):
+        load_tokenizer(tmp_path)
+
+
 def test_unreachable_hub_fails_fast_with_one_line(monkeypatch):
     monkeypatch.setattr(loading, "_hub_reachable", lambda: False)
     assert resolve_spec("some-org/no-such-model") == ("hub", "some-org/no-such-model")

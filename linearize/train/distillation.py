@@ -162,13 +162,16 @@ class Run:
         self.rt = Runtime.start(cfg.device, cfg.precision)
         self.progress = progress and self.rt.main
         self._check_resume(resume)
+        micro = cfg.batch // cfg.grad_accum
+        if micro % self.rt.world_size:
+            raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
                                                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
-        micro = cfg.batch // cfg.grad_accum
-        if micro % self.rt.world_size:
-            raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
+        # Written once the model's tokenizer and the data have loaded: a start refused for bad input
+        # leaves no run behind that a corrected command would have to --resume.
+        self._save_config()
         self.make_loader = lambda blocks, seed: ResumableLoader(blocks, micro, seed=seed, rank=self.rt.rank,
                                                                 world_size=self.rt.world_size)
 
@@ -182,11 +185,13 @@ class Run:
                 raise ResumeError(f"cannot resume {self.out}: these settings differ from the saved run: {diff}")
         elif ckpt.exists() or saved.exists():
             raise ResumeError(f"{self.out} already holds a run; pass --resume to continue it or pick a new --out")
-        # Every rank checks before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
+
+    def _save_config(self) -> None:
+        # Every rank has checked before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
         self.rt.barrier()
         if self.rt.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            saved.write_text(self.cfg.to_json())
+            (self.out / CONFIG_NAME).write_text(self.cfg.to_json())
         self.rt.barrier()
 
     def log(self, record: dict) -> None:

@@ -88,6 +88,8 @@ def test_resume_refuses_a_different_run(workspace, tmp_path):
 def test_bad_data_path_is_a_clear_error(workspace, tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         distill(config(workspace, tmp_path / "run", data=str(tmp_path / "nope.jsonl")), progress=False)
+    # Refused before anything was written: the corrected command starts afresh, no --resume needed.
+    assert not (tmp_path / "run" / "distill_config.json").exists()
 
 
 def test_bad_settings_are_rejected():
