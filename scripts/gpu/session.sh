@@ -22,7 +22,7 @@ case $part in
   tests)
     # PATH words narrow the run to those test files (the whole GPU set takes ~5 minutes).
     paths=("$@")
-    [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py)
+    [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py tests/train/test_multirank.py)
     step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
     # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels bench [OPS]`: `bench

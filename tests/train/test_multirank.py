@@ -17,10 +17,11 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"  # installed with torch, bes
 DISTILL = ("-m", "linearize.cli", "distill")
 
 
-def torchrun(nproc: int, workspace: Path, out: Path, *extra: str, entry=DISTILL) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, workspace: Path, out: Path, *extra: str, entry=DISTILL,
+             device: str = "cpu") -> subprocess.CompletedProcess:
     cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", "--standalone", *entry,
            "--model", str(workspace / "teacher"), "--method", "lizard", "--data", str(workspace / "data.txt"),
-           "--out", str(out), "--device", "cpu", "--max-tokens", str(6 * 4 * 32), "--seq-len", "32", "--batch", "4",
+           "--out", str(out), "--device", device, "--max-tokens", str(6 * 4 * 32), "--seq-len", "32", "--batch", "4",
            "--save-every", "3", "--eval-every", "6", "--set", "window=8", "--set", "num_sinks=2", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -99,3 +100,23 @@ def test_an_interrupted_two_rank_run_resumes_on_two_ranks_or_one(workspace, tmp_
     # The checkpoint holds full tensors, so one rank picks it up too (other reduction order: 1e-3).
     for step, loss in steps(one_rank).items():
         assert abs(loss - steps(straight)[step]) <= 1e-3 * abs(loss), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpu_replicas_replay_graphed_steps_on_the_one_gpu_loss_curve(workspace, tmp_path):
+    """`--no-fsdp --cuda-graph` on two GPUs: both stages' steps, the NCCL all-reduce of the gradients
+    included, replay from CUDA graphs, and the losses follow one graphed GPU's at the same global batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for n, out in ((1, one), (2, two)):
+        proc = torchrun(n, workspace, out, "--no-fsdp", "--cuda-graph", "--eval-every", "24", "--max-tokens",
+                        str(24 * 4 * 32), device="cuda")
+        assert proc.returncode == 0, failure(proc)
+    for stage in (1, 2):
+        records = [r for r in log(two) if r["stage"] == stage and "loss" in r]
+        # Three eager warm-up steps, then the capture: every later step replays it.
+        assert {r["step_path"] for r in records[4:]} == {"cuda graph"}, [r["step_path"] for r in records]
+        a, b = losses(one, stage), losses(two, stage)
+        assert len(a) == len(b) == 24
+        for x, y in zip(a, b):
+            assert abs(x - y) <= 2e-2 * abs(x), (stage, a, b)
