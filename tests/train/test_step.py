@@ -140,7 +140,7 @@ def test_a_graphed_step_trains_as_the_eager_loop_does(accum, method):
 def test_a_graphed_step_holds_the_gradient_all_reduce_of_replicas():
     """Under torchrun, replicas average their gradients in one NCCL all-reduce before clipping; the
     capture must hold it (a one-rank group here: the mean over one rank is the gradient itself)."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     try:
         data = batches(WARMUP_STEPS + 3, 2, device)
