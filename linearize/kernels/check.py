@@ -40,6 +40,7 @@ class Case:
     split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
     state_block_k: int | None = None  # state rows a program of the split kernels' state passes carries
     state_block_v: int | None = None  # and its value columns
+    chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -70,7 +71,7 @@ def _output(case, leaves, dtype):
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
-    for name in ("state_block_k", "state_block_v"):
+    for name in ("state_block_k", "state_block_v", "chunks_first"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -261,14 +262,16 @@ def sweep_configs():
     """The configurations `--sweep` times: the default, then one change at a time (no software
     pipelining; the state passes' rows; the dq/dk passes' rows, alone and with the state passes'; the
     backward window kernels' blocks; 8 warps, which halves the registers a thread holds: the forward
-    kernel spills at 4). `stages=3` needs more shared memory than an H200 has (the thirteenth
-    session's sweep). The earlier sweeps and what they chose are in docs/kernels.md."""
+    kernel spills at 4; the chunks first in the launch order, which lets the window's neighbouring
+    tiles hit L2). `stages=3` needs more shared memory than an H200 has (the thirteenth session's
+    sweep). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
     return [default, change(stages=1), change(state_block_k=128), change(block_k=128),
-            change(block_k=128, state_block_k=128), change(window_block=64), change(warps=8)]
+            change(block_k=128, state_block_k=128), change(window_block=64), change(warps=8),
+            change(chunks_first=True)]
 
 
 def compiled_kernels():

@@ -56,6 +56,11 @@ class Config:
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
     split: bool = False
+    # Launch order: the chunk (or the window kernels' block of rows) on grid axis 0 and the head on the
+    # last, so that programs of one head's neighbouring chunks run side by side and find the window's
+    # key and value tiles, which each also reads for its neighbours, in L2. Head first (False), the
+    # programs of one chunk of every head run together instead.
+    chunks_first: bool = False
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -330,10 +335,24 @@ def _state_before_chunks(HS, R: tl.constexpr, C: tl.constexpr, SPLIT: tl.constex
 
 
 @triton.jit
-def _chunks(NT, SPLIT: tl.constexpr):
-    """The chunks this program covers: all, in order, or (split) only the one on grid axis 2."""
+def _head(CF: tl.constexpr, LAST: tl.constexpr):
+    """b * H + h of this program: grid axis 0, or axis LAST where the chunks come first (CF, `_grid`)."""
+    if CF:
+        bh = tl.program_id(LAST)
+    else:
+        bh = tl.program_id(0)
+    return bh.to(tl.int64)
+
+
+@triton.jit
+def _chunks(NT, SPLIT: tl.constexpr, CF: tl.constexpr):
+    """The chunks this program covers: all, in order, or (split) only the one on its grid axis: the
+    last, or 0 where the chunks come first (CF)."""
     if SPLIT:
-        first = tl.program_id(2)
+        if CF:
+            first = tl.program_id(0)
+        else:
+            first = tl.program_id(2)
         last = first + 1
     else:
         first = 0
@@ -342,16 +361,26 @@ def _chunks(NT, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _row_block(CF: tl.constexpr):
+    """A window kernel's block of rows and the number of blocks: grid axis 1, or 0 where CF."""
+    if CF:
+        n, blocks = tl.program_id(0), tl.num_programs(0)
+    else:
+        n, blocks = tl.program_id(1), tl.num_programs(1)
+    return n, blocks
+
+
+@triton.jit
 def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, D/BV[, NT]): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks carrying
-    that block of the state; split, each program takes one chunk and its starting state from HS, HZ
-    (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]: the
-    layout the model's o_proj reads, so no transpose copy follows."""
-    bh = tl.program_id(0).to(tl.int64)
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
+    carrying that block of the state; split, each program takes one chunk and its starting state from
+    HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
+    the layout the model's o_proj reads, so no transpose copy follows."""
+    bh = _head(CF, 2)
     iv = tl.program_id(1)
     h = bh % H
     y_out = (bh // H) * L * H * D + h * D + iv * BV
@@ -371,7 +400,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
 
     S = _state_before_chunks(HS, F, BV, SPLIT)
     z = tl.zeros([F], tl.float32)
-    first, last = _chunks(NT, SPLIT)
+    first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
         if SPLIT:
@@ -494,7 +523,7 @@ def _retreat_state_grad(dS, dz, q, A, a_end, d_num, d_den, VEC: tl.constexpr, DT
 
 @triton.jit
 def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT,
-                     F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+                     F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, CF: tl.constexpr):
     """The dq and dk kernels' pointers for head bh and state rows [ik*BK, (ik+1)*BK): fq, fk and the
     gradient being written (DF) at those features, the gate, the dA share (per feature for a vector
     gate, else [F/BK, B*H, L] partial sums over feature blocks), v, dy, the per-token statistics, and
@@ -506,7 +535,11 @@ def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, b
         DA += bh * L * F + fo
     else:
         LG += bh * L
-        DA += (ik * tl.num_programs(0) + bh) * L
+        if CF:  # the heads' grid axis (`_grid`)
+            heads = tl.num_programs(2)
+        else:
+            heads = tl.num_programs(0)
+        DA += (ik * heads + bh) * L
     return (FQ + bh * L * F + fo, FK + bh * L * F + fo, DF + bh * L * F + fo, LG, DA, V + kv * L * D,
             _dy_rows(DY, bh, H, dy_b, dy_h), DEN + bh * L, DDEN + bh * L, HS + bh * NT * F * D + fo * D, HZ + bh * NT * F + fo)
 
@@ -515,22 +548,22 @@ def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, b
 def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q, DDEN, DDEN_EXT, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
                    VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-                   DT: tl.constexpr):
-    """Grid (B*H, F/BK[, NT]), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
+                   CF: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK[, NT]) (`_grid`), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
     its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from the
     first block, d den per token (DDEN; SHARED adds the gradient den gets through the shared
     normaliser, DDEN_EXT)."""
-    bh = tl.program_id(0).to(tl.int64)
+    bh = _head(CF, 2)
     ik = tl.program_id(1)
     FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ = _state_rows_ptrs(
-        FQ, FK, DFQ, LG, DA_Q, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
+        FQ, FK, DFQ, LG, DA_Q, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC, CF)
     Y_GLA += bh * L * D
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
     S = _state_before_chunks(HS, BK, D, SPLIT)
     z = tl.zeros([BK], tl.float32)
-    first, last = _chunks(NT, SPLIT)
+    first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
         inside = pos < L
@@ -573,20 +606,20 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q,
 @triton.jit
 def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, dy_b, dy_h, DDEN, HDS, HDZ, DFK, DA_K, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
-                   VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, F/BK[, NT]), backward over the chunks with rows [fo, fo+BK) of dS, the gradient
-    w.r.t. the state after each chunk (split: one chunk, its dS, dz from HDS, HDZ): d fk of those
-    features and their share of dA = -fk.dfk (DA_K)."""
-    bh = tl.program_id(0).to(tl.int64)
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, F/BK[, NT]) (`_grid`), backward over the chunks with rows [fo, fo+BK) of dS, the
+    gradient w.r.t. the state after each chunk (split: one chunk, its dS, dz from HDS, HDZ): d fk of
+    those features and their share of dA = -fk.dfk (DA_K)."""
+    bh = _head(CF, 2)
     ik = tl.program_id(1)
     FQ, FK, DFK, LG, DA_K, V, DY, DEN, DDEN, HDS, HDZ = _state_rows_ptrs(
-        FQ, FK, DFK, LG, DA_K, V, DY, dy_b, dy_h, DEN, DDEN, HDS, HDZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC)
+        FQ, FK, DFK, LG, DA_K, V, DY, dy_b, dy_h, DEN, DDEN, HDS, HDZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC, CF)
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
     dS = _state_before_chunks(HDS, BK, D, SPLIT)
     dz = tl.zeros([BK], tl.float32)
-    first, last = _chunks(NT, SPLIT)
+    first, last = _chunks(NT, SPLIT, CF)
     for i in range(first, last):
         n = i if SPLIT else NT - 1 - i
         pos = n * BT + t
@@ -622,10 +655,10 @@ def _bwd_dk_kernel(FQ, FK, LG, V, DEN, DY, dy_b, dy_h, DDEN, HDS, HDZ, DFK, DA_K
 @triton.jit
 def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, dy_b, dy_h, DV_WIN, HDS, DV, L, H, NT,
                    F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
-                   VEC: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, D/BV[, NT]), backward over the chunks with columns [vo, vo+BV) of dS (split: one
-    chunk, its dS from HDS): d v of the linear part plus the window's (DV_WIN), per query head."""
-    bh = tl.program_id(0).to(tl.int64)
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, D/BV[, NT]) (`_grid`), backward over the chunks with columns [vo, vo+BV) of dS (split:
+    one chunk, its dS from HDS): d v of the linear part plus the window's (DV_WIN), per query head."""
+    bh = _head(CF, 2)
     vo = tl.program_id(1) * BV
     FQ += bh * L * F
     FK += bh * L * F
@@ -639,7 +672,7 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, dy_b, dy_h, DV_WIN, HDS, DV, L, H, NT,
     rows = tl.arange(0, F)
 
     dS = _state_before_chunks(HDS, F, BV, SPLIT)
-    first, last = _chunks(NT, SPLIT)
+    first, last = _chunks(NT, SPLIT, CF)
     for i in range(first, last):
         n = i if SPLIT else NT - 1 - i
         pos = n * BT + t
@@ -663,17 +696,18 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, dy_b, dy_h, DV_WIN, HDS, DV, L, H, NT,
 def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, dy_b, dy_h, DQW, DELTA, DSINKS, DALPHA, DLSE, ARG, DM,
                           L, H, HKV, window, scale,
                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DY_ROW: tl.constexpr, M: tl.constexpr,
-                          MP: tl.constexpr, SHARED: tl.constexpr, GRAD_Q: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, cdiv(L, BW)): one block of queries. d qw (GRAD_Q), delta = dy_win . y_win per token
+                          MP: tl.constexpr, SHARED: tl.constexpr, GRAD_Q: tl.constexpr, CF: tl.constexpr,
+                          DT: tl.constexpr):
+    """Grid (B*H, cdiv(L, BW)) (`_grid`): one block of queries. d qw (GRAD_Q), delta = dy_win . y_win per token
     (DELTA) and this block's share of d sinks and d alpha. SHARED: the log-sum-exp and the row max (held
     by key ARG, or by the largest sinks where ARG < 0) get gradients DLSE and DM of their own. Without
     GRAD_Q (stage 1: qw is RoPE of a frozen projection) no window scores are recomputed: delta and the
     sinks' and alpha's gradients need only the saved outputs and log-sum-exps."""
-    bh = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1)
+    bh = _head(CF, 1)
+    n, blocks = _row_block(CF)
     h = bh % H
     kv = (bh // H) * HKV + h // (H // HKV)
-    part = bh * tl.num_programs(1) + n
+    part = bh * blocks + n
     QW += bh * L * D
     DQW += bh * L * D
     DY = _dy_rows(DY, bh, H, dy_b, dy_h)
@@ -722,11 +756,11 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, dy_b, dy_h, D
 @triton.jit
 def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, dy_b, dy_h, DELTA, ARG, DM, DKW, DV_WIN, L, H, HKV, window, scale,
                            D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DY_ROW: tl.constexpr, SHARED: tl.constexpr,
-                           DT: tl.constexpr):
-    """Grid (B*H, cdiv(L, BW)): one block of keys, seen by the query blocks n .. n + NWB. d kw and the
-    window's d v, per query head (SHARED: plus the row max's gradient DM where key ARG holds it)."""
-    bh = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1)
+                           CF: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, cdiv(L, BW)) (`_grid`): one block of keys, seen by the query blocks n .. n + NWB. d kw
+    and the window's d v, per query head (SHARED: plus the row max's gradient DM where key ARG holds it)."""
+    bh = _head(CF, 1)
+    n, blocks = _row_block(CF)
     h = bh % H
     kv = (bh // H) * HKV + h // (H // HKV)
     QW += bh * L * D
@@ -738,7 +772,7 @@ def _bwd_window_dkv_kernel(QW, KW, V, ALPHA, LSE, DY, dy_b, dy_h, DELTA, ARG, DM
 
     dkw = tl.zeros([BW, D], tl.float32)
     dv = tl.zeros([BW, D], tl.float32)
-    for qb in range(n, tl.minimum(n + NWB, tl.num_programs(1) - 1) + 1):
+    for qb in range(n, tl.minimum(n + NWB, blocks - 1) + 1):
         qpos = qb * BW + tl.arange(0, BW)
         q_in = qpos < L
         qw = _load_tile(QW, qpos, L, D, D)
@@ -805,6 +839,15 @@ def _state_blocks(heads: int, F: int, D: int, cfg: Config, device: torch.device)
     return BK, BV
 
 
+def _grid(cfg: Config, heads: int, middle: tuple, blocks: int | None) -> tuple:
+    """A launch grid: (heads, *middle, blocks), or (blocks, *middle, heads) with `cfg.chunks_first`
+    (the kernels find their axes with `_head`, `_chunks` and `_row_block`); (heads, *middle) where
+    the kernel walks every chunk itself (blocks None)."""
+    if blocks is None:
+        return (heads, *middle)
+    return (blocks, *middle, heads) if cfg.chunks_first else (heads, *middle, blocks)
+
+
 def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
     """The split kernels' chunk states. A vector gate's d log g is a reverse cumsum over the sequence of
     per-feature terms that cancel, so it keeps the states (and the backward's linear-part products) in
@@ -859,10 +902,10 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
                                                         CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
     else:
         hs = hz = den  # unread
-    _fwd_kernel[(B * H, D // BV) + ((NT,) if cfg.split else ())](
+    _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
         arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, **shapes)
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunks_first and cfg.split, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end
@@ -904,9 +947,10 @@ class LizardAttentionFunction(torch.autograd.Function):
         split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
                  "DY_ROW": dy_gla.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
         state = {key: value for key, value in split.items() if key != "SPLIT"}
-        chunk_axis = (NT,) if cfg.split else ()
+        split["CF"] = cfg.chunks_first and cfg.split
+        chunks = NT if cfg.split else None
         win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
-               "DY_ROW": dy_win.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
+               "DY_ROW": dy_win.stride(2), "CF": cfg.chunks_first, "num_warps": cfg.warps, "num_stages": cfg.stages}
         dy_gla_bh, dy_win_bh = (dy_gla.stride(0), dy_gla.stride(1)), (dy_win.stride(0), dy_win.stride(1))
 
         # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
@@ -928,7 +972,7 @@ class LizardAttentionFunction(torch.autograd.Function):
         d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
         hs, hz = states if cfg.split else (den, den)  # unread unless split
-        _bwd_dq_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, y_gla, den, dy_gla, *dy_gla_bh, hs, hz, dfq,
+        _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](fq, fk, log_g, v, y_gla, den, dy_gla, *dy_gla_bh, hs, hz, dfq,
                                                       da_q, d_den, dden_ext, L, H, HKV, NT, F=F, D=D, BK=BK,
                                                       NORM=ctx.normalize, SHARED=shared, **split)
         if cfg.split:
@@ -939,16 +983,16 @@ class LizardAttentionFunction(torch.autograd.Function):
                                                             NT, F=F, D=D, BK=BKS, BV=BVS, **state)
         else:
             hds = hdz = den
-        _bwd_dk_kernel[(B * H, F // BK) + chunk_axis](fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk,
+        _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk,
                                                       da_k, L, H, HKV, NT, F=F, D=D, BK=BK, **split)
-        _bwd_window_dq_kernel[(B * H, NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
+        _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
                                            *dy_win_bh, dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window,
                                            scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
         if window_kv:
-            _bwd_window_dkv_kernel[(B * H, NW)](qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win,
+            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), NW)](qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win,
                                                 L, H, HKV, window, scale, SHARED=shared, **win)
         if grad_v:
-            _bwd_dv_kernel[(B * H, D // BV) + chunk_axis](fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H,
+            _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H,
                                                           NT, F=F, D=D, BV=BV, **split)
 
         # d log g_t = sum over s >= t of dA_s.

@@ -90,11 +90,13 @@ def main() -> None:
     print(f"Lizard's forward (inference), bf16, F = d = 128, w = {window}, 4 sinks, {cfg}:")
     constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk),
                  "M": 4, "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": True,
-                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
-    for aligned in (True, False):
-        found = resources(lizard_triton._fwd_kernel, lizard_forward_types(), constants, aligned=aligned,
+                 "CF": cfg.chunks_first and cfg.split, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+    variants = {"as launched at Table 3 shapes": (constants, True), "without alignment hints": (constants, False),
+                "the chunks first in the launch order": (constants | {"CF": True}, True)}
+    for label, (values, aligned) in variants.items():
+        found = resources(lizard_triton._fwd_kernel, lizard_forward_types(), values, aligned=aligned,
                           divisible=("L", "H", "HKV", "NT", "window"), num_warps=cfg.warps, num_stages=cfg.stages)
-        print(f"  {'as launched at Table 3 shapes' if aligned else 'without alignment hints'}: {found}")
+        print(f"  {label}: {found}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ INTERPRETER_CASES = {
     "split-rows16-L100-gqa-w32-sinks4": Case(L=100, split=True, state_block_k=16, state_block_v=32),
     "dy-transposed-L100-gqa-w32-sinks4": Case(L=100, dy_transposed=True),
     "dy-transposed-split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=True, dy_transposed=True),
+    # The launch order with the chunks on grid axis 0 and the heads last (Config.chunks_first).
+    "chunks-first-split-L100-gqa-w32-sinks4": Case(L=100, split=True, chunks_first=True),
+    "chunks-first-shared-split-L63-vector-bf16": Case(L=63, gate="vector", dtype=bf16, shared=True, split=True,
+                                                      chunks_first=True),
+    "chunks-first-one-pass-L100-w64": Case(L=100, window=64, split=False, chunks_first=True),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -68,6 +73,7 @@ INFERENCE_CASES = {
     "shared-L100-gqa-w32-sinks4": Case(L=100, shared=True),
     "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16),
     "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0),
+    "chunks-first-shared-L100-gqa-w32-sinks4-bf16": Case(L=100, shared=True, dtype=bf16, chunks_first=True),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
