@@ -549,9 +549,9 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
                    VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
                    CF: tl.constexpr, DT: tl.constexpr):
-    """Grid (B*H, F/BK[, NT]) (`_grid`), forward over the chunks with state rows [fo, fo+BK) (split: one chunk,
-    its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from the
-    first block, d den per token (DDEN; SHARED adds the gradient den gets through the shared
+    """Grid (B*H, F/BK[, NT]) (`_grid`), forward over the chunks with state rows [fo, fo+BK) (split: one
+    chunk, its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from
+    the first block, d den per token (DDEN; SHARED adds the gradient den gets through the shared
     normaliser, DDEN_EXT)."""
     bh = _head(CF, 2)
     ik = tl.program_id(1)
@@ -972,9 +972,9 @@ class LizardAttentionFunction(torch.autograd.Function):
         d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
         hs, hz = states if cfg.split else (den, den)  # unread unless split
-        _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](fq, fk, log_g, v, y_gla, den, dy_gla, *dy_gla_bh, hs, hz, dfq,
-                                                      da_q, d_den, dden_ext, L, H, HKV, NT, F=F, D=D, BK=BK,
-                                                      NORM=ctx.normalize, SHARED=shared, **split)
+        _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
+            fq, fk, log_g, v, y_gla, den, dy_gla, *dy_gla_bh, hs, hz, dfq, da_q, d_den, dden_ext, L, H, HKV, NT, F=F,
+            D=D, BK=BK, NORM=ctx.normalize, SHARED=shared, **split)
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
@@ -983,17 +983,19 @@ class LizardAttentionFunction(torch.autograd.Function):
                                                             NT, F=F, D=D, BK=BKS, BV=BVS, **state)
         else:
             hds = hdz = den
-        _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk,
-                                                      da_k, L, H, HKV, NT, F=F, D=D, BK=BK, **split)
-        _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win,
-                                           *dy_win_bh, dqw, delta, d_sinks, d_alpha, dlse, arg, dm, L, H, HKV, window,
-                                           scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
+        _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
+            fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da_k, L, H, HKV, NT, F=F, D=D, BK=BK,
+            **split)
+        _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](
+            qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win, *dy_win_bh, dqw, delta, d_sinks,
+            d_alpha, dlse, arg, dm, L, H, HKV, window, scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
         if window_kv:
-            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), NW)](qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win,
-                                                L, H, HKV, window, scale, SHARED=shared, **win)
+            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), NW)](
+                qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win, L, H, HKV, window, scale,
+                SHARED=shared, **win)
         if grad_v:
-            _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H,
-                                                          NT, F=F, D=D, BV=BV, **split)
+            _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
+                fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)
 
         # d log g_t = sum over s >= t of dA_s.
         if vec:
