@@ -15,6 +15,8 @@ import json
 import re
 from pathlib import Path
 
+from linearize.eval.report import length_label
+
 NUMBER = re.compile(r"\d{3,}")
 
 
@@ -35,7 +37,7 @@ def main() -> None:
     rows = {row.name: json.loads((row / "eval.json").read_text())["tasks"]["passkey"]["samples"] for row in args.rows}
     lengths = sorted({s["length"] for samples in rows.values() for s in samples})
     print("Per length: predictions holding a number / predictions that are the key, of the prompts.\n")
-    print("| row | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |")
+    print("| row | " + " | ".join(length_label(n) for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
     for name, samples in rows.items():
         print(f"| {name} | " + " | ".join(row_cells(samples)) + " |")
