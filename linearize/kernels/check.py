@@ -38,8 +38,12 @@ class Case:
     D: int = 64
     gate_bias: float = 3.0  # log g = logsigmoid(N(0, 1) + bias): 3 keeps gamma near 1, -4 forgets fast
     split: bool | None = None  # force the chunk-parallel (True) or one-pass (False) kernels; None: the default
-    state_block_k: int | None = None  # state rows a program of the split kernels' state passes carries
+    state_block_k: int | None = None  # state rows a program of the split kernels' forward state pass carries
     state_block_v: int | None = None  # and its value columns
+    dstate_block_k: int | None = None  # state rows a program of the backward's state pass carries
+    dv_block_v: int | None = None  # value columns a program of the backward's dv pass writes
+    window_dq_block: int | None = None  # query rows a program of the backward's window dq pass takes
+    window_dkv_block: int | None = None  # and key rows of its dk/dv pass
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
@@ -71,7 +75,8 @@ def _output(case, leaves, dtype):
     opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
-    for name in ("state_block_k", "state_block_v", "chunks_first"):
+    for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
+                 "window_dkv_block", "chunks_first"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -259,18 +264,20 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (the chunks first in
-    the launch order, which lets the window's neighbouring tiles hit L2: second, so that a call's limit
-    does not cut it; no software pipelining; the state passes' rows; the dq/dk passes' rows, alone and
-    with the state passes'; the backward window kernels' blocks; 8 warps, which halves the registers a
-    thread holds: the forward kernel spills at 4). `stages=3` needs more shared memory than an H200
-    has (the thirteenth session's sweep). The earlier sweeps and what they chose are in docs/kernels.md."""
+    """The configurations `--sweep` times: the default, then one change at a time (the heads first in
+    the launch order, the previous default, where the window's neighbouring tiles miss L2; then each
+    kernel family's blocks at their previous or next size: the forward's value columns, which at 64
+    double its programs and its score GEMMs; the dv pass's; the backward window passes'; the state
+    passes' rows, forward and backward; the dq/dk passes' rows; no software pipelining). `stages=3`
+    needs more shared memory than an H200 has, and 8 warps were ~1.7x slower (the thirteenth and
+    twenty-second sessions' sweeps). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(chunks_first=True), change(stages=1), change(state_block_k=128), change(block_k=128),
-            change(block_k=128, state_block_k=128), change(window_block=64), change(warps=8)]
+    return [default, change(chunks_first=False), change(block_v=64), change(dv_block_v=128),
+            change(window_dq_block=32), change(window_dkv_block=64), change(state_block_k=64),
+            change(dstate_block_k=128), change(block_k=128), change(stages=1)]
 
 
 def compiled_kernels():

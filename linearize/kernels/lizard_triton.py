@@ -42,16 +42,19 @@ class Config:
     """Block sizes, warps and pipelining per kernel family (the defaults: H200 sweeps, docs/kernels.md)."""
 
     chunk: int  # scalar-gate chunk (the vector gate always uses VECTOR_GATE_CHUNK)
-    block_v: int = 64  # value columns per program: forward and dv pass
+    block_v: int = 64  # value columns per program of the forward
+    dv_block_v: int = 64  # value columns per program of the backward's dv pass
     block_k: int = 64  # state rows (features) per program: dq and dk passes
-    window_block: int = 64  # query/key rows per program in the backward window kernels
+    window_dq_block: int = 64  # query rows per program of the backward's window dq pass
+    window_dkv_block: int = 64  # key rows per program of the backward's window dk/dv pass
     warps: int = 8
     stages: int = 1  # Triton's software pipelining of the loops' loads (num_stages)
     # State rows (features) and value columns per program of the split kernels' sequential state
     # passes: smaller blocks, more programs and fewer registers a program (fla's chunk_fwd_h splits the
-    # same way, 64 x 64).
+    # same way, 64 x 64). The backward's pass has rows of its own (`dstate_block_k`).
     state_block_k: int = 128
     state_block_v: int = 128
+    dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
     # gradients are computed at once. More parallelism, one [NT, F, D] state per chunk in memory.
@@ -64,7 +67,8 @@ class Config:
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
-        for name in ("chunk", "block_v", "block_k", "window_block", "state_block_k", "state_block_v"):
+        for name in ("chunk", "block_v", "dv_block_v", "block_k", "window_dq_block", "window_dkv_block",
+                     "state_block_k", "state_block_v", "dstate_block_k"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
@@ -75,10 +79,12 @@ class Config:
     def default(dtype: torch.dtype) -> Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
-            return Config(chunk=32, window_block=32, state_block_v=64)
-        # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, thirteenth
-        # session): 1.63 / 7.40 ms forward / forward+backward, against 1.88 / 7.86 with stages=1.
-        return Config(chunk=64, block_v=128, window_block=32, warps=4, stages=2, split=True, state_block_k=64)
+            return Config(chunk=32, window_dq_block=32, window_dkv_block=32, state_block_v=64)
+        # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twenty-second
+        # session): 1.40 / 6.87 ms forward / forward+backward, against 1.62 / 7.25 with the heads first;
+        # then each kernel's own blocks, from that session's profiles of one change at a time.
+        return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
+                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -828,12 +834,13 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _state_blocks(heads: int, F: int, D: int, cfg: Config, device: torch.device) -> tuple[int, int]:
-    """State rows and value columns per program of the sequential state passes (`_fwd_states_kernel`,
-    `_bwd_states_kernel`): each program walks every chunk, so with few heads (batch 1 at long
-    context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more programs."""
+def _state_blocks(heads: int, F: int, D: int, rows: int, cfg: Config, device: torch.device) -> tuple[int, int]:
+    """State rows (at most `rows`) and value columns per program of a sequential state pass
+    (`_fwd_states_kernel`, `_bwd_states_kernel`): each program walks every chunk, so with few heads
+    (batch 1 at long context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more
+    programs."""
     sms = _multiprocessors(device) if device.type == "cuda" else 132
-    BK, BV = min(cfg.state_block_k, F), min(cfg.state_block_v, D)
+    BK, BV = min(rows, F), min(cfg.state_block_v, D)
     while BV > 32 and heads * (F // BK) * (D // BV) < sms:
         BV //= 2
     return BK, BV
@@ -897,7 +904,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
-        BKS, BVS = _state_blocks(B * H, F, D, cfg, qw.device)
+        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
         _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
                                                         CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
     else:
@@ -938,8 +945,9 @@ class LizardAttentionFunction(torch.autograd.Function):
         group = H // HKV
         vec = log_g.shape[-1] != 1
         BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
-        BK, BV, BW = min(cfg.block_k, F), min(cfg.block_v, D), cfg.window_block
-        NW = triton.cdiv(L, BW)
+        BK, BV = min(cfg.block_k, F), min(cfg.dv_block_v, D)
+        BWQ, BWKV = cfg.window_dq_block, cfg.window_dkv_block
+        NW = triton.cdiv(L, BWQ)  # the dq pass's row blocks, each writing its share of d sinks and d alpha
         M = 0 if sinks is None else sinks.shape[-1]
         MP = max(2, triton.next_power_of_2(M))
         dev, f32 = fq.device, torch.float32
@@ -949,8 +957,10 @@ class LizardAttentionFunction(torch.autograd.Function):
         state = {key: value for key, value in split.items() if key != "SPLIT"}
         split["CF"] = cfg.chunks_first and cfg.split
         chunks = NT if cfg.split else None
-        win = {"D": D, "BW": BW, "NWB": triton.cdiv(window - 1, BW), "DT": DOT_DTYPES[fq.dtype],
-               "DY_ROW": dy_win.stride(2), "CF": cfg.chunks_first, "num_warps": cfg.warps, "num_stages": cfg.stages}
+        win = {"D": D, "DT": DOT_DTYPES[fq.dtype], "DY_ROW": dy_win.stride(2), "CF": cfg.chunks_first,
+               "num_warps": cfg.warps, "num_stages": cfg.stages}
+        win_dq = win | {"BW": BWQ, "NWB": triton.cdiv(window - 1, BWQ)}
+        win_dkv = win | {"BW": BWKV, "NWB": triton.cdiv(window - 1, BWKV)}
         dy_gla_bh, dy_win_bh = (dy_gla.stride(0), dy_gla.stride(1)), (dy_win.stride(0), dy_win.stride(1))
 
         # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
@@ -978,7 +988,7 @@ class LizardAttentionFunction(torch.autograd.Function):
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
-            BKS, BVS = _state_blocks(B * H, F, D, cfg, dev)
+            BKS, BVS = _state_blocks(B * H, F, D, cfg.dstate_block_k, cfg, dev)
             _bwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, log_g, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, L, H,
                                                             NT, F=F, D=D, BK=BKS, BV=BVS, **state)
         else:
@@ -988,11 +998,11 @@ class LizardAttentionFunction(torch.autograd.Function):
             **split)
         _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](
             qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win, *dy_win_bh, dqw, delta, d_sinks,
-            d_alpha, dlse, arg, dm, L, H, HKV, window, scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win)
+            d_alpha, dlse, arg, dm, L, H, HKV, window, scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win_dq)
         if window_kv:
-            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), NW)](
+            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), triton.cdiv(L, BWKV))](
                 qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win, L, H, HKV, window, scale,
-                SHARED=shared, **win)
+                SHARED=shared, **win_dkv)
         if grad_v:
             _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
                 fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)

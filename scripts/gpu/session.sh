@@ -33,7 +33,7 @@ case $part in
                --profile "$res/profile" ;;
       bench) ops=()
              [ -n "${2:-}" ] && ops=(--ops "${2//+/,}")
-             step bench 400 python -m linearize.cli bench kernels "${ops[@]}" --out "$res/kernels" ;;
+             step bench 540 python -m linearize.cli bench kernels "${ops[@]}" --out "$res/kernels" ;;
       *) step check 300 python -m linearize.kernels.check --no-check ;;
     esac ;;
   train)

@@ -46,6 +46,9 @@ INTERPRETER_CASES = {
     "frozen-shared-L100-gqa-w32-sinks4": Case(L=100, shared=True, frozen=True),
     "frozen-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, frozen=True),
     "split-rows16-L100-gqa-w32-sinks4": Case(L=100, split=True, state_block_k=16, state_block_v=32),
+    # Each backward pass on blocks of its own size: the window passes' row blocks differ in count.
+    "split-own-blocks-L100-gqa-w32-sinks4": Case(L=100, split=True, dstate_block_k=32, dv_block_v=32,
+                                                 window_dq_block=16, window_dkv_block=32),
     "dy-transposed-L100-gqa-w32-sinks4": Case(L=100, dy_transposed=True),
     "dy-transposed-split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=True, dy_transposed=True),
     # The launch order with the chunks on grid axis 0 and the heads last (Config.chunks_first).
@@ -190,6 +193,7 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
 
     for dtype in (torch.float32, bf16):
         Config.default(dtype)
-    for bad in ({"chunk": 48}, {"state_block_k": 8}, {"state_block_v": 96}, {"warps": 3}, {"stages": 0}):
+    for bad in ({"chunk": 48}, {"state_block_k": 8}, {"state_block_v": 96}, {"dv_block_v": 96}, {"window_dkv_block": 8},
+                {"dstate_block_k": 24}, {"warps": 3}, {"stages": 0}):
         with pytest.raises(ValueError, match="Config"):
             Config(**{"chunk": 64, **bad})
