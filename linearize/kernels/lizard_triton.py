@@ -880,6 +880,22 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     BV = min(cfg.block_v, D)
     M = 0 if sinks is None else sinks.shape[-1]
     MP = max(2, triton.next_power_of_2(M))
+    HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
+    NT = triton.cdiv(L, BT)
+    shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
+              "num_stages": cfg.stages}
+    end = None
+    # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
+    if cfg.split:
+        hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
+        hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
+        s0, z0 = (t.float().contiguous() for t in carried) if carried is not None else (hz, hz)
+        if carried is not None:
+            end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
+        s_end, z_end = end if end is not None else (hz, hz)
+        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                                        CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
     # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
     # shared split without a copy.
@@ -892,22 +908,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     # Written only with `shared` (and `save`): each row's window max (sinks included) and its key (-1: a sink).
     row_max = torch.empty_like(den) if shared and save else den
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
-    HKV, DT = kw.shape[1], DOT_DTYPES[fq.dtype]
-    NT = triton.cdiv(L, BT)
-    shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
-              "num_stages": cfg.stages}
-    end = None
-    if cfg.split:
-        hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
-        hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
-        s0, z0 = (t.float().contiguous() for t in carried) if carried is not None else (hz, hz)
-        if carried is not None:
-            end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
-        s_end, z_end = end if end is not None else (hz, hz)
-        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
-        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
-                                                        CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
-    else:
+    if not cfg.split:
         hs = hz = den  # unread
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
