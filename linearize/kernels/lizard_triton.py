@@ -75,6 +75,11 @@ class Config:
         if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
             raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {self.warps}, {self.stages}")
 
+    @property
+    def chunk_axis_first(self) -> bool:
+        """The chunk kernels' CF: only the split kernels have a chunk axis to put first (`_grid`)."""
+        return self.chunks_first and self.split
+
     @staticmethod
     def default(dtype: torch.dtype) -> Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
@@ -913,7 +918,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
         arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunks_first and cfg.split, **shapes)
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end
@@ -956,7 +961,7 @@ class LizardAttentionFunction(torch.autograd.Function):
         split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
                  "DY_ROW": dy_gla.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
         state = {key: value for key, value in split.items() if key != "SPLIT"}
-        split["CF"] = cfg.chunks_first and cfg.split
+        split["CF"] = cfg.chunk_axis_first
         chunks = NT if cfg.split else None
         win = {"D": D, "DT": DOT_DTYPES[fq.dtype], "DY_ROW": dy_win.stride(2), "CF": cfg.chunks_first,
                "num_warps": cfg.warps, "num_stages": cfg.stages}

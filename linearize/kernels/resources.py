@@ -90,7 +90,7 @@ def main() -> None:
     print(f"Lizard's forward (inference), bf16, F = d = 128, w = {window}, 4 sinks, {cfg}:")
     constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk),
                  "M": 4, "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": True,
-                 "CF": cfg.chunks_first and cfg.split, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+                 "CF": cfg.chunk_axis_first, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
     variants = {"as launched at Table 3 shapes": (constants, True), "without alignment hints": (constants, False),
                 "the heads first in the launch order": (constants | {"CF": False}, True)}
     for label, (values, aligned) in variants.items():
