@@ -20,8 +20,10 @@ res=$LOGS
 mkdir -p "$res"
 case $part in
   tests)
-    # PATH words narrow the run to those test files (the whole GPU set takes ~5 minutes).
-    paths=("$@")
+    # PATH words narrow the run to those test files (the whole GPU set takes ~5 minutes); pytest
+    # options may follow, with + for the spaces of one (a part's words split at spaces):
+    # `tests tests/kernels -k own-blocks+or+bf16`.
+    paths=("${@//+/ }")
     [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py tests/train/test_multirank.py)
     step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
