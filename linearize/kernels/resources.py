@@ -6,7 +6,8 @@ the device. Register spills, the usual reason a tile configuration is slow, can 
     python -m linearize.kernels.resources
 
 prints them for STILL's backward key kernel at the shapes the models use, and for Lizard's forward
-at the Table 3 shapes (docs/kernels.md compares them with the H200's own report).
+at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), and for its window
+d k / d v pass at the key-row blocks and warps the sweeps weighed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,27 @@ def lizard_forward_types() -> dict[str, str]:
             "eps": "fp32"}
 
 
+def lizard_window_dkv_types() -> dict[str, str]:
+    """`lizard_triton._bwd_window_dkv_kernel`'s argument types for bf16 operands."""
+    tile, f32 = "*bf16", "*fp32"
+    return {"QW": tile, "KW": tile, "V": tile, "ALPHA": f32, "LSE": f32, "DY": tile, "dy_b": "i64", "dy_h": "i64",
+            "DELTA": f32, "ARG": "*i32", "DM": f32, "DKW": tile, "DV_WIN": f32, "L": "i32", "H": "i32", "HKV": "i32",
+            "window": "i32", "scale": "fp32"}
+
+
+def lizard_window_dkv(rows: int, warps: int, stages: int, window: int = 128) -> dict[str, int]:
+    """The window's d k / d v pass at Table 3's D = 128 (dy in the model's [B, L, H, D] layout, H = 32)
+    with `rows` keys a program."""
+    import torch
+
+    from . import lizard_triton
+
+    constants = {"D": 128, "BW": rows, "NWB": -(-(window - 1) // rows), "DY_ROW": 32 * 128, "SHARED": False,
+                 "CF": True, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+    return resources(lizard_triton._bwd_window_dkv_kernel, lizard_window_dkv_types(), constants,
+                     divisible=("L", "H", "HKV", "window"), num_warps=warps, num_stages=stages)
+
+
 def main() -> None:
     import torch
 
@@ -97,6 +119,9 @@ def main() -> None:
         found = resources(lizard_triton._fwd_kernel, lizard_forward_types(), values, aligned=aligned,
                           divisible=("L", "H", "HKV", "NT", "window"), num_warps=cfg.warps, num_stages=cfg.stages)
         print(f"  {label}: {found}")
+    print(f"Lizard's window d k / d v pass, bf16, D = 128, w = {window}, by key rows a program and warps:")
+    for rows, warps in ((cfg.window_dkv_block, cfg.warps), (64, 4), (64, 8)):
+        print(f"  {rows} rows, {warps} warps: {lizard_window_dkv(rows, warps, cfg.stages, window)}")
 
 
 if __name__ == "__main__":

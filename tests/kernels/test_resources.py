@@ -46,3 +46,11 @@ def test_every_argument_needs_a_type_or_value(still_triton):
     with pytest.raises(ValueError, match="no type or value for .*BN"):
         res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
                       {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64})
+
+
+def test_lizard_window_key_pass_does_not_spill_as_launched():
+    from linearize.kernels.lizard_triton import Config
+
+    cfg = Config.default(torch.bfloat16)
+    found = res.lizard_window_dkv(cfg.window_dkv_block, cfg.warps, cfg.stages)
+    assert found["spilled"] == 0 and 0 < found["registers"] <= 255
