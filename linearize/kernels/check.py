@@ -45,6 +45,7 @@ class Case:
     window_dq_block: int | None = None  # query rows a program of the backward's window dq pass takes
     window_dkv_block: int | None = None  # and key rows of its dk/dv pass
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
+    fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -76,7 +77,7 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first"):
+                 "window_dkv_block", "chunks_first", "fused_backward"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -264,20 +265,21 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (the heads first in
-    the launch order, the previous default, where the window's neighbouring tiles miss L2; then each
-    kernel family's blocks at their previous or next size: the forward's value columns, which at 64
-    double its programs and its score GEMMs; the dv pass's; the backward window passes'; the state
-    passes' rows, forward and backward; the dq/dk passes' rows; no software pipelining). `stages=3`
-    needs more shared memory than an H200 has, and 8 warps were ~1.7x slower (the thirteenth and
-    twenty-second sessions' sweeps). The earlier sweeps and what they chose are in docs/kernels.md."""
+    """The configurations `--sweep` times: the default, then one change at a time (the backward's
+    per-pass dq, dk and dv kernels instead of the fused chunk kernel; that kernel at 4 warps, where it
+    spills; the heads first in the launch order, where the window's neighbouring tiles miss L2; then
+    kernel families' blocks at their previous or next size: the forward's value columns, which at 64
+    double its programs and its score GEMMs; the backward window passes'; the state passes' rows,
+    forward and backward; no software pipelining). `stages=3` needs more shared memory than an H200
+    has, and 8 warps for every kernel were ~1.7x slower (the thirteenth and twenty-second sessions'
+    sweeps). The earlier sweeps and what they chose are in docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(chunks_first=False), change(block_v=64), change(dv_block_v=128),
-            change(window_dq_block=32), change(window_dkv_block=64), change(state_block_k=64),
-            change(dstate_block_k=128), change(block_k=128), change(stages=1)]
+    return [default, change(fused_backward=False), change(fused_warps=4), change(chunks_first=False),
+            change(block_v=64), change(window_dq_block=32), change(window_dkv_block=64), change(state_block_k=64),
+            change(dstate_block_k=128), change(stages=1)]
 
 
 def compiled_kernels():

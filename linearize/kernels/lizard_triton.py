@@ -64,6 +64,11 @@ class Config:
     # key and value tiles, which each also reads for its neighbours, in L2. Head first (False), the
     # programs of one chunk of every head run together instead.
     chunks_first: bool = False
+    # The split backward's d fq, d fk and d v in one kernel a chunk (`_bwd_chunk_kernel`), which forms
+    # the chunk's dP once instead of once for each block of features of the dq and dk passes. Taken
+    # where it applies: split kernels and a scalar gate (a vector gate's 16-token chunks go key by key).
+    fused_backward: bool = True
+    fused_warps: int = 8  # that kernel's warps: its tiles spill at 4 (`python -m linearize.kernels.resources`)
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -72,13 +77,18 @@ class Config:
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
-            raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {self.warps}, {self.stages}")
+        if {self.warps, self.fused_warps} - {1, 2, 4, 8, 16} or self.stages < 1:
+            raise ValueError("Config needs warps and fused_warps in 1/2/4/8/16 and stages >= 1, got "
+                             f"{self.warps}, {self.fused_warps}, {self.stages}")
 
     @property
     def chunk_axis_first(self) -> bool:
         """The chunk kernels' CF: only the split kernels have a chunk axis to put first (`_grid`)."""
         return self.chunks_first and self.split
+
+    def fuses_backward(self, vec: bool) -> bool:
+        """Whether the backward takes `_bwd_chunk_kernel` (for a vector gate, `vec`, or a scalar one)."""
+        return self.fused_backward and self.split and not vec
 
     @staticmethod
     def default(dtype: torch.dtype) -> Config:
@@ -556,19 +566,15 @@ def _state_rows_ptrs(FQ, FK, DF, LG, DA, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, b
 
 
 @triton.jit
-def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q, DDEN, DDEN_EXT, L, H, HKV, NT,
+def _bwd_dq_kernel(FQ, FK, LG, V, DEN, DY, dy_b, dy_h, DDEN, HS, HZ, DFQ, DA_Q, L, H, HKV, NT,
                    F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
-                   VEC: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-                   CF: tl.constexpr, DT: tl.constexpr):
+                   VEC: tl.constexpr, SPLIT: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, F/BK[, NT]) (`_grid`), forward over the chunks with state rows [fo, fo+BK) (split: one
-    chunk, its state from HS, HZ): d fq of those features, their share of dA = fq.dfq (DA_Q) and, from
-    the first block, d den per token (DDEN; SHARED adds the gradient den gets through the shared
-    normaliser, DDEN_EXT)."""
+    chunk, its state from HS, HZ): d fq of those features and their share of dA = fq.dfq (DA_Q)."""
     bh = _head(CF, 2)
     ik = tl.program_id(1)
     FQ, FK, DFQ, LG, DA_Q, V, DY, DEN, DDEN, HS, HZ = _state_rows_ptrs(
         FQ, FK, DFQ, LG, DA_Q, V, DY, dy_b, dy_h, DEN, DDEN, HS, HZ, bh, ik, L, H, HKV, NT, F, D, BK, VEC, CF)
-    Y_GLA += bh * L * D
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
 
@@ -584,17 +590,8 @@ def _bwd_dq_kernel(FQ, FK, LG, V, Y_GLA, DEN, DY, dy_b, dy_h, HS, HZ, DFQ, DA_Q,
         k = _load_tile(FK, pos, L, F, BK)
         v = _load_tile(V, pos, L, D, D)
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        dy = _load_tile(DY, pos, L, DY_ROW, D)
-        den = tl.load(DEN + pos, mask=inside, other=1.0)
-        d_num = dy / den[:, None]
-        if NORM:
-            d_den = -tl.sum(dy.to(tl.float32) * _load_tile(Y_GLA, pos, L, D, D).to(tl.float32), 1) / den
-        else:
-            d_den = tl.zeros([BT], tl.float32)
-        if SHARED:
-            d_den += tl.load(DDEN_EXT + bh * L + pos, mask=inside, other=0.0)
-        if ik == 0:
-            tl.store(DDEN + pos, d_den, mask=inside)
+        d_num = _load_tile(DY, pos, L, DY_ROW, D) / tl.load(DEN + pos, mask=inside, other=1.0)[:, None]
+        d_den = tl.load(DDEN + pos, mask=inside, other=0.0)
 
         # dP_ij = d_num_i . v_j + d_den_i (V with its ones column); decayed, causal.
         dP = _dot(d_num, tl.trans(v), DT) + d_den[:, None]
@@ -704,16 +701,64 @@ def _bwd_dv_kernel(FQ, FK, LG, DEN, DY, dy_b, dy_h, DV_WIN, HDS, DV, L, H, NT,
 
 
 @triton.jit
+def _bwd_chunk_kernel(FQ, FK, LG, V, DEN, DY, dy_b, dy_h, DDEN, HS, HZ, HDS, HDZ, DV_WIN, DFQ, DFK, DV, DA,
+                      L, H, HKV, NT, F: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, DY_ROW: tl.constexpr,
+                      GRAD_V: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+    """Grid (B*H, NT) (`_grid`), split kernels with a scalar gate: one chunk's d fq, d fk and (GRAD_V) d v
+    of the linear part plus the window's (DV_WIN), every feature and column in one program, from the
+    state at the chunk's start (HS, HZ) and its gradient at the chunk's end (HDS, HDZ). The per-pass
+    kernels each form dP = d_num vᵀ + d_den again for every block of features they write (four times
+    a chunk at F = 128); here it is formed once and the chunk's tiles are read once. Its dA =
+    fq.dfq - fk.dfk goes to DA [B*H, L]."""
+    bh = _head(CF, 1)
+    n, _ = _row_block(CF)
+    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
+    t = tl.arange(0, BT)
+    rows = tl.arange(0, F)
+    pos = n * BT + t
+    inside = pos < L
+    q = _load_tile(FQ + bh * L * F, pos, L, F, F)
+    k = _load_tile(FK + bh * L * F, pos, L, F, F)
+    v = _load_tile(V + kv * L * D, pos, L, D, D)
+    A, a_end = _load_gate(LG + bh * L, pos, L, F, F, False)
+    d_num = _load_tile(_dy_rows(DY, bh, H, dy_b, dy_h), pos, L, DY_ROW, D) / tl.load(
+        DEN + bh * L + pos, mask=inside, other=1.0)[:, None]
+    d_den = tl.load(DDEN + bh * L + pos, mask=inside, other=0.0)
+    decay = _scalar_decay(A, t)
+    dP = (_dot(d_num, tl.trans(v), DT) + d_den[:, None]) * decay
+
+    S, z = _load_chunk_state(HS + bh * NT * F * D, HZ + bh * NT * F, n, rows, F, D, D)
+    dq = _dot_acc(dP, k, _q_decay(A, False) * (_dot(d_num, tl.trans(S), DT) + d_den[:, None] * z[None, :]), DT)
+    _store_tile(DFQ + bh * L * F, pos, L, dq, F, F)
+    da = tl.sum(q * dq, 1)
+
+    dS, dz = _load_chunk_state(HDS + bh * NT * F * D, HDZ + bh * NT * F, n, rows, F, D, D)
+    k_decay = _k_decay(A, a_end, False)
+    dk = _dot_acc(tl.trans(dP), q, k_decay * (_dot(v, tl.trans(dS), DT) + dz[None, :]), DT)
+    _store_tile(DFK + bh * L * F, pos, L, dk, F, F)
+    tl.store(DA + bh * L + pos, da - tl.sum(k * dk, 1), mask=inside)
+
+    if GRAD_V:
+        P = _dot(q, tl.trans(k), DT) * decay
+        dv = _dot_acc(tl.trans(P), d_num, _dot(k * k_decay, dS, DT), DT)
+        _store_tile(DV + bh * L * D, pos, L, dv + _load_tile(DV_WIN + bh * L * D, pos, L, D, D), D, D)
+
+
+@triton.jit
 def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, dy_b, dy_h, DQW, DELTA, DSINKS, DALPHA, DLSE, ARG, DM,
-                          L, H, HKV, window, scale,
+                          DY_GLA, Y_GLA, DEN, DDEN, DDEN_EXT, L, H, HKV, window, scale,
                           D: tl.constexpr, BW: tl.constexpr, NWB: tl.constexpr, DY_ROW: tl.constexpr, M: tl.constexpr,
-                          MP: tl.constexpr, SHARED: tl.constexpr, GRAD_Q: tl.constexpr, CF: tl.constexpr,
-                          DT: tl.constexpr):
+                          MP: tl.constexpr, SHARED: tl.constexpr, GRAD_Q: tl.constexpr, NORM: tl.constexpr,
+                          CF: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, cdiv(L, BW)) (`_grid`): one block of queries. d qw (GRAD_Q), delta = dy_win . y_win per token
     (DELTA) and this block's share of d sinks and d alpha. SHARED: the log-sum-exp and the row max (held
     by key ARG, or by the largest sinks where ARG < 0) get gradients DLSE and DM of their own. Without
     GRAD_Q (stage 1: qw is RoPE of a frozen projection) no window scores are recomputed: delta and the
-    sinks' and alpha's gradients need only the saved outputs and log-sum-exps."""
+    sinks' and alpha's gradients need only the saved outputs and log-sum-exps.
+
+    Also the linear part's per-token d den = -dy_gla . y_gla / den (NORM; SHARED adds the gradient den
+    gets through the shared normaliser, DDEN_EXT) into DDEN: the linear part's kernels all read it, and
+    the backward's state pass needs it before they run. DY_GLA is DY (not SHARED) or laid out as it."""
     bh = _head(CF, 1)
     n, blocks = _row_block(CF)
     h = bh % H
@@ -731,6 +776,15 @@ def _bwd_window_dq_kernel(QW, KW, V, SINKS, ALPHA, Y_WIN, LSE, DY, dy_b, dy_h, D
     lse = tl.load(LSE + bh * L + pos, mask=inside, other=float("inf"))  # padded rows: zero probabilities
     dy = _load_tile(DY, pos, L, DY_ROW, D)
     dy_ywin = tl.sum(dy.to(tl.float32) * _load_tile(Y_WIN, pos, L, D, D).to(tl.float32), 1)
+    d_den = tl.zeros([BW], tl.float32)
+    if NORM:
+        dy_gla = _load_tile(_dy_rows(DY_GLA, bh, H, dy_b, dy_h), pos, L, DY_ROW, D) if SHARED else dy
+        y_gla = _load_tile(Y_GLA + bh * L * D, pos, L, D, D)
+        d_den -= tl.sum(dy_gla.to(tl.float32) * y_gla.to(tl.float32), 1) / tl.load(DEN + bh * L + pos, mask=inside,
+                                                                                    other=1.0)
+    if SHARED:
+        d_den += tl.load(DDEN_EXT + bh * L + pos, mask=inside, other=0.0)
+    tl.store(DDEN + bh * L + pos, d_den, mask=inside)
     delta = alpha * dy_ywin
     if SHARED:  # d lse_i reaches s_ij as p_ij d lse_i: the same as lowering delta
         delta -= tl.load(DLSE + bh * L + pos, mask=inside, other=0.0)
@@ -980,17 +1034,26 @@ class LizardAttentionFunction(torch.autograd.Function):
         dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if window_kv else den
         dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_v else den
         dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32) if window_kv else den
-        # dA shares: per feature (vector gate) or partial sums over feature blocks (scalar gate).
-        da_shape = (B, H, L, F) if vec else (F // BK, B, H, L)
-        da_q, da_k = torch.empty(da_shape, device=dev, dtype=f32), torch.empty(da_shape, device=dev, dtype=f32)
+        fused = cfg.fuses_backward(vec)
+        # dA shares: per feature (vector gate), else partial sums: one from the fused kernel, or one per
+        # feature block of the dq pass and then of the dk pass.
+        shares = 1 if fused else 2 * (F // BK)
+        da = torch.empty((2, B, H, L, F) if vec else (shares, B, H, L), device=dev, dtype=f32)
         d_den, delta = torch.empty_like(den), torch.empty_like(den)
         d_sinks = torch.empty(B * H * NW, MP, device=dev, dtype=f32)
         d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
+        # First the per-token terms: the window's delta and the linear part's d den, which all the
+        # linear part's passes read.
+        _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](
+            qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win, *dy_win_bh, dqw, delta, d_sinks,
+            d_alpha, dlse, arg, dm, dy_gla, y_gla, den, d_den, dden_ext, L, H, HKV, window, scale, M=M, MP=MP,
+            SHARED=shared, GRAD_Q=grad_qw, NORM=ctx.normalize, **win_dq)
+        if window_kv:
+            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), triton.cdiv(L, BWKV))](
+                qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win, L, H, HKV, window, scale,
+                SHARED=shared, **win_dkv)
         hs, hz = states if cfg.split else (den, den)  # unread unless split
-        _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
-            fq, fk, log_g, v, y_gla, den, dy_gla, *dy_gla_bh, hs, hz, dfq, da_q, d_den, dden_ext, L, H, HKV, NT, F=F,
-            D=D, BK=BK, NORM=ctx.normalize, SHARED=shared, **split)
         if cfg.split:
             hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
             hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
@@ -999,25 +1062,27 @@ class LizardAttentionFunction(torch.autograd.Function):
                                                             NT, F=F, D=D, BK=BKS, BV=BVS, **state)
         else:
             hds = hdz = den
-        _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
-            fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da_k, L, H, HKV, NT, F=F, D=D, BK=BK,
-            **split)
-        _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](
-            qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win, *dy_win_bh, dqw, delta, d_sinks,
-            d_alpha, dlse, arg, dm, L, H, HKV, window, scale, M=M, MP=MP, SHARED=shared, GRAD_Q=grad_qw, **win_dq)
-        if window_kv:
-            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), triton.cdiv(L, BWKV))](
-                qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win, L, H, HKV, window, scale,
-                SHARED=shared, **win_dkv)
-        if grad_v:
-            _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
-                fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)
+        if fused:
+            _bwd_chunk_kernel[_grid(cfg, B * H, (), NT)](
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, hds, hdz, dv_win, dfq, dfk, dv, da, L, H,
+                HKV, NT, F=F, D=D, BT=BT, DY_ROW=split["DY_ROW"], GRAD_V=grad_v, CF=cfg.chunks_first,
+                DT=split["DT"], num_warps=cfg.fused_warps, num_stages=cfg.stages)
+        else:
+            _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, dfq, da[0] if vec else da[:F // BK], L, H, HKV, NT, F=F, D=D, BK=BK,
+                **split)
+            _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da[1] if vec else da[F // BK:], L,
+                H, HKV, NT, F=F, D=D, BK=BK, **split)
+            if grad_v:
+                _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
+                    fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)
 
         # d log g_t = sum over s >= t of dA_s.
         if vec:
-            d_log_g = (da_q + da_k).flip(2).cumsum(2).flip(2)
+            d_log_g = da.sum(0).flip(2).cumsum(2).flip(2)
         else:
-            d_log_g = scalar_gate_grad(da_q, da_k)[..., None]
+            d_log_g = scalar_gate_grad(da)[..., None]
         dqw = dqw if grad_qw else None
         dkw = (dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype) if group > 1 else dkw) if grad_kw else None
         dv = (dv.view(B, HKV, group, L, D).sum(2).to(v.dtype) if group > 1 else dv) if grad_v else None
@@ -1030,9 +1095,9 @@ GATE_GRAD_BLOCK = 1024  # tokens per step of `_scalar_gate_grad_kernel`'s scan
 
 
 @triton.jit
-def _scalar_gate_grad_kernel(DA_Q, DA_K, DLG, R, L, NB: tl.constexpr, BL: tl.constexpr):
+def _scalar_gate_grad_kernel(DA, DLG, R, L, NB: tl.constexpr, BL: tl.constexpr):
     """Grid (R,), a program per head and batch row: d log g of its L tokens, the reverse cumsum of the
-    dA shares of the dq and dk passes ([NB, R, L] each: partial sums over NB feature blocks), in blocks
+    dA shares ([NB, R, L]: partial sums of the dq and dk passes over their feature blocks), in blocks
     of BL tokens from the end, carrying the sum of the blocks after."""
     r = tl.program_id(0).to(tl.int64)
     carry = tl.zeros([], tl.float32)
@@ -1041,20 +1106,19 @@ def _scalar_gate_grad_kernel(DA_Q, DA_K, DLG, R, L, NB: tl.constexpr, BL: tl.con
         inside = pos >= 0
         x = tl.zeros([BL], tl.float32)
         for nb in tl.static_range(NB):
-            at = (nb * R + r) * L + pos
-            x += tl.load(DA_Q + at, mask=inside, other=0.0) + tl.load(DA_K + at, mask=inside, other=0.0)
+            x += tl.load(DA + (nb * R + r) * L + pos, mask=inside, other=0.0)
         tl.store(DLG + r * L + pos, tl.cumsum(x, 0, reverse=True) + carry, mask=inside)
         carry += tl.sum(x, 0)
 
 
-def scalar_gate_grad(da_q, da_k):
-    """d log g [B, H, L] of a scalar gate from the dq and dk passes' dA shares ([NB, B, H, L] float32):
-    the sum over s >= t of both shares, summed over the NB feature blocks, in one kernel (in PyTorch:
-    two sums, an add, two flips and a cumsum, six launches a layer in training)."""
-    NB, B, H, L = da_q.shape
-    out = torch.empty(B, H, L, device=da_q.device, dtype=torch.float32)
-    _scalar_gate_grad_kernel[(B * H,)](da_q, da_k, out, B * H, L, NB=NB,
-                                       BL=min(GATE_GRAD_BLOCK, triton.next_power_of_2(L)), num_warps=4)
+def scalar_gate_grad(da):
+    """d log g [B, H, L] of a scalar gate from the backward's dA shares ([NB, B, H, L] float32): the sum
+    over s >= t, summed over the NB shares, in one kernel (in PyTorch: two sums, an add, two flips and
+    a cumsum, six launches a layer in training)."""
+    NB, B, H, L = da.shape
+    out = torch.empty(B, H, L, device=da.device, dtype=torch.float32)
+    _scalar_gate_grad_kernel[(B * H,)](da, out, B * H, L, NB=NB, BL=min(GATE_GRAD_BLOCK, triton.next_power_of_2(L)),
+                                       num_warps=4)
     return out
 
 

@@ -90,6 +90,27 @@ def lizard_window_dkv(rows: int, warps: int, stages: int, window: int = 128) -> 
                      divisible=("L", "H", "HKV", "window"), num_warps=warps, num_stages=stages)
 
 
+def lizard_chunk_backward_types() -> dict[str, str]:
+    """`lizard_triton._bwd_chunk_kernel`'s argument types for bf16 operands (a scalar gate's float32 log g)."""
+    tile, f32 = "*bf16", "*fp32"
+    return {"FQ": tile, "FK": tile, "LG": f32, "V": tile, "DEN": f32, "DY": tile, "dy_b": "i64", "dy_h": "i64",
+            "DDEN": f32, "HS": tile, "HZ": f32, "HDS": tile, "HDZ": f32, "DV_WIN": f32, "DFQ": tile, "DFK": tile,
+            "DV": tile, "DA": f32, "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32"}
+
+
+def lizard_chunk_backward(warps: int, stages: int, chunk: int = 64, grad_v: bool = True) -> dict[str, int]:
+    """The fused backward's chunk kernel (d fq, d fk, d v) at Table 3's F = D = 128 (dy in the model's
+    [B, L, H, D] layout, H = 32)."""
+    import torch
+
+    from . import lizard_triton
+
+    constants = {"F": 128, "D": 128, "BT": chunk, "DY_ROW": 32 * 128, "GRAD_V": grad_v, "CF": True,
+                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+    return resources(lizard_triton._bwd_chunk_kernel, lizard_chunk_backward_types(), constants,
+                     divisible=("L", "H", "HKV", "NT"), num_warps=warps, num_stages=stages)
+
+
 def main() -> None:
     import torch
 
@@ -122,6 +143,11 @@ def main() -> None:
     print(f"Lizard's window d k / d v pass, bf16, D = 128, w = {window}, by key rows a program and warps:")
     for rows, warps in ((cfg.window_dkv_block, cfg.warps), (64, 4), (64, 8)):
         print(f"  {rows} rows, {warps} warps: {lizard_window_dkv(rows, warps, cfg.stages, window)}")
+    print(f"Lizard's fused backward chunk kernel (d fq, d fk, d v), bf16, F = d = 128, {cfg.chunk}-token chunks:")
+    for warps in (4, 8):
+        for grad_v in (True, False):
+            found = lizard_chunk_backward(warps, cfg.stages, cfg.chunk, grad_v)
+            print(f"  {warps} warps, {'with' if grad_v else 'without'} d v: {found}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,10 @@ INTERPRETER_CASES = {
     # Each backward pass on blocks of its own size: the window passes' row blocks differ in count.
     "split-own-blocks-L100-gqa-w32-sinks4": Case(L=100, split=True, dstate_block_k=32, dv_block_v=32,
                                                  window_dq_block=16, window_dkv_block=32),
+    # The split backward's per-pass dq, dk and dv kernels (else the fused chunk kernel, where it applies).
+    "split-unfused-L100-gqa-w32-sinks4": Case(L=100, split=True, fused_backward=False),
+    "shared-split-unfused-L63-nosinks-bf16": Case(L=63, sinks=0, dtype=bf16, shared=True, split=True,
+                                                  fused_backward=False),
     "dy-transposed-L100-gqa-w32-sinks4": Case(L=100, dy_transposed=True),
     "dy-transposed-split-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=True, dy_transposed=True),
     # The launch order with the chunks on grid axis 0 and the heads last (Config.chunks_first).
@@ -65,6 +69,9 @@ SLOW_INTERPRETER_CASES = {
     "L63-vector-strong-decay": Case(L=63, gate="vector", gate_bias=-4.0),
     "split-L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128, split=True),
     "split-L100-strong-decay": Case(L=100, gate_bias=-4.0, split=True),
+    "split-unfused-L300-w256-sinks8-F128": Case(L=300, window=256, sinks=8, F=128, D=128, split=True,
+                                                fused_backward=False),
+    "split-unnormalised-L100-bf16": Case(L=100, dtype=bf16, sinks=0, normalize=False, split=True),
     "split-rows32-L37-vector-nosinks": Case(L=37, gate="vector", sinks=0, split=True, state_block_k=32),
     "unnormalised-one-pass-L63-bf16": Case(L=63, window=64, dtype=bf16, sinks=0, normalize=False, split=False),
 }
@@ -149,11 +156,10 @@ _GATE_GRAD_SCRIPT = """
 import json, torch
 from linearize.kernels.lizard_triton import scalar_gate_grad
 errors = []
-for NB, B, H, L in [(1, 2, 3, 5), (2, 2, 1, 2049), (1, 1, 1, 1)]:  # 2049: three blocks, the last partial
-    g = torch.Generator().manual_seed(L)
-    da_q, da_k = torch.randn(NB, B, H, L, generator=g), torch.randn(NB, B, H, L, generator=g)
-    reference = (da_q.sum(0) + da_k.sum(0)).flip(-1).cumsum(-1).flip(-1)
-    errors.append(((scalar_gate_grad(da_q, da_k) - reference).abs().max() / reference.abs().max()).item())
+for NB, B, H, L in [(1, 2, 3, 5), (4, 2, 1, 2049), (1, 1, 1, 1)]:  # 2049: three blocks, the last partial
+    da = torch.randn(NB, B, H, L, generator=torch.Generator().manual_seed(L))
+    reference = da.sum(0).flip(-1).cumsum(-1).flip(-1)
+    errors.append(((scalar_gate_grad(da) - reference).abs().max() / reference.abs().max()).item())
 print(json.dumps(errors))
 """
 
@@ -194,6 +200,6 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
     for dtype in (torch.float32, bf16):
         Config.default(dtype)
     for bad in ({"chunk": 48}, {"state_block_k": 8}, {"state_block_v": 96}, {"dv_block_v": 96}, {"window_dkv_block": 8},
-                {"dstate_block_k": 24}, {"warps": 3}, {"stages": 0}):
+                {"dstate_block_k": 24}, {"warps": 3}, {"fused_warps": 6}, {"stages": 0}):
         with pytest.raises(ValueError, match="Config"):
             Config(**{"chunk": 64, **bad})
