@@ -266,18 +266,19 @@ def run_bench(lengths, B=16, H=32, D=128):
 
 def sweep_configs():
     """The configurations `--sweep` times: the default, then one change at a time (the backward's
-    per-pass dq, dk and dv kernels instead of the fused chunk kernel; that kernel at 4 warps, where it
-    spills; the heads first in the launch order, where the window's neighbouring tiles miss L2; then
-    kernel families' blocks at their previous or next size: the forward's value columns, which at 64
-    double its programs and its score GEMMs; the backward window passes'; the state passes' rows,
-    forward and backward; no software pipelining). `stages=3` needs more shared memory than an H200
-    has, and 8 warps for every kernel were ~1.7x slower (the thirteenth and twenty-second sessions'
-    sweeps). The earlier sweeps and what they chose are in docs/kernels.md."""
+    per-pass dq, dk and dv kernels instead of the fused chunk kernel; the heads first in the launch
+    order, where the window's neighbouring tiles miss L2; then kernel families' blocks at their
+    previous or next size: the forward's value columns, which at 64 double its programs and its score
+    GEMMs; the backward window passes'; the state passes' rows, forward and backward; no software
+    pipelining). `stages=3` needs more shared memory than an H200 has, and 8 warps were ~1.7x slower
+    (the thirteenth and twenty-second sessions' sweeps; the fused chunk kernel alone at 8 warps, 2.18
+    ms against 1.47 at 4, the twenty-third's). The earlier sweeps and what they chose are in
+    docs/kernels.md."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(fused_backward=False), change(fused_warps=4), change(chunks_first=False),
+    return [default, change(fused_backward=False), change(chunks_first=False),
             change(block_v=64), change(window_dq_block=32), change(window_dkv_block=64), change(state_block_k=64),
             change(dstate_block_k=128), change(stages=1)]
 

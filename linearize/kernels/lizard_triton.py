@@ -68,7 +68,6 @@ class Config:
     # the chunk's dP once instead of once for each block of features of the dq and dk passes. Taken
     # where it applies: split kernels and a scalar gate (a vector gate's 16-token chunks go key by key).
     fused_backward: bool = True
-    fused_warps: int = 8  # that kernel's warps: its tiles spill at 4 (`python -m linearize.kernels.resources`)
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -77,9 +76,8 @@ class Config:
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
-        if {self.warps, self.fused_warps} - {1, 2, 4, 8, 16} or self.stages < 1:
-            raise ValueError("Config needs warps and fused_warps in 1/2/4/8/16 and stages >= 1, got "
-                             f"{self.warps}, {self.fused_warps}, {self.stages}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {self.warps}, {self.stages}")
 
     @property
     def chunk_axis_first(self) -> bool:
@@ -1066,7 +1064,7 @@ class LizardAttentionFunction(torch.autograd.Function):
             _bwd_chunk_kernel[_grid(cfg, B * H, (), NT)](
                 fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, hds, hdz, dv_win, dfq, dfk, dv, da, L, H,
                 HKV, NT, F=F, D=D, BT=BT, DY_ROW=split["DY_ROW"], GRAD_V=grad_v, CF=cfg.chunks_first,
-                DT=split["DT"], num_warps=cfg.fused_warps, num_stages=cfg.stages)
+                DT=split["DT"], num_warps=cfg.warps, num_stages=cfg.stages)
         else:
             _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
                 fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, dfq, da[0] if vec else da[:F // BK], L, H, HKV, NT, F=F, D=D, BK=BK,
