@@ -6,8 +6,9 @@ the device. Register spills, the usual reason a tile configuration is slow, can 
     python -m linearize.kernels.resources
 
 prints them for STILL's backward key kernel at the shapes the models use, and for Lizard's forward
-at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), and for its window
-d k / d v pass at the key-row blocks and warps the sweeps weighed.
+at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), for its window
+d k / d v pass at the key-row blocks and warps the sweeps weighed, and for its fused backward chunk
+kernel at 4 and 8 warps.
 """
 
 from __future__ import annotations
