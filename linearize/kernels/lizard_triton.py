@@ -8,10 +8,13 @@ value columns) walks the sequence chunk by chunk and computes both branches of e
     z (the "ones column" of V) stay in float32 registers across chunks;
   - anchor window: the queries of chunk n see the keys of chunks n - NWB .. n only
     (NWB = ceil((w - 1) / chunk)); online softmax whose running max and sum start from the sinks.
-Backward, five kernels that recompute instead of storing per-chunk states: dq and dk passes over
-blocks of state rows (features), a dv pass over blocks of state columns, and two fully parallel
-flash-attention-style kernels for the window (dq; dk, dv). The per-token d log g is a reverse cumsum
-of fq.dfq - fk.dfk, finished in PyTorch with the GQA and per-program sums.
+Backward, five kernels that recompute instead of storing per-chunk states: two fully parallel
+flash-attention-style kernels for the window (dq, which also gives the linear part's per-token
+d den; dk, dv), then dq and dk passes over blocks of state rows (features) and a dv pass over blocks
+of state columns. With the split kernels (`Config.split`: a sequential pass stores the state, or its
+gradient, at every chunk) and a scalar gate, one kernel a chunk takes the linear part's dq, dk and
+dv at once (`_bwd_chunk_kernel`). The per-token d log g is a reverse cumsum of fq.dfq - fk.dfk,
+finished with the GQA and per-program sums.
 
 Importing this module needs triton; `linearize.kernels` guards that import.
 """
@@ -85,7 +88,7 @@ class Config:
         return self.chunks_first and self.split
 
     def fuses_backward(self, vec: bool) -> bool:
-        """Whether the backward takes `_bwd_chunk_kernel` (for a vector gate, `vec`, or a scalar one)."""
+        """Whether the backward takes `_bwd_chunk_kernel`; `vec`: the gate is per feature."""
         return self.fused_backward and self.split and not vec
 
     @staticmethod
@@ -381,7 +384,8 @@ def _chunks(NT, SPLIT: tl.constexpr, CF: tl.constexpr):
 
 @triton.jit
 def _row_block(CF: tl.constexpr):
-    """A window kernel's block of rows and the number of blocks: grid axis 1, or 0 where CF."""
+    """A window kernel's block of rows (the fused backward's chunk) and the number of blocks: grid
+    axis 1, or 0 where CF."""
     if CF:
         n, blocks = tl.program_id(0), tl.num_programs(0)
     else:
