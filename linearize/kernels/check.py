@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import time
 from pathlib import Path
 
 import torch
@@ -264,6 +265,41 @@ def run_bench(lengths, B=16, H=32, D=128):
         print(f"{name:<34}" + "".join(f"{c:>20}" for c in cells), flush=True)
 
 
+def _host_ms(fn, reps=20):
+    """Median host time of a call (Python and launches, the GPU idle and waiting at the start)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[reps // 2]
+
+
+def run_host(lengths, B=16, H=32, D=128):
+    """Where a lone forward's time goes: our forward (bf16, scalar gate, no autograd) timed by CUDA
+    events as `bench kernels` times it, the host's share of one call, and the same forward replayed
+    from a CUDA graph (its kernels alone, no host work before them)."""
+    from .lizard_triton import lizard_attention_triton
+
+    print(f"\nour forward, bf16 scalar gate, B={B} H={H} D={D}: events / host / graph replay ms")
+    for L in lengths:
+        case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
+        (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+        forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
+                                    sinks=sinks, alpha=alpha)
+        with torch.no_grad():
+            events, host = _median_ms(forward), _host_ms(forward)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+            replay = _median_ms(graph.replay)
+        print(f"L={L}: {events:.3f} / {host:.3f} / {replay:.3f}", flush=True)
+        del graph
+        torch.cuda.empty_cache()
+
+
 def sweep_configs():
     """The configurations `--sweep` times: the default, then one change at a time (the backward's
     per-pass dq, dk and dv kernels instead of the fused chunk kernel; the heads first in the launch
@@ -334,6 +370,8 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     parser.add_argument("--no-bench", action="store_true", help="skip the timings")
     parser.add_argument("--sweep", action="store_true", help="also time block configurations at the first length")
+    parser.add_argument("--host", action="store_true",
+                        help="also split our forward's time between the host and the GPU (`run_host`)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="write the kernels of our forward and forward+backward at the first length, as "
                              "torch.profiler tables, into DIR (each swept configuration, else the default)")
@@ -345,6 +383,8 @@ def main():
         run_checks("cuda")
     if not args.no_bench:
         run_bench(args.lengths)
+    if args.host:
+        run_host(args.lengths)
     if args.sweep:
         run_sweep(args.lengths[0], profile_dir=args.profile)
     elif args.profile is not None:
