@@ -47,7 +47,6 @@ class Case:
     window_dkv_block: int | None = None  # and key rows of its dk/dv pass
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
-    paired_states: bool | None = None  # the inference forward's state every second chunk (Config.paired_states)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -79,7 +78,7 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first", "fused_backward", "paired_states"):
+                 "window_dkv_block", "chunks_first", "fused_backward"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -302,9 +301,8 @@ def run_host(lengths, B=16, H=32, D=128):
 
 
 def sweep_configs():
-    """The configurations `--sweep` times: the default, then one change at a time (the inference
-    forward with a state stored every chunk; the backward's per-pass dq, dk and dv kernels instead of
-    the fused chunk kernel; the heads first in the launch
+    """The configurations `--sweep` times: the default, then one change at a time (the backward's
+    per-pass dq, dk and dv kernels instead of the fused chunk kernel; the heads first in the launch
     order, where the window's neighbouring tiles miss L2; then kernel families' blocks at their
     previous or next size: the forward's value columns, which at 64 double its programs and its score
     GEMMs; the backward window passes'; the state passes' rows, forward and backward; no software
@@ -316,7 +314,7 @@ def sweep_configs():
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [default, change(paired_states=False), change(fused_backward=False), change(chunks_first=False),
+    return [default, change(fused_backward=False), change(chunks_first=False),
             change(block_v=64), change(window_dq_block=32), change(window_dkv_block=64), change(state_block_k=64),
             change(dstate_block_k=128), change(stages=1)]
 

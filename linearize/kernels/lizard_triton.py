@@ -71,11 +71,6 @@ class Config:
     # the chunk's dP once instead of once for each block of features of the dq and dk passes. Taken
     # where it applies: split kernels and a scalar gate (a vector gate's 16-token chunks go key by key).
     fused_backward: bool = True
-    # The inference forward (no backward to read the states) of the split kernels with a scalar gate
-    # stores the state every second chunk only: the state pass writes half the bytes and `_fwd_kernel`
-    # reads half, and an odd chunk adds its predecessor's keys itself (`_previous_chunk`: two more
-    # chunk-sized GEMMs).
-    paired_states: bool = False
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -105,8 +100,7 @@ class Config:
         # session): 1.40 / 6.87 ms forward / forward+backward, against 1.62 / 7.25 with the heads first;
         # then each kernel's own blocks, from that session's profiles of one change at a time.
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
-                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True,
-                      paired_states=True)
+                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,45 +312,13 @@ def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexp
 
 
 @triton.jit
-def _pair_decay(LG, n, t, L, BT: tl.constexpr, EVERY: tl.constexpr):
-    """With a state stored every second chunk (EVERY = 2, `Config.paired_states`; scalar gate), an odd
-    chunk's stored state is the one at its predecessor's start: e^a across that predecessor, which
-    the state's share takes. Otherwise 1."""
-    prev = tl.maximum(n - 1, 0) * BT + t
-    a_p = tl.sum(tl.load(LG + prev, mask=prev < L, other=0.0).to(tl.float32), 0)
-    return tl.exp(tl.where(n % EVERY == 1, a_p, 0.0))
-
-
-@triton.jit
-def _add_previous_chunk(acc, den, q, A, FK, LG, VB, n, t, L, F: tl.constexpr, D: tl.constexpr,
-                        BV: tl.constexpr, BT: tl.constexpr, EVERY: tl.constexpr, NORM: tl.constexpr,
-                        DT: tl.constexpr):
-    """An odd chunk's numerator and denominator (EVERY = 2, as in `_pair_decay`) plus its
-    predecessor's keys, which its stored state does not hold: (q~ k~ᵀ) v and the row sums, q~ decayed
-    from its own chunk's start and k~ to the predecessor's end (both exponents <= 0)."""
-    if n % EVERY == 1:  # never for EVERY = 1
-        prev = (n - 1) * BT + t
-        A_p, a_p = _load_gate(LG, prev, L, F, F, False)
-        P_c = _dot(q * _q_decay(A, False), tl.trans(_load_tile(FK, prev, L, F, F) * _k_decay(A_p, a_p, False)), DT)
-        acc = _dot_acc(P_c, _load_tile(VB, prev, L, D, BV), acc, DT)
-        if NORM:
-            den += tl.sum(P_c, 1)
-    return acc, den
-
-
-@triton.jit
-def _chunk_outputs(q, k, v, A, S, z, FK, LG, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
-                   F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
-                   EVERY: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
-    """Chunk n's outputs given the state stored for it (at its start, or at its pair's: EVERY = 2):
-    the linear part with its denominator, and the window part with its softmax max, the key that
-    holds it (-1: a sink) and the sum."""
-    carry = _pair_decay(LG, n, t, L, BT, EVERY) if EVERY == 2 else 1.0
-    P, q_dec, den = _linear_scores(q, k, A, z * carry, t, eps, BT, VEC, NORM, DT)
-    acc = _dot_acc(P, v, _dot(q_dec * carry, S, DT), DT)
-    if EVERY == 2:
-        acc, den = _add_previous_chunk(acc, den, q, A, FK, LG, VB, n, t, L, F, D, BV, BT, EVERY, NORM, DT)
-    y_gla = acc / den[:, None]
+def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
+                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
+                   NORM: tl.constexpr, DT: tl.constexpr):
+    """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
+    window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
+    P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
+    y_gla = _dot_acc(P, v, _dot(q_dec, S, DT), DT) / den[:, None]
     acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
     return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
 
@@ -436,12 +398,11 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                EVERY: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
-    carrying that block of the state; split, each program takes one chunk and the state stored at its
-    start, or (EVERY = 2) at the start of its pair of chunks, from HS, HZ (`_fwd_states_kernel`). The
-    scores are recomputed by each column block. Y is [B, L, H, d]: the layout the model's o_proj
-    reads, so no transpose copy follows."""
+    carrying that block of the state; split, each program takes one chunk and its starting state from
+    HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
+    the layout the model's o_proj reads, so no transpose copy follows."""
     bh = _head(CF, 2)
     iv = tl.program_id(1)
     h = bh % H
@@ -453,9 +414,8 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     QW += bh * L * D
     KW += kv * L * D
     VB = V + kv * L * D + iv * BV  # this program's value columns
-    stored = tl.cdiv(NT, EVERY)
-    HS += bh * stored * F * D + iv * BV
-    HZ += bh * stored * F
+    HS += bh * NT * F * D + iv * BV
+    HZ += bh * NT * F
     t = tl.arange(0, BT)
     rows = tl.arange(0, F)
     alpha = tl.load(ALPHA + h).to(tl.float32)
@@ -467,13 +427,13 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     for n in range(first, last):
         pos = n * BT + t
         if SPLIT:
-            S, z = _load_chunk_state(HS, HZ, n // EVERY, rows, F, D, BV)
+            S, z = _load_chunk_state(HS, HZ, n, rows, F, D, BV)
         q = _load_tile(FQ, pos, L, F, F)
         k = _load_tile(FK, pos, L, F, F)
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, FK, LG, QW, KW, VB, n, t, L, window,
-                                                          scale, eps, m0, l0, F, D, BV, BT, NWB, EVERY, VEC, NORM, DT)
+        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
+                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
         _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
                        y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
@@ -511,13 +471,13 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 @triton.jit
 def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EVERY: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
-    """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every EVERY-th chunk,
-    HS [B*H, cdiv(NT, EVERY), F, D] in the inputs' dtype (the GEMMs that read it take it so anyway)
-    and HZ [B*H, cdiv(NT, EVERY), F] in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns
-    [iv*BV, (iv+1)*BV): a state row depends only on its own feature of the keys. With CARRY (a prefill
-    continuing a cache) the state starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last
-    token goes to S_END, Z_END (float32, same shapes)."""
+                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
+    """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
+    [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
+    in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
+    depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
+    starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
+    (float32, same shapes)."""
     bh = tl.program_id(0).to(tl.int64)
     fo = tl.program_id(1) * BK
     iv = tl.program_id(2)
@@ -526,9 +486,8 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
     LG += bh * L * F + fo if VEC else bh * L
     VB = V + kv * L * D + iv * BV
     block = bh * F * D + fo * D + iv * BV  # this program's block of an [F, D] state
-    stored = tl.cdiv(NT, EVERY)
-    HS += bh * stored * F * D + fo * D + iv * BV
-    HZ += bh * stored * F + fo
+    HS += bh * NT * F * D + fo * D + iv * BV
+    HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
     if CARRY:
@@ -538,8 +497,7 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
         S = tl.zeros([BK, BV], tl.float32)
         z = tl.zeros([BK], tl.float32)
     for n in range(NT):
-        if n % EVERY == 0:
-            _store_chunk_state(HS, HZ, n // EVERY, S, z, iv == 0, F, D, BK, BV)
+        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
         S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
@@ -988,21 +946,17 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
               "num_stages": cfg.stages}
     end = None
-    # States every second chunk only where no backward reads them (it takes one per chunk).
-    every = 2 if cfg.paired_states and cfg.split and not save and not vec else 1
     # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
     if cfg.split:
-        stored = triton.cdiv(NT, every)
-        hs = torch.empty(B * H, stored, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
-        hz = torch.empty(B * H, stored, F, device=qw.device, dtype=torch.float32)
+        hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
+        hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
         s0, z0 = (t.float().contiguous() for t in carried) if carried is not None else (hz, hz)
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
         _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
-                                                        EVERY=every, CARRY=carried is not None, BK=BKS,
-                                                        **(shapes | {"BV": BVS}))
+                                                        CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
     # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
     # shared split without a copy.
@@ -1020,7 +974,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
         arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, EVERY=every, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

@@ -84,14 +84,6 @@ INFERENCE_CASES = {
     "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16),
     "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0),
     "chunks-first-shared-L100-gqa-w32-sinks4-bf16": Case(L=100, shared=True, dtype=bf16, chunks_first=True),
-    # A state stored every second chunk (Config.paired_states; the bf16 default): odd chunks, the last
-    # one partial or not, add their predecessor's keys themselves.
-    "paired-L100-gqa-w32-sinks4": Case(L=100, split=True, paired_states=True),
-    "paired-L161-w64-nosinks-mha": Case(L=161, window=64, sinks=0, HKV=4, split=True, paired_states=True),
-    "paired-L150-strong-decay-bf16": Case(L=150, gate_bias=-4.0, dtype=bf16, paired_states=True),
-    "paired-unnormalised-L100": Case(L=100, split=True, paired_states=True, normalize=False),
-    "paired-shared-L63-gqa": Case(L=63, split=True, paired_states=True, shared=True),
-    "paired-vector-L37": Case(L=37, gate="vector", split=True, paired_states=True),  # not taken: a state a chunk
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
