@@ -51,6 +51,8 @@ INTERPRETER_CASES = {
                                                  window_dq_block=16, window_dkv_block=32),
     # The split backward's per-pass dq, dk and dv kernels (else the fused chunk kernel, where it applies).
     "split-unfused-L100-gqa-w32-sinks4": Case(L=100, split=True, fused_backward=False),
+    "split-L1": Case(L=1, split=True),
+    "split-F16-D32-L33": Case(L=33, F=16, D=32, split=True),  # the smallest tiles tl.dot takes
     "shared-split-unfused-L63-nosinks-bf16": Case(L=63, sinks=0, dtype=bf16, shared=True, split=True,
                                                   fused_backward=False),
     "dy-transposed-L100-gqa-w32-sinks4": Case(L=100, dy_transposed=True),
