@@ -9,8 +9,11 @@ fla's chunk_gla and chunk_simple_gla and PyTorch's causal SDPA. `compare` is als
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import functools
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -277,10 +280,24 @@ def _host_ms(fn, reps=20):
     return sorted(times)[reps // 2]
 
 
+def _host_profile(fn, calls=50, rows=20) -> str:
+    """The host's time in `fn` by function (cProfile, own time first) over `calls` calls."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
 def run_host(lengths, B=16, H=32, D=128):
     """Where a lone forward's time goes: our forward (bf16, scalar gate, no autograd) timed by CUDA
     events as `bench kernels` times it, the host's share of one call, and the same forward replayed
-    from a CUDA graph (its kernels alone, no host work before them)."""
+    from a CUDA graph (its kernels alone, no host work before them); then, at the first length, the
+    host's time by function."""
     from .lizard_triton import lizard_attention_triton
 
     print(f"\nour forward, bf16 scalar gate, B={B} H={H} D={D}: events / host / graph replay ms")
@@ -296,8 +313,12 @@ def run_host(lengths, B=16, H=32, D=128):
                 forward()
             replay = _median_ms(graph.replay)
         print(f"L={L}: {events:.3f} / {host:.3f} / {replay:.3f}", flush=True)
+        if L == lengths[0]:
+            with torch.no_grad():
+                profile = _host_profile(forward)
         del graph
         torch.cuda.empty_cache()
+    print(f"\nthe host's time in 50 forwards at L={lengths[0]}, by function:\n{profile}", flush=True)
 
 
 def sweep_configs():
