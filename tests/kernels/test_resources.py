@@ -54,3 +54,15 @@ def test_lizard_window_key_pass_does_not_spill_as_launched():
     cfg = Config.default(torch.bfloat16)
     found = res.lizard_window_dkv(cfg.window_dkv_block, cfg.warps, cfg.stages)
     assert found["spilled"] == 0 and 0 < found["registers"] <= 255
+
+
+def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
+    """The fused chunk kernel holds a chunk's state and state gradient at once; at the default's warps
+    two programs must still share an SM (an H200 SM has 64K registers and 228 KB of shared memory, 1
+    KB of it reserved per block), as when its sweep timed it (twenty-third session)."""
+    from linearize.kernels.lizard_triton import Config
+
+    cfg = Config.default(torch.bfloat16)
+    found = res.lizard_chunk_backward(cfg.warps, cfg.stages, cfg.chunk)
+    assert 2 * found["registers"] * 32 * cfg.warps <= 64 * 1024
+    assert 2 * (found["shared"] + 1024) <= 228 * 1024
