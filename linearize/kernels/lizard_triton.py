@@ -46,8 +46,9 @@ class Config:
 
     chunk: int  # scalar-gate chunk (the vector gate always uses VECTOR_GATE_CHUNK)
     block_v: int = 64  # value columns per program of the forward
-    dv_block_v: int = 64  # value columns per program of the backward's dv pass
-    block_k: int = 64  # state rows (features) per program: dq and dk passes
+    # The backward's per-pass kernels (a vector gate, the one-pass kernels, fused_backward=False):
+    dv_block_v: int = 64  # value columns per program of the dv pass
+    block_k: int = 64  # state rows (features) per program of the dq and dk passes
     window_dq_block: int = 64  # query rows per program of the backward's window dq pass
     window_dkv_block: int = 64  # key rows per program of the backward's window dk/dv pass
     warps: int = 8
