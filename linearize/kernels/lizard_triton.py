@@ -8,12 +8,12 @@ value columns) walks the sequence chunk by chunk and computes both branches of e
     z (the "ones column" of V) stay in float32 registers across chunks;
   - anchor window: the queries of chunk n see the keys of chunks n - NWB .. n only
     (NWB = ceil((w - 1) / chunk)); online softmax whose running max and sum start from the sinks.
-Backward, five kernels that recompute instead of storing per-chunk states: two fully parallel
-flash-attention-style kernels for the window (dq, which also gives the linear part's per-token
-d den; dk, dv), then dq and dk passes over blocks of state rows (features) and a dv pass over blocks
-of state columns. With the split kernels (`Config.split`: a sequential pass stores the state, or its
-gradient, at every chunk) and a scalar gate, one kernel a chunk takes the linear part's dq, dk and
-dv at once (`_bwd_chunk_kernel`). The per-token d log g is a reverse cumsum of fq.dfq - fk.dfk,
+Backward: two fully parallel flash-attention-style kernels for the window (dq, which also gives the
+linear part's per-token d den; dk, dv), then dq and dk passes over blocks of state rows (features)
+and a dv pass over blocks of state columns, which walk the chunks recomputing the state (or its
+gradient) as they go. With the split kernels (`Config.split`: a sequential pass stores the state, or
+its gradient, at every chunk, and every chunk is a program of its own) and a scalar gate, one kernel
+a chunk takes the linear part's dq, dk and dv at once (`_bwd_chunk_kernel`). The per-token d log g is a reverse cumsum of fq.dfq - fk.dfk,
 finished with the GQA and per-program sums.
 
 Importing this module needs triton; `linearize.kernels` guards that import.
@@ -1071,12 +1071,13 @@ class LizardAttentionFunction(torch.autograd.Function):
                 HKV, NT, F=F, D=D, BT=BT, DY_ROW=split["DY_ROW"], GRAD_V=grad_v, CF=cfg.chunks_first,
                 DT=split["DT"], num_warps=cfg.warps, num_stages=cfg.stages)
         else:
+            da_q, da_k = da.chunk(2)  # each pass's half of the shares
             _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
-                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, dfq, da[0] if vec else da[:F // BK], L, H, HKV, NT, F=F, D=D, BK=BK,
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, dfq, da_q, L, H, HKV, NT, F=F, D=D, BK=BK,
                 **split)
             _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
-                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da[1] if vec else da[F // BK:], L,
-                H, HKV, NT, F=F, D=D, BK=BK, **split)
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da_k, L, H, HKV, NT, F=F, D=D, BK=BK,
+                **split)
             if grad_v:
                 _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
                     fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)
