@@ -50,6 +50,9 @@ class Case:
     window_dkv_block: int | None = None  # and key rows of its dk/dv pass
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
+    chain: bool | None = None  # the forward's state pass folded into its chunk kernel (Config.chain)
+    chain_heads: int | None = None  # heads whose chunks interleave in the chain's order (Config.chain_heads)
+    chain_block_k: int | None = None  # state rows a chained program advances at once (Config.chain_block_k)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -81,7 +84,8 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first", "fused_backward"):
+                 "window_dkv_block", "chunks_first", "fused_backward", "chain", "chain_heads",
+                 "chain_block_k"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -340,6 +344,60 @@ def sweep_configs():
             change(dstate_block_k=128), change(stages=1)]
 
 
+def forward_sweep_rows():
+    """(label, Config, window) rows of `--sweep-forward`: the default; the window at one and two key
+    blocks (what each of its three 64-key blocks costs); the forward state pass's blocks, warps and
+    pipelining, which the full sweep never varied apart from the forward's."""
+    from .lizard_triton import Config
+
+    default = Config.default(torch.bfloat16)
+    change = functools.partial(dataclasses.replace, default)
+    rows = [("default", default, 128), ("state pass 3 stages", change(state_stages=3), 128)]
+    for heads in (32, 128, 512):
+        for block in (32, 64):
+            rows.append((f"chain, {heads} heads, {block} rows", change(chain=True, chain_heads=heads, chain_block_k=block),
+                         128))
+    return rows
+
+
+def _kernel_ms(fn, calls=5) -> dict[str, float]:
+    """Each kernel's mean device ms a call of `fn`, from torch.profiler over `calls` calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls / 1e3 for e in prof.key_averages() if e.self_device_time_total}
+
+
+def run_forward_sweep(lengths, batches=(16,), H=32, D=128):
+    """Time our forward alone (bf16, scalar gate, no autograd) at each `forward_sweep_rows` row: CUDA
+    events as `bench kernels` times a call, a CUDA graph's replay (the kernels alone) and each kernel's
+    share, from the profiler."""
+    from .lizard_triton import lizard_attention_triton
+
+    print(f"\nforward sweep, bf16 scalar gate, H={H} D={D}: events / graph replay ms, then each kernel's ms")
+    for B, L in zip(batches, lengths):
+        case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
+        (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+        for label, cfg, window in forward_sweep_rows():
+            forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=window,
+                                        scale=D**-0.5, sinks=sinks, alpha=alpha, config=cfg)
+            try:
+                with torch.no_grad():
+                    events = _median_ms(forward)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        forward()
+                    replay = _median_ms(graph.replay)
+                    kernels = _kernel_ms(forward)
+                del graph
+                parts = ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(kernels.items()))
+                print(f"B={B} L={L} {label}: {events:.3f} / {replay:.3f} ({parts})", flush=True)
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                print(f"B={B} L={L} {label}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def compiled_kernels():
     """(name, Triton's compiled kernel) for every variant of the Lizard kernels compiled in this process."""
     from triton.runtime.jit import JITFunction
@@ -391,6 +449,9 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     parser.add_argument("--no-bench", action="store_true", help="skip the timings")
     parser.add_argument("--sweep", action="store_true", help="also time block configurations at the first length")
+    parser.add_argument("--sweep-forward", action="store_true",
+                        help="time the forward alone at `forward_sweep_rows` (--lengths, with --batches)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 16, 16])
     parser.add_argument("--host", action="store_true",
                         help="also split our forward's time between the host and the GPU (`run_host`)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
@@ -406,6 +467,8 @@ def main():
         run_bench(args.lengths)
     if args.host:
         run_host(args.lengths)
+    if args.sweep_forward:
+        run_forward_sweep(args.lengths, args.batches)
     if args.sweep:
         run_sweep(args.lengths[0], profile_dir=args.profile)
     elif args.profile is not None:

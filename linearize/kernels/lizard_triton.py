@@ -58,6 +58,19 @@ class Config:
     # same way, 64 x 64). The backward's pass has rows of its own (`dstate_block_k`).
     state_block_k: int = 128
     state_block_v: int = 128
+    state_warps: int = 4  # the forward state pass's warps and software pipelining
+    state_stages: int = 2
+    # The forward's state pass folded into its chunk kernel (split, scalar gate): the program of chunk
+    # n waits for chunk n - 1's, advances the float32 state it left in a two-slot ring by its own
+    # chunk's keys, stores chunk n's state as the state pass did and signals chunk n + 1, then computes
+    # its outputs as before. The keys and values are read once, not twice, and the stored states are
+    # read back from L2. Programs take their chunk from a ticket, in the order of the tickets, so a
+    # program only ever waits for one that has started: `chain_heads` heads' chunks interleave (chunk
+    # n of each, then n + 1 of each...), enough to keep the GPU busy while each head's chain advances
+    # and few enough that the window's neighbouring tiles stay in L2.
+    chain: bool = False
+    chain_heads: int = 128
+    chain_block_k: int = 32  # state rows a chained program advances at once (fewer registers than all F)
     dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
@@ -76,17 +89,24 @@ class Config:
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
         for name in ("chunk", "block_v", "dv_block_v", "block_k", "window_dq_block", "window_dkv_block",
-                     "state_block_k", "state_block_v", "dstate_block_k"):
+                     "state_block_k", "state_block_v", "dstate_block_k", "chain_block_k"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
-            raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {self.warps}, {self.stages}")
+        if self.chain_heads < 1:
+            raise ValueError(f"Config.chain_heads must be >= 1, got {self.chain_heads}")
+        for warps, stages in ((self.warps, self.stages), (self.state_warps, self.state_stages)):
+            if warps not in (1, 2, 4, 8, 16) or stages < 1:
+                raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {warps}, {stages}")
 
     @property
     def chunk_axis_first(self) -> bool:
         """The chunk kernels' CF: only the split kernels have a chunk axis to put first (`_grid`)."""
         return self.chunks_first and self.split
+
+    def chains(self, vec: bool) -> bool:
+        """Whether the forward folds its state pass into its chunk kernel (`chain`; split, scalar gate)."""
+        return self.chain and self.split and not vec
 
     def fuses_backward(self, vec: bool) -> bool:
         """Whether the backward takes `_bwd_chunk_kernel`; `vec`: the gate is per feature."""
@@ -395,17 +415,83 @@ def _row_block(CF: tl.constexpr):
 
 
 @triton.jit
+def _chain_ticket(TICKET, NT, G, NVB: tl.constexpr):
+    """(b * H + h, value column block, chunk) of a chained program, from the next ticket: groups of G
+    (head, column block) pairs, within a group chunk n of each pair, then chunk n + 1 of each."""
+    t = tl.atomic_add(TICKET, 1)
+    pairs = tl.num_programs(0) // NT
+    start = t // (G * NT) * G  # the group's first pair
+    size = tl.minimum(G, pairs - start)
+    offset = t - start * NT
+    pair = start + offset % size
+    return (pair // NVB).to(tl.int64), pair % NVB, offset // size
+
+
+@triton.jit
+def _chain_step(FK, LG, VB, HS, HZ, RING, RING_Z, READY, S0, Z0, S_END, Z_END, pair, bh, iv, n, L, NT,
+                F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
+                CARRY: tl.constexpr, DT: tl.constexpr):
+    """Chunk n's link of the chain (`Config.chain`): the state at its start from chunk n - 1's program
+    (once READY says it is there), stored as `_fwd_states_kernel` stores it, then advanced by the
+    chunk's keys into the ring's other slot (or S_END, Z_END after the last chunk, with CARRY), and
+    READY set for chunk n + 1. The [F, BV] state goes through in blocks of SB rows (fewer registers).
+    FK, LG, HS, HZ point at the head's rows, VB at its value columns."""
+    pos = n * BT + tl.arange(0, BT)
+    A, a_end = _load_gate(LG, pos, L, F, F, False)
+    v = _load_tile(VB, pos, L, D, BV)
+    cols = tl.arange(0, BV)
+    ring_in, ring_out = RING + (pair * 2 + n % 2) * F * BV, RING + (pair * 2 + (n + 1) % 2) * F * BV
+    ring_z_in, ring_z_out = RING_Z + (pair * 2 + n % 2) * F, RING_Z + (pair * 2 + (n + 1) % 2) * F
+    if n > 0:
+        while tl.atomic_add(READY + pair * NT + n - 1, 0, sem="acquire") == 0:
+            pass
+    for block in tl.static_range(F // SB):
+        rows = block * SB + tl.arange(0, SB)
+        if CARRY:
+            first_S = tl.load(S0 + bh * F * D + iv * BV + rows[:, None] * D + cols[None, :], mask=n == 0, other=0.0)
+            first_z = tl.load(Z0 + bh * F + rows, mask=n == 0, other=0.0)
+        else:
+            first_S = tl.zeros([SB, BV], tl.float32)
+            first_z = tl.zeros([SB], tl.float32)
+        # .cg: from L2, which chunk n - 1's program wrote; this SM's L1 may hold an older chunk's lines
+        S = tl.load(ring_in + rows[:, None] * BV + cols[None, :], mask=n > 0, other=0.0, cache_modifier=".cg")
+        z = tl.load(ring_z_in + rows, mask=n > 0, other=0.0, cache_modifier=".cg")
+        S, z = S + first_S, z + first_z
+        _store_chunk_state(HS + block * SB * D, HZ + block * SB, n, S, z, iv == 0, F, D, SB, BV)
+        k_dec = _load_tile(FK + block * SB, pos, L, F, SB) * _k_decay(A, a_end, False)
+        S = _dot_acc(tl.trans(k_dec), v, S * tl.exp(a_end), DT)
+        z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
+        if n + 1 < NT:
+            tl.store(ring_out + rows[:, None] * BV + cols[None, :], S)
+            tl.store(ring_z_out + rows, z)
+        elif CARRY:
+            tl.store(S_END + bh * F * D + iv * BV + rows[:, None] * D + cols[None, :], S)
+            if iv == 0:
+                tl.store(Z_END + bh * F + rows, z)
+    tl.debug_barrier()  # every thread's stores before the signal, and before this program reads HS back
+    if n + 1 < NT:
+        tl.atomic_xchg(READY + pair * NT + n, 1, sem="release")
+
+
+@triton.jit
 def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
-                L, H, HKV, NT, window, scale, eps,
+                TICKET, READY, RING, RING_Z, S0, Z0, S_END, Z_END, L, H, HKV, NT, G, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, CHAIN: tl.constexpr,
+                CARRY: tl.constexpr, SB: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
-    HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
+    HS, HZ (`_fwd_states_kernel`), or with CHAIN (grid (B*H*D/BV*NT,)) a chunk by ticket, whose state
+    it makes itself (`_chain_step`). The scores are recomputed by each column block. Y is [B, L, H, d]:
     the layout the model's o_proj reads, so no transpose copy follows."""
-    bh = _head(CF, 2)
-    iv = tl.program_id(1)
+    if CHAIN:
+        bh, iv, first = _chain_ticket(TICKET, NT, G, D // BV)
+        last = first + 1
+    else:
+        bh = _head(CF, 2)
+        iv = tl.program_id(1)
+        first, last = _chunks(NT, SPLIT, CF)
     h = bh % H
     y_out = (bh // H) * L * H * D + h * D + iv * BV
     kv = (bh // H) * HKV + h // (H // HKV)
@@ -424,9 +510,11 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
 
     S = _state_before_chunks(HS, F, BV, SPLIT)
     z = tl.zeros([F], tl.float32)
-    first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
+        if CHAIN:
+            _chain_step(FK, LG, VB, HS, HZ, RING, RING_Z, READY, S0, Z0, S_END, Z_END, bh * (D // BV) + iv, bh, iv,
+                        n, L, NT, F, D, BV, BT, SB, CARRY, DT)
         if SPLIT:
             S, z = _load_chunk_state(HS, HZ, n, rows, F, D, BV)
         q = _load_tile(FQ, pos, L, F, F)
@@ -947,6 +1035,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
               "num_stages": cfg.stages}
     end = None
+    chain = cfg.chains(vec)
     # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
@@ -955,9 +1044,17 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
+    if chain:  # the chunk kernel makes the states; one zeroed buffer holds the ticket and the READY flags
+        pairs = B * H * (D // BV)
+        signals = torch.zeros(1 + pairs * NT, device=qw.device, dtype=torch.int32)
+        ring = torch.empty(pairs, 2, F, BV, device=qw.device, dtype=torch.float32)
+        ring_z = torch.empty(pairs, 2, F, device=qw.device, dtype=torch.float32)
+    elif cfg.split:
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
         _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
-                                                        CARRY=carried is not None, BK=BKS, **(shapes | {"BV": BVS}))
+                                                        CARRY=carried is not None, BK=BKS,
+                                                        **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
+                                                                     "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
     # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
     # shared split without a copy.
@@ -971,11 +1068,15 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     row_max = torch.empty_like(den) if shared and save else den
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
-        hs = hz = den  # unread
-    _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
+        hs = hz = s0 = z0 = s_end = z_end = den  # unread
+    if not chain:
+        signals = ring = ring_z = den  # unread
+    grid = (B * H * (D // BV) * NT,) if chain else _grid(cfg, B * H, (D // BV,), NT if cfg.split else None)
+    _fwd_kernel[grid](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
-        arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
+        arg, signals, signals[1:], ring, ring_z, s0, z0, s_end, z_end, L, H, HKV, NT, cfg.chain_heads, window, scale,
+        eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save, SPLIT=cfg.split, NORM=normalize, SHARED=shared,
+        CF=cfg.chunk_axis_first, CHAIN=chain, CARRY=chain and carried is not None, SB=min(cfg.chain_block_k, F), **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

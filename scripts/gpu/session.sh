@@ -27,13 +27,16 @@ case $part in
     [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py tests/train/test_multirank.py)
     step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
-    # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels host`: our forward's
+    # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels forward`: the forward
+    # alone at the forward sweep's rows, B=16 L=2K and B=32 L=8K; `kernels host`: our forward's
     # time split between the host and the GPU (events, host, CUDA graph replay); `kernels bench [OPS]`: `bench
     # kernels` (Table 3: every shape, every op or the ops OPS names joined by +, into the docs' format;
     # fla's kernels take ~6 minutes to compile and tune on a cold machine); no word: the check's timings.
     case ${1:-} in
       sweep) step sweep 300 python -m linearize.kernels.check --no-check --no-bench --sweep --lengths 2048 \
                --profile "$res/profile" ;;
+      forward) step forward 300 python -m linearize.kernels.check --no-check --no-bench --sweep-forward \
+                 --lengths 2048 8192 --batches 16 32 ;;
       host) step host 120 python -m linearize.kernels.check --no-check --no-bench --host ;;
       bench) ops=()
              [ -n "${2:-}" ] && ops=(--ops "${2//+/,}")
