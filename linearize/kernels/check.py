@@ -50,9 +50,6 @@ class Case:
     window_dkv_block: int | None = None  # and key rows of its dk/dv pass
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
-    chain: bool | None = None  # the forward's state pass folded into its chunk kernel (Config.chain)
-    chain_heads: int | None = None  # heads whose chunks interleave in the chain's order (Config.chain_heads)
-    chain_block_k: int | None = None  # state rows a chained program advances at once (Config.chain_block_k)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -84,8 +81,7 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first", "fused_backward", "chain", "chain_heads",
-                 "chain_block_k"):
+                 "window_dkv_block", "chunks_first", "fused_backward"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -352,12 +348,10 @@ def forward_sweep_rows():
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    rows = [("default", default, 128), ("state pass 3 stages", change(state_stages=3), 128)]
-    for heads in (32, 128, 512):
-        for block in (32, 64):
-            rows.append((f"chain, {heads} heads, {block} rows", change(chain=True, chain_heads=heads, chain_block_k=block),
-                         128))
-    return rows
+    return [("default", default, 128), ("state pass 2 stages", change(state_stages=2), 128),
+            ("window unfolded", change(fold_window=False), 128),
+            ("window unfolded, state pass 2 stages", change(fold_window=False, state_stages=2), 128),
+            ("window 64", default, 64), ("window 64 unfolded", change(fold_window=False), 64)]
 
 
 def _kernel_ms(fn, calls=5) -> dict[str, float]:

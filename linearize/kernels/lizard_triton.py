@@ -58,19 +58,11 @@ class Config:
     # same way, 64 x 64). The backward's pass has rows of its own (`dstate_block_k`).
     state_block_k: int = 128
     state_block_v: int = 128
-    state_warps: int = 4  # the forward state pass's warps and software pipelining
+    state_warps: int = 4  # the forward state pass's warps and software pipelining (Triton's num_stages)
     state_stages: int = 2
-    # The forward's state pass folded into its chunk kernel (split, scalar gate): the program of chunk
-    # n waits for chunk n - 1's, advances the float32 state it left in a two-slot ring by its own
-    # chunk's keys, stores chunk n's state as the state pass did and signals chunk n + 1, then computes
-    # its outputs as before. The keys and values are read once, not twice, and the stored states are
-    # read back from L2. Programs take their chunk from a ticket, in the order of the tickets, so a
-    # program only ever waits for one that has started: `chain_heads` heads' chunks interleave (chunk
-    # n of each, then n + 1 of each...), enough to keep the GPU busy while each head's chain advances
-    # and few enough that the window's neighbouring tiles stay in L2.
-    chain: bool = False
-    chain_heads: int = 128
-    chain_block_k: int = 32  # state rows a chained program advances at once (fewer registers than all F)
+    # The forward's window with w = NWB * chunk: the oldest key block and the query's own in one
+    # softmax step (`_window_sums`' FOLD), where they would take one each.
+    fold_window: bool = True
     dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
@@ -89,12 +81,10 @@ class Config:
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
         for name in ("chunk", "block_v", "dv_block_v", "block_k", "window_dq_block", "window_dkv_block",
-                     "state_block_k", "state_block_v", "dstate_block_k", "chain_block_k"):
+                     "state_block_k", "state_block_v", "dstate_block_k"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
-        if self.chain_heads < 1:
-            raise ValueError(f"Config.chain_heads must be >= 1, got {self.chain_heads}")
         for warps, stages in ((self.warps, self.stages), (self.state_warps, self.state_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {warps}, {stages}")
@@ -103,10 +93,6 @@ class Config:
     def chunk_axis_first(self) -> bool:
         """The chunk kernels' CF: only the split kernels have a chunk axis to put first (`_grid`)."""
         return self.chunks_first and self.split
-
-    def chains(self, vec: bool) -> bool:
-        """Whether the forward folds its state pass into its chunk kernel (`chain`; split, scalar gate)."""
-        return self.chain and self.split and not vec
 
     def fuses_backward(self, vec: bool) -> bool:
         """Whether the backward takes `_bwd_chunk_kernel`; `vec`: the gate is per feature."""
@@ -121,7 +107,7 @@ class Config:
         # session): 1.40 / 6.87 ms forward / forward+backward, against 1.62 / 7.25 with the heads first;
         # then each kernel's own blocks, from that session's profiles of one change at a time.
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
-                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True)
+                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -316,31 +302,59 @@ def _online_softmax(s, first_key, v, m, l, arg, acc, DT: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_folded(s_own, s_far, own_first, far_first, t, v_own, v_far, m, l, arg, acc, DT: tl.constexpr):
+    """`_online_softmax` over two key blocks at once whose logits never overlap: each is -inf where the
+    other is not (`_window_sums`' FOLD), so one tile takes one max, one exp and one rescale for both."""
+    own = t[None, :] <= t[:, None]
+    s = tl.where(own, s_own, s_far)
+    tile_max = tl.max(s, 1)
+    col = tl.argmax(s, 1).to(tl.int32)
+    arg = tl.where(tile_max > m, tl.where(col <= t, own_first, far_first) + col, arg)
+    m_new = tl.maximum(m, tile_max)
+    p = tl.exp(s - m_new[:, None])
+    corr = tl.exp(m - m_new)
+    acc = _dot_acc(tl.where(own, p, 0.0), v_own, acc * corr[:, None], DT)
+    return m_new, l * corr + tl.sum(p, 1), arg, _dot_acc(tl.where(own, 0.0, p), v_far, acc, DT)
+
+
+@triton.jit
 def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
-                 BT: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
+                 BT: tl.constexpr, NWB: tl.constexpr, FOLD: tl.constexpr, DT: tl.constexpr):
     """Anchor window: online softmax over the key chunks that overlap (pos - w, pos]. The unnormalised
-    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum."""
+    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum.
+
+    FOLD (w = NWB * chunk): query row r sees keys c > r of the oldest block, n - NWB, and c <= r of
+    its own, n; those two take one softmax step (`_online_softmax_folded`), the blocks between one each."""
     qw = _load_tile(QW, pos, L, D, D)
     m_i = tl.zeros([BT], tl.float32) + m0
     l_i = tl.zeros([BT], tl.float32) + l0
     arg = tl.zeros([BT], tl.int32) - 1
     acc = tl.zeros([BT, BV], tl.float32)
-    for mb in range(tl.maximum(n - NWB, 0), n + 1):
+    for mb in range(tl.maximum(n - NWB + FOLD, 0), n + 1 - FOLD):
         kpos = mb * BT + t
         s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
         m_i, l_i, arg, acc = _online_softmax(s, mb * BT, _load_tile(VB, kpos, L, D, BV), m_i, l_i, arg, acc, DT)
+    if FOLD:
+        far = n - NWB
+        far_pos = tl.maximum(far, 0) * BT + t  # before the sequence's start: chunk 0, all masked
+        s_far = _window_scores(qw, _load_tile(KW, far_pos, L, D, D), pos, far_pos, window, scale, DT)
+        s_own = _window_scores(qw, _load_tile(KW, pos, L, D, D), pos, pos, window, scale, DT)
+        m_i, l_i, arg, acc = _online_softmax_folded(s_own, tl.where(far >= 0, s_far, float("-inf")), n * BT, far * BT,
+                                                    t, _load_tile(VB, pos, L, D, BV), _load_tile(VB, far_pos, L, D, BV),
+                                                    m_i, l_i, arg, acc, DT)
     return acc, m_i, l_i, arg
 
 
 @triton.jit
 def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
-                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
-                   NORM: tl.constexpr, DT: tl.constexpr):
+                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, FOLD: tl.constexpr,
+                   VEC: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
     """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
     window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
     P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
     y_gla = _dot_acc(P, v, _dot(q_dec, S, DT), DT) / den[:, None]
-    acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
+    acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, FOLD,
+                                      DT)
     return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
 
 
@@ -415,83 +429,17 @@ def _row_block(CF: tl.constexpr):
 
 
 @triton.jit
-def _chain_ticket(TICKET, NT, G, NVB: tl.constexpr):
-    """(b * H + h, value column block, chunk) of a chained program, from the next ticket: groups of G
-    (head, column block) pairs, within a group chunk n of each pair, then chunk n + 1 of each."""
-    t = tl.atomic_add(TICKET, 1)
-    pairs = tl.num_programs(0) // NT
-    start = t // (G * NT) * G  # the group's first pair
-    size = tl.minimum(G, pairs - start)
-    offset = t - start * NT
-    pair = start + offset % size
-    return (pair // NVB).to(tl.int64), pair % NVB, offset // size
-
-
-@triton.jit
-def _chain_step(FK, LG, VB, HS, HZ, RING, RING_Z, READY, S0, Z0, S_END, Z_END, pair, bh, iv, n, L, NT,
-                F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-                CARRY: tl.constexpr, DT: tl.constexpr):
-    """Chunk n's link of the chain (`Config.chain`): the state at its start from chunk n - 1's program
-    (once READY says it is there), stored as `_fwd_states_kernel` stores it, then advanced by the
-    chunk's keys into the ring's other slot (or S_END, Z_END after the last chunk, with CARRY), and
-    READY set for chunk n + 1. The [F, BV] state goes through in blocks of SB rows (fewer registers).
-    FK, LG, HS, HZ point at the head's rows, VB at its value columns."""
-    pos = n * BT + tl.arange(0, BT)
-    A, a_end = _load_gate(LG, pos, L, F, F, False)
-    v = _load_tile(VB, pos, L, D, BV)
-    cols = tl.arange(0, BV)
-    ring_in, ring_out = RING + (pair * 2 + n % 2) * F * BV, RING + (pair * 2 + (n + 1) % 2) * F * BV
-    ring_z_in, ring_z_out = RING_Z + (pair * 2 + n % 2) * F, RING_Z + (pair * 2 + (n + 1) % 2) * F
-    if n > 0:
-        while tl.atomic_add(READY + pair * NT + n - 1, 0, sem="acquire") == 0:
-            pass
-    for block in tl.static_range(F // SB):
-        rows = block * SB + tl.arange(0, SB)
-        if CARRY:
-            first_S = tl.load(S0 + bh * F * D + iv * BV + rows[:, None] * D + cols[None, :], mask=n == 0, other=0.0)
-            first_z = tl.load(Z0 + bh * F + rows, mask=n == 0, other=0.0)
-        else:
-            first_S = tl.zeros([SB, BV], tl.float32)
-            first_z = tl.zeros([SB], tl.float32)
-        # .cg: from L2, which chunk n - 1's program wrote; this SM's L1 may hold an older chunk's lines
-        S = tl.load(ring_in + rows[:, None] * BV + cols[None, :], mask=n > 0, other=0.0, cache_modifier=".cg")
-        z = tl.load(ring_z_in + rows, mask=n > 0, other=0.0, cache_modifier=".cg")
-        S, z = S + first_S, z + first_z
-        _store_chunk_state(HS + block * SB * D, HZ + block * SB, n, S, z, iv == 0, F, D, SB, BV)
-        k_dec = _load_tile(FK + block * SB, pos, L, F, SB) * _k_decay(A, a_end, False)
-        S = _dot_acc(tl.trans(k_dec), v, S * tl.exp(a_end), DT)
-        z = z * tl.exp(a_end) + tl.sum(k_dec, 0)
-        if n + 1 < NT:
-            tl.store(ring_out + rows[:, None] * BV + cols[None, :], S)
-            tl.store(ring_z_out + rows, z)
-        elif CARRY:
-            tl.store(S_END + bh * F * D + iv * BV + rows[:, None] * D + cols[None, :], S)
-            if iv == 0:
-                tl.store(Z_END + bh * F + rows, z)
-    tl.debug_barrier()  # every thread's stores before the signal, and before this program reads HS back
-    if n + 1 < NT:
-        tl.atomic_xchg(READY + pair * NT + n, 1, sem="release")
-
-
-@triton.jit
 def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
-                TICKET, READY, RING, RING_Z, S0, Z0, S_END, Z_END, L, H, HKV, NT, G, window, scale, eps,
+                L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
-                M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, CHAIN: tl.constexpr,
-                CARRY: tl.constexpr, SB: tl.constexpr, DT: tl.constexpr):
+                FOLD: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr,
+                SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
-    HS, HZ (`_fwd_states_kernel`), or with CHAIN (grid (B*H*D/BV*NT,)) a chunk by ticket, whose state
-    it makes itself (`_chain_step`). The scores are recomputed by each column block. Y is [B, L, H, d]:
+    HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
     the layout the model's o_proj reads, so no transpose copy follows."""
-    if CHAIN:
-        bh, iv, first = _chain_ticket(TICKET, NT, G, D // BV)
-        last = first + 1
-    else:
-        bh = _head(CF, 2)
-        iv = tl.program_id(1)
-        first, last = _chunks(NT, SPLIT, CF)
+    bh = _head(CF, 2)
+    iv = tl.program_id(1)
     h = bh % H
     y_out = (bh // H) * L * H * D + h * D + iv * BV
     kv = (bh // H) * HKV + h // (H // HKV)
@@ -510,11 +458,9 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
 
     S = _state_before_chunks(HS, F, BV, SPLIT)
     z = tl.zeros([F], tl.float32)
+    first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
-        if CHAIN:
-            _chain_step(FK, LG, VB, HS, HZ, RING, RING_Z, READY, S0, Z0, S_END, Z_END, bh * (D // BV) + iv, bh, iv,
-                        n, L, NT, F, D, BV, BT, SB, CARRY, DT)
         if SPLIT:
             S, z = _load_chunk_state(HS, HZ, n, rows, F, D, BV)
         q = _load_tile(FQ, pos, L, F, F)
@@ -522,7 +468,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
-                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
+                                                          eps, m0, l0, D, BV, BT, NWB, FOLD, VEC, NORM, DT)
         _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
                        y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
@@ -1035,7 +981,6 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
               "num_stages": cfg.stages}
     end = None
-    chain = cfg.chains(vec)
     # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
@@ -1044,12 +989,6 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
-    if chain:  # the chunk kernel makes the states; one zeroed buffer holds the ticket and the READY flags
-        pairs = B * H * (D // BV)
-        signals = torch.zeros(1 + pairs * NT, device=qw.device, dtype=torch.int32)
-        ring = torch.empty(pairs, 2, F, BV, device=qw.device, dtype=torch.float32)
-        ring_z = torch.empty(pairs, 2, F, device=qw.device, dtype=torch.float32)
-    elif cfg.split:
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
         _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
                                                         CARRY=carried is not None, BK=BKS,
@@ -1068,15 +1007,12 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     row_max = torch.empty_like(den) if shared and save else den
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
-        hs = hz = s0 = z0 = s_end = z_end = den  # unread
-    if not chain:
-        signals = ring = ring_z = den  # unread
-    grid = (B * H * (D // BV) * NT,) if chain else _grid(cfg, B * H, (D // BV,), NT if cfg.split else None)
-    _fwd_kernel[grid](
+        hs = hz = den  # unread
+    NWB = triton.cdiv(window - 1, BT)  # key blocks before a query's own that its window reaches
+    _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
-        arg, signals, signals[1:], ring, ring_z, s0, z0, s_end, z_end, L, H, HKV, NT, cfg.chain_heads, window, scale,
-        eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save, SPLIT=cfg.split, NORM=normalize, SHARED=shared,
-        CF=cfg.chunk_axis_first, CHAIN=chain, CARRY=chain and carried is not None, SB=min(cfg.chain_block_k, F), **shapes)
+        arg, L, H, HKV, NT, window, scale, eps, NWB=NWB, FOLD=int(cfg.fold_window and window == NWB * BT), M=M, MP=MP, SAVE=save,
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

@@ -66,9 +66,8 @@ def lizard_forward_types() -> dict[str, str]:
     tile, f32 = "*bf16", "*fp32"
     return {"FQ": tile, "FK": tile, "LG": f32, "QW": tile, "KW": tile, "V": tile, "SINKS": f32, "ALPHA": f32,
             "HS": tile, "HZ": f32, "Y": tile, "Y_GLA": tile, "Y_WIN": tile, "DEN": f32, "LSE": f32, "ROW_MAX": f32,
-            "ARG": "*i32", "TICKET": "*i32", "READY": "*i32", "RING": f32, "RING_Z": f32, "S0": f32, "Z0": f32,
-            "S_END": f32, "Z_END": f32, "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32", "G": "i32", "window": "i32",
-            "scale": "fp32", "eps": "fp32"}
+            "ARG": "*i32", "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32", "window": "i32", "scale": "fp32",
+            "eps": "fp32"}
 
 
 def lizard_window_dkv_types() -> dict[str, str]:
@@ -135,8 +134,7 @@ def main() -> None:
     print(f"Lizard's forward (inference), bf16, F = d = 128, w = {window}, 4 sinks, {cfg}:")
     constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk),
                  "M": 4, "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": True,
-                 "CF": cfg.chunk_axis_first, "CHAIN": cfg.chains(False), "CARRY": False, "SB": cfg.chain_block_k,
-                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+                 "CF": cfg.chunk_axis_first, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
     variants = {"as launched at Table 3 shapes": (constants, True), "without alignment hints": (constants, False),
                 "the heads first in the launch order": (constants | {"CF": False}, True)}
     for label, (values, aligned) in variants.items():

@@ -36,26 +36,3 @@ def check(device: str, first: int = 37, then: int = 50, **case) -> dict:
     errors |= {name: _rel(new_state[name].float(), ref_state[name].float()) for name in ("S", "z", "win_k", "win_v")}
     errors["win_valid"] = float(not torch.equal(new_state["win_valid"], ref_state["win_valid"]))
     return errors
-
-
-def chain_against_state_pass(device: str, dtype=torch.float32, L: int = 150) -> dict:
-    """The chained forward (`Config.chain`) continuing a carried state against the state pass doing so:
-    each output (y_gla, y_win, den, lse) and the state after the call, as the largest difference
-    relative to the largest entry."""
-    import dataclasses
-
-    from linearize.kernels.lizard_triton import Config, lizard_attention_parts
-
-    case = Case(L=L, dtype=dtype)
-    (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, device)
-    g = torch.Generator(device=device).manual_seed(1)
-    carried = (torch.rand(case.B, case.H, case.F, case.D, generator=g, device=device),
-               torch.rand(case.B, case.H, case.F, generator=g, device=device))
-    split = dataclasses.replace(Config.default(dtype), split=True, chain_heads=3)
-    runs = [lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=case.window, scale=case.D**-0.5, sinks=sinks,
-                                   alpha=alpha, carried=carried, config=dataclasses.replace(split, chain=chain))
-            for chain in (False, True)]
-    names = ("y_gla", "y_win", "den", "lse", "S", "z")
-    pairs = zip(runs[0][:4] + runs[0][-1], runs[1][:4] + runs[1][-1])
-    return {name: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-            for name, (a, b) in zip(names, pairs)}

@@ -62,12 +62,6 @@ INTERPRETER_CASES = {
     "chunks-first-shared-split-L63-vector-bf16": Case(L=63, gate="vector", dtype=bf16, shared=True, split=True,
                                                       chunks_first=True),
     "chunks-first-one-pass-L100-w64": Case(L=100, window=64, split=False, chunks_first=True),
-    # The forward's state pass folded into its chunk kernel (Config.chain), the backward reading the
-    # states it stored; heads interleaved one at a time, three (a last group of one) and all at once.
-    "chain-L100-gqa-w32-sinks4": Case(L=100, split=True, chain=True),
-    "chain-heads1-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, chain=True, chain_heads=1),
-    "chain-heads3-rows16-L129-F32": Case(L=129, F=32, chain=True, split=True, chain_heads=3, chain_block_k=16),
-    "chain-shared-L100-F128-D64-bf16": Case(L=100, F=128, D=64, dtype=bf16, shared=True, chain=True),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -92,8 +86,6 @@ INFERENCE_CASES = {
     "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16),
     "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0),
     "chunks-first-shared-L100-gqa-w32-sinks4-bf16": Case(L=100, shared=True, dtype=bf16, chunks_first=True),
-    "chain-L100-gqa-w32-sinks4-bf16": Case(L=100, dtype=bf16, chain=True),
-    "chain-unnormalised-L65-F128-nosinks": Case(L=65, F=128, D=128, sinks=0, normalize=False, split=True, chain=True),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
