@@ -58,11 +58,8 @@ class Config:
     # same way, 64 x 64). The backward's pass has rows of its own (`dstate_block_k`).
     state_block_k: int = 128
     state_block_v: int = 128
-    state_warps: int = 4  # the forward state pass's warps and software pipelining (Triton's num_stages)
-    state_stages: int = 2
-    # The forward's window with w = NWB * chunk: the oldest key block and the query's own in one
-    # softmax step (`_window_sums`' FOLD), where they would take one each.
-    fold_window: bool = True
+    state_warps: int = 8  # the forward state pass's warps and software pipelining (Triton's num_stages)
+    state_stages: int = 1
     dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
@@ -105,9 +102,12 @@ class Config:
             return Config(chunk=32, window_dq_block=32, window_dkv_block=32, state_block_v=64)
         # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twenty-second
         # session): 1.40 / 6.87 ms forward / forward+backward, against 1.62 / 7.25 with the heads first;
-        # then each kernel's own blocks, from that session's profiles of one change at a time.
+        # then each kernel's own blocks, from that session's profiles of one change at a time; the
+        # forward state pass at 3 stages from the twenty-fourth's forward sweeps (its kernel 2.73 ms
+        # against 2.90 at B=32, L=8K).
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
-                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_stages=3)
+                      stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_warps=4,
+                      state_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -302,59 +302,31 @@ def _online_softmax(s, first_key, v, m, l, arg, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_folded(s_own, s_far, own_first, far_first, t, v_own, v_far, m, l, arg, acc, DT: tl.constexpr):
-    """`_online_softmax` over two key blocks at once whose logits never overlap: each is -inf where the
-    other is not (`_window_sums`' FOLD), so one tile takes one max, one exp and one rescale for both."""
-    own = t[None, :] <= t[:, None]
-    s = tl.where(own, s_own, s_far)
-    tile_max = tl.max(s, 1)
-    col = tl.argmax(s, 1).to(tl.int32)
-    arg = tl.where(tile_max > m, tl.where(col <= t, own_first, far_first) + col, arg)
-    m_new = tl.maximum(m, tile_max)
-    p = tl.exp(s - m_new[:, None])
-    corr = tl.exp(m - m_new)
-    acc = _dot_acc(tl.where(own, p, 0.0), v_own, acc * corr[:, None], DT)
-    return m_new, l * corr + tl.sum(p, 1), arg, _dot_acc(tl.where(own, 0.0, p), v_far, acc, DT)
-
-
-@triton.jit
 def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
-                 BT: tl.constexpr, NWB: tl.constexpr, FOLD: tl.constexpr, DT: tl.constexpr):
+                 BT: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
     """Anchor window: online softmax over the key chunks that overlap (pos - w, pos]. The unnormalised
-    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum.
-
-    FOLD (w = NWB * chunk): query row r sees keys c > r of the oldest block, n - NWB, and c <= r of
-    its own, n; those two take one softmax step (`_online_softmax_folded`), the blocks between one each."""
+    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum."""
     qw = _load_tile(QW, pos, L, D, D)
     m_i = tl.zeros([BT], tl.float32) + m0
     l_i = tl.zeros([BT], tl.float32) + l0
     arg = tl.zeros([BT], tl.int32) - 1
     acc = tl.zeros([BT, BV], tl.float32)
-    for mb in range(tl.maximum(n - NWB + FOLD, 0), n + 1 - FOLD):
+    for mb in range(tl.maximum(n - NWB, 0), n + 1):
         kpos = mb * BT + t
         s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
         m_i, l_i, arg, acc = _online_softmax(s, mb * BT, _load_tile(VB, kpos, L, D, BV), m_i, l_i, arg, acc, DT)
-    if FOLD:
-        far = n - NWB
-        far_pos = tl.maximum(far, 0) * BT + t  # before the sequence's start: chunk 0, all masked
-        s_far = _window_scores(qw, _load_tile(KW, far_pos, L, D, D), pos, far_pos, window, scale, DT)
-        s_own = _window_scores(qw, _load_tile(KW, pos, L, D, D), pos, pos, window, scale, DT)
-        m_i, l_i, arg, acc = _online_softmax_folded(s_own, tl.where(far >= 0, s_far, float("-inf")), n * BT, far * BT,
-                                                    t, _load_tile(VB, pos, L, D, BV), _load_tile(VB, far_pos, L, D, BV),
-                                                    m_i, l_i, arg, acc, DT)
     return acc, m_i, l_i, arg
 
 
 @triton.jit
 def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
-                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, FOLD: tl.constexpr,
-                   VEC: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
+                   NORM: tl.constexpr, DT: tl.constexpr):
     """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
     window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
     P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
     y_gla = _dot_acc(P, v, _dot(q_dec, S, DT), DT) / den[:, None]
-    acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, FOLD,
-                                      DT)
+    acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
     return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
 
 
@@ -432,8 +404,8 @@ def _row_block(CF: tl.constexpr):
 def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
-                FOLD: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr,
-                SPLIT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+                M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
     HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
@@ -468,7 +440,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         v = _load_tile(VB, pos, L, D, BV)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
-                                                          eps, m0, l0, D, BV, BT, NWB, FOLD, VEC, NORM, DT)
+                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
         _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
                        y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
@@ -1008,10 +980,9 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
         hs = hz = den  # unread
-    NWB = triton.cdiv(window - 1, BT)  # key blocks before a query's own that its window reaches
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
-        arg, L, H, HKV, NT, window, scale, eps, NWB=NWB, FOLD=int(cfg.fold_window and window == NWB * BT), M=M, MP=MP, SAVE=save,
+        arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
         SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
