@@ -50,6 +50,7 @@ class Case:
     window_dkv_block: int | None = None  # and key rows of its dk/dv pass
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
+    tma: bool | None = None  # the forward's tiles through tensor descriptors (Config.tma)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -81,7 +82,7 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first", "fused_backward"):
+                 "window_dkv_block", "chunks_first", "fused_backward", "tma"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -342,12 +343,15 @@ def sweep_configs():
 
 def forward_sweep_rows():
     """(label, Config, window) rows of `--sweep-forward`: the default; its forward state pass at the
-    previous default's 2 stages; the window at two key blocks and at one (what each of its three
-    64-key blocks costs: docs/kernels.md)."""
+    previous default's 2 stages; the tiles through tensor descriptors (TMA), also at 3 stages; the
+    window at two key blocks and at one (what each of its three 64-key blocks costs: docs/kernels.md)."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
-    return [("default", default, 128), ("state pass 2 stages", dataclasses.replace(default, state_stages=2), 128),
+    change = functools.partial(dataclasses.replace, default)
+    return [("default", default, 128), ("state pass 2 stages", change(state_stages=2), 128),
+            ("tma", change(tma=True), 128), ("tma, state pass 2 stages", change(tma=True, state_stages=2), 128),
+            ("tma, 3 stages", change(tma=True, stages=3), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

@@ -74,6 +74,9 @@ class Config:
     # the chunk's dP once instead of once for each block of features of the dq and dk passes. Taken
     # where it applies: split kernels and a scalar gate (a vector gate's 16-token chunks go key by key).
     fused_backward: bool = True
+    # The forward's tiles copied by Hopper's tensor memory accelerator (tensor descriptors) rather than
+    # by pointer loads; taken on GPUs that have one (compute capability 9 and up) and in the interpreter.
+    tma: bool = False
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -141,6 +144,18 @@ def _load_tile(ptr, pos, L, STRIDE: tl.constexpr, BW: tl.constexpr):
     """
     cols = tl.arange(0, BW)
     return tl.load(ptr + pos[:, None] * STRIDE + cols[None, :], mask=(pos < L)[:, None], other=0.0)
+
+
+@triton.jit
+def _head_rows(X, head, first, col, L, STRIDE: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr, TMA: tl.constexpr):
+    """Rows first..first+BT, columns col..col+BW of head `head` of X [heads, L, STRIDE]; rows >= L read
+    as zeros. X is a pointer, or with TMA a tensor descriptor of block [1, BT, BW] (Hopper's tensor
+    memory accelerator copies the tile to shared memory itself: no address or mask registers)."""
+    if TMA:
+        out = X.load([head.to(tl.int32), first, col]).reshape(BT, BW)
+    else:
+        out = _load_tile(X + head * L * STRIDE + col, first + tl.arange(0, BT), L, STRIDE, BW)
+    return out
 
 
 @triton.jit
@@ -302,31 +317,34 @@ def _online_softmax(s, first_key, v, m, l, arg, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _window_sums(QW, KW, VB, pos, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
-                 BT: tl.constexpr, NWB: tl.constexpr, DT: tl.constexpr):
+def _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
+                 BT: tl.constexpr, NWB: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Anchor window: online softmax over the key chunks that overlap (pos - w, pos]. The unnormalised
-    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum."""
-    qw = _load_tile(QW, pos, L, D, D)
+    sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum.
+    Query head bh, key/value head kv, value columns col.. (`_head_rows`)."""
+    pos = n * BT + t
+    qw = _head_rows(QW, bh, n * BT, 0, L, D, BT, D, TMA)
     m_i = tl.zeros([BT], tl.float32) + m0
     l_i = tl.zeros([BT], tl.float32) + l0
     arg = tl.zeros([BT], tl.int32) - 1
     acc = tl.zeros([BT, BV], tl.float32)
     for mb in range(tl.maximum(n - NWB, 0), n + 1):
-        kpos = mb * BT + t
-        s = _window_scores(qw, _load_tile(KW, kpos, L, D, D), pos, kpos, window, scale, DT)
-        m_i, l_i, arg, acc = _online_softmax(s, mb * BT, _load_tile(VB, kpos, L, D, BV), m_i, l_i, arg, acc, DT)
+        kw = _head_rows(KW, kv, mb * BT, 0, L, D, BT, D, TMA)
+        s = _window_scores(qw, kw, pos, mb * BT + t, window, scale, DT)
+        vb = _head_rows(V, kv, mb * BT, col, L, D, BT, BV, TMA)
+        m_i, l_i, arg, acc = _online_softmax(s, mb * BT, vb, m_i, l_i, arg, acc, DT)
     return acc, m_i, l_i, arg
 
 
 @triton.jit
-def _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale, eps, m0, l0,
+def _chunk_outputs(q, k, v, A, S, z, QW, KW, V, bh, kv, col, n, t, L, window, scale, eps, m0, l0,
                    D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
-                   NORM: tl.constexpr, DT: tl.constexpr):
+                   NORM: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
     window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
     P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
     y_gla = _dot_acc(P, v, _dot(q_dec, S, DT), DT) / den[:, None]
-    acc, m_i, l_i, arg = _window_sums(QW, KW, VB, n * BT + t, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, DT)
+    acc, m_i, l_i, arg = _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, TMA, DT)
     return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
 
 
@@ -405,43 +423,45 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
     HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
-    the layout the model's o_proj reads, so no transpose copy follows."""
+    the layout the model's o_proj reads, so no transpose copy follows. With TMA, FQ, FK, QW, KW, V
+    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D])."""
     bh = _head(CF, 2)
     iv = tl.program_id(1)
     h = bh % H
     y_out = (bh // H) * L * H * D + h * D + iv * BV
     kv = (bh // H) * HKV + h // (H // HKV)
-    FQ += bh * L * F
-    FK += bh * L * F
     LG += bh * L * (F if VEC else 1)
-    QW += bh * L * D
-    KW += kv * L * D
-    VB = V + kv * L * D + iv * BV  # this program's value columns
-    HS += bh * NT * F * D + iv * BV
     HZ += bh * NT * F
+    col = iv * BV  # this program's value columns
     t = tl.arange(0, BT)
     rows = tl.arange(0, F)
     alpha = tl.load(ALPHA + h).to(tl.float32)
     m0, l0 = _sink_start(SINKS, h, M, MP)
 
-    S = _state_before_chunks(HS, F, BV, SPLIT)
+    if TMA and SPLIT:  # a descriptor's dtype is its element type
+        S = tl.zeros([F, BV], HS.dtype)
+    else:
+        S = _state_before_chunks(HS, F, BV, SPLIT)
     z = tl.zeros([F], tl.float32)
     first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
         if SPLIT:
-            S, z = _load_chunk_state(HS, HZ, n, rows, F, D, BV)
-        q = _load_tile(FQ, pos, L, F, F)
-        k = _load_tile(FK, pos, L, F, F)
-        v = _load_tile(VB, pos, L, D, BV)
+            if TMA:
+                S, z = _head_rows(HS, bh * NT + n, 0, col, F, D, F, BV, TMA), tl.load(HZ + n * F + rows)
+            else:
+                S, z = _load_chunk_state(HS + bh * NT * F * D + col, HZ, n, rows, F, D, BV)
+        q = _head_rows(FQ, bh, n * BT, 0, L, F, BT, F, TMA)
+        k = _head_rows(FK, bh, n * BT, 0, L, F, BT, F, TMA)
+        v = _head_rows(V, kv, n * BT, col, L, D, BT, BV, TMA)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, VB, n, t, L, window, scale,
-                                                          eps, m0, l0, D, BV, BT, NWB, VEC, NORM, DT)
-        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + iv * BV, bh * L, pos, L,
+        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, V, bh, kv, col, n, t, L, window,
+                                                          scale, eps, m0, l0, D, BV, BT, NWB, VEC, NORM, TMA, DT)
+        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + col, bh * L, pos, L,
                        y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
@@ -478,22 +498,20 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 @triton.jit
 def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
+                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr, TMA: tl.constexpr):
     """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
     [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
     in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
     depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
     starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
-    (float32, same shapes)."""
+    (float32, same shapes). With TMA, FK, V and HS are tensor descriptors (`_head_rows`; HS viewed
+    [B*H*NT, F, D], its tiles stored through one too)."""
     bh = tl.program_id(0).to(tl.int64)
     fo = tl.program_id(1) * BK
     iv = tl.program_id(2)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
-    FK += bh * L * F + fo
     LG += bh * L * F + fo if VEC else bh * L
-    VB = V + kv * L * D + iv * BV
     block = bh * F * D + fo * D + iv * BV  # this program's block of an [F, D] state
-    HS += bh * NT * F * D + fo * D + iv * BV
     HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
@@ -504,10 +522,16 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
         S = tl.zeros([BK, BV], tl.float32)
         z = tl.zeros([BK], tl.float32)
     for n in range(NT):
-        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
-        pos = n * BT + t
-        A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
+        if TMA:
+            HS.store([(bh * NT + n).to(tl.int32), fo, iv * BV], S.to(HS.dtype).reshape(1, BK, BV))
+            if iv == 0:
+                tl.store(HZ + n * F + rows, z)
+        else:
+            _store_chunk_state(HS + bh * NT * F * D + fo * D + iv * BV, HZ, n, S, z, iv == 0, F, D, BK, BV)
+        A, a_end = _load_gate(LG, n * BT + t, L, F, BK, VEC)
+        k = _head_rows(FK, bh, n * BT, fo, L, F, BT, BK, TMA)
+        v = _head_rows(V, kv, n * BT, iv * BV, L, D, BT, BV, TMA)
+        S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
     if CARRY:
         _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
 
@@ -923,6 +947,35 @@ def _grid(cfg: Config, heads: int, middle: tuple, blocks: int | None) -> tuple:
     return (blocks, *middle, heads) if cfg.chunks_first else (heads, *middle, blocks)
 
 
+def _has_tma(device: torch.device) -> bool:
+    """Whether tensor descriptors are copied by a tensor memory accelerator: Hopper and later, or
+    Triton's interpreter (which copies them as the hardware would, zero-filling past the end)."""
+    return INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _descriptors(fq, fk, qw, kw, v, hs, BT: int, BV: int) -> tuple:
+    """The forward's tiled inputs as tensor descriptors (`_head_rows`): [heads, L, width] views whose
+    [1, BT, width] tiles end at each head's last row, and the chunk states [B*H*NT, F, D]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def rows(x, width):
+        return TensorDescriptor.from_tensor(x.view(-1, x.shape[-2], x.shape[-1]), [1, BT, width])
+
+    F, D = fq.shape[-1], qw.shape[-1]
+    states = TensorDescriptor.from_tensor(hs.view(-1, F, D), [1, F, BV]) if hs.dim() == 4 else hs
+    return rows(fq, F), rows(fk, F), rows(qw, D), rows(kw, D), rows(v, BV), states
+
+
+def _state_descriptors(fk, v, hs, BT: int, BK: int, BV: int) -> tuple:
+    """`_fwd_states_kernel`'s keys, values and chunk states as tensor descriptors of its blocks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    F, D = fk.shape[-1], v.shape[-1]
+    return (TensorDescriptor.from_tensor(fk.view(-1, fk.shape[-2], F), [1, BT, BK]),
+            TensorDescriptor.from_tensor(v.view(-1, v.shape[-2], D), [1, BT, BV]),
+            TensorDescriptor.from_tensor(hs.view(-1, F, D), [1, BK, BV]))
+
+
 def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
     """The split kernels' chunk states. A vector gate's d log g is a reverse cumsum over the sequence of
     per-feature terms that cancel, so it keeps the states (and the backward's linear-part products) in
@@ -953,6 +1006,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     shapes = {"F": F, "D": D, "BV": BV, "BT": BT, "VEC": vec, "DT": DT, "num_warps": cfg.warps,
               "num_stages": cfg.stages}
     end = None
+    tma = cfg.tma and _has_tma(qw.device)
     # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
@@ -962,8 +1016,9 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
-        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
-                                                        CARRY=carried is not None, BK=BKS,
+        fk_t, v_t, hs_t = _state_descriptors(fk, v, hs, BT, BKS, BVS) if tma else (fk, v, hs)
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk_t, log_g, v_t, hs_t, hz, s0, z0, s_end, z_end, L, H, HKV,
+                                                        NT, CARRY=carried is not None, BK=BKS, TMA=tma,
                                                         **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
                                                                      "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
@@ -980,10 +1035,12 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
         hs = hz = den  # unread
+    fq_t, fk_t, qw_t, kw_t, v_t, hs_t = (_descriptors(fq, fk, qw, kw, v, hs, BT, BV) if tma
+                                         else (fq, fk, qw, kw, v, hs))
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
-        fq, fk, log_g, qw, kw, v, alpha if sinks is None else sinks, alpha, hs, hz, y, y_gla, y_win, den, lse, row_max,
-        arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, **shapes)
+        fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
+        lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma, **shapes)
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

@@ -62,6 +62,11 @@ INTERPRETER_CASES = {
     "chunks-first-shared-split-L63-vector-bf16": Case(L=63, gate="vector", dtype=bf16, shared=True, split=True,
                                                       chunks_first=True),
     "chunks-first-one-pass-L100-w64": Case(L=100, window=64, split=False, chunks_first=True),
+    # The forward's tiles through tensor descriptors (Config.tma; the interpreter copies them as TMA does).
+    "tma-split-L100-gqa-w32-sinks4": Case(L=100, split=True, tma=True),
+    "tma-one-pass-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=False, tma=True),
+    "tma-shared-split-L37-vector-F128-D64": Case(L=37, gate="vector", F=128, D=64, shared=True, split=True, tma=True),
+    "tma-split-rows16-L100": Case(L=100, split=True, state_block_k=16, state_block_v=32, tma=True),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -86,6 +91,8 @@ INFERENCE_CASES = {
     "unnormalised-L100-nosinks-bf16": Case(L=100, sinks=0, normalize=False, dtype=bf16),
     "vector-L37-nosinks": Case(L=37, gate="vector", sinks=0),
     "chunks-first-shared-L100-gqa-w32-sinks4-bf16": Case(L=100, shared=True, dtype=bf16, chunks_first=True),
+    "tma-L129-w64-bf16": Case(L=129, window=64, dtype=bf16, tma=True),
+    "tma-unnormalised-L65-F128-nosinks": Case(L=65, F=128, D=128, sinks=0, normalize=False, split=True, tma=True),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
