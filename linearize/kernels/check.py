@@ -342,16 +342,15 @@ def sweep_configs():
 
 
 def forward_sweep_rows():
-    """(label, Config, window) rows of `--sweep-forward`: the default; its forward state pass at the
-    previous default's 2 stages; the tiles through tensor descriptors (TMA), also at 3 stages; the
-    window at two key blocks and at one (what each of its three 64-key blocks costs: docs/kernels.md)."""
+    """(label, Config, window) rows of `--sweep-forward`: the default; its chunk kernel's tiles through
+    pointer loads instead of tensor descriptors (TMA); its state pass at 2 stages; the window at two
+    key blocks and at one (what each of its three 64-key blocks costs: docs/kernels.md)."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [("default", default, 128), ("state pass 2 stages", change(state_stages=2), 128),
-            ("tma", change(tma=True), 128), ("tma, state pass 2 stages", change(tma=True, state_stages=2), 128),
-            ("tma, 3 stages", change(tma=True, stages=3), 128),
+    return [("default", default, 128), ("pointer loads", change(tma=False), 128),
+            ("state pass 2 stages", change(state_stages=2), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

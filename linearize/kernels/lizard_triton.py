@@ -74,8 +74,10 @@ class Config:
     # the chunk's dP once instead of once for each block of features of the dq and dk passes. Taken
     # where it applies: split kernels and a scalar gate (a vector gate's 16-token chunks go key by key).
     fused_backward: bool = True
-    # The forward's tiles copied by Hopper's tensor memory accelerator (tensor descriptors) rather than
-    # by pointer loads; taken on GPUs that have one (compute capability 9 and up) and in the interpreter.
+    # The forward chunk kernel's tiles copied by Hopper's tensor memory accelerator (tensor descriptors)
+    # rather than by pointer loads: no address or mask registers, no spills; taken on GPUs that have
+    # one (compute capability 9 and up) and in the interpreter. The state pass keeps pointer loads
+    # (through descriptors it took 3.11 ms against 2.74 at B=32, L=8K: docs/kernels.md).
     tma: bool = False
 
     def __post_init__(self):
@@ -106,11 +108,12 @@ class Config:
         # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twenty-second
         # session): 1.40 / 6.87 ms forward / forward+backward, against 1.62 / 7.25 with the heads first;
         # then each kernel's own blocks, from that session's profiles of one change at a time; the
-        # forward state pass at 3 stages from the twenty-fourth's forward sweeps (its kernel 2.73 ms
-        # against 2.90 at B=32, L=8K).
+        # forward state pass at 3 stages and the forward's tiles through TMA from the twenty-fourth's
+        # forward sweeps (B=32, L=8K: the state pass 2.74 ms against 2.90, the chunk kernel 6.79
+        # against 7.04).
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
                       stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_warps=4,
-                      state_stages=3)
+                      state_stages=3, tma=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -498,14 +501,13 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 @triton.jit
 def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr, TMA: tl.constexpr):
+                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
     """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
     [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
     in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
     depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
     starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
-    (float32, same shapes). With TMA, FK, V and HS are tensor descriptors (`_head_rows`; HS viewed
-    [B*H*NT, F, D], its tiles stored through one too)."""
+    (float32, same shapes)."""
     bh = tl.program_id(0).to(tl.int64)
     fo = tl.program_id(1) * BK
     iv = tl.program_id(2)
@@ -522,15 +524,10 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
         S = tl.zeros([BK, BV], tl.float32)
         z = tl.zeros([BK], tl.float32)
     for n in range(NT):
-        if TMA:
-            HS.store([(bh * NT + n).to(tl.int32), fo, iv * BV], S.to(HS.dtype).reshape(1, BK, BV))
-            if iv == 0:
-                tl.store(HZ + n * F + rows, z)
-        else:
-            _store_chunk_state(HS + bh * NT * F * D + fo * D + iv * BV, HZ, n, S, z, iv == 0, F, D, BK, BV)
+        _store_chunk_state(HS + bh * NT * F * D + fo * D + iv * BV, HZ, n, S, z, iv == 0, F, D, BK, BV)
         A, a_end = _load_gate(LG, n * BT + t, L, F, BK, VEC)
-        k = _head_rows(FK, bh, n * BT, fo, L, F, BT, BK, TMA)
-        v = _head_rows(V, kv, n * BT, iv * BV, L, D, BT, BV, TMA)
+        k = _head_rows(FK, bh, n * BT, fo, L, F, BT, BK, False)
+        v = _head_rows(V, kv, n * BT, iv * BV, L, D, BT, BV, False)
         S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
     if CARRY:
         _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
@@ -966,16 +963,6 @@ def _descriptors(fq, fk, qw, kw, v, hs, BT: int, BV: int) -> tuple:
     return rows(fq, F), rows(fk, F), rows(qw, D), rows(kw, D), rows(v, BV), states
 
 
-def _state_descriptors(fk, v, hs, BT: int, BK: int, BV: int) -> tuple:
-    """`_fwd_states_kernel`'s keys, values and chunk states as tensor descriptors of its blocks."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    F, D = fk.shape[-1], v.shape[-1]
-    return (TensorDescriptor.from_tensor(fk.view(-1, fk.shape[-2], F), [1, BT, BK]),
-            TensorDescriptor.from_tensor(v.view(-1, v.shape[-2], D), [1, BT, BV]),
-            TensorDescriptor.from_tensor(hs.view(-1, F, D), [1, BK, BV]))
-
-
 def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
     """The split kernels' chunk states. A vector gate's d log g is a reverse cumsum over the sequence of
     per-feature terms that cancel, so it keeps the states (and the backward's linear-part products) in
@@ -1016,9 +1003,8 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
-        fk_t, v_t, hs_t = _state_descriptors(fk, v, hs, BT, BKS, BVS) if tma else (fk, v, hs)
-        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk_t, log_g, v_t, hs_t, hz, s0, z0, s_end, z_end, L, H, HKV,
-                                                        NT, CARRY=carried is not None, BK=BKS, TMA=tma,
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                                        CARRY=carried is not None, BK=BKS,
                                                         **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
                                                                      "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
