@@ -512,8 +512,11 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
     fo = tl.program_id(1) * BK
     iv = tl.program_id(2)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
+    FK += bh * L * F + fo
     LG += bh * L * F + fo if VEC else bh * L
+    VB = V + kv * L * D + iv * BV
     block = bh * F * D + fo * D + iv * BV  # this program's block of an [F, D] state
+    HS += bh * NT * F * D + fo * D + iv * BV
     HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
@@ -524,11 +527,10 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
         S = tl.zeros([BK, BV], tl.float32)
         z = tl.zeros([BK], tl.float32)
     for n in range(NT):
-        _store_chunk_state(HS + bh * NT * F * D + fo * D + iv * BV, HZ, n, S, z, iv == 0, F, D, BK, BV)
-        A, a_end = _load_gate(LG, n * BT + t, L, F, BK, VEC)
-        k = _head_rows(FK, bh, n * BT, fo, L, F, BT, BK, False)
-        v = _head_rows(V, kv, n * BT, iv * BV, L, D, BT, BV, False)
-        S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
+        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
+        pos = n * BT + t
+        A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
+        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
     if CARRY:
         _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
 
