@@ -70,6 +70,19 @@ def lizard_forward_types() -> dict[str, str]:
             "eps": "fp32"}
 
 
+def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = True) -> dict[str, int]:
+    """`lizard_triton._fwd_kernel` with `constants` (F = D = 128, chunk 64 where its tiles come through
+    tensor descriptors: constants["TMA"])."""
+    from . import lizard_triton
+
+    types = lizard_forward_types()
+    if constants["TMA"]:
+        tile = "tensordesc<bf16[1,64,128]>"
+        types |= {"FQ": tile, "FK": tile, "QW": tile, "KW": tile, "V": tile, "HS": "tensordesc<bf16[1,128,128]>"}
+    return resources(lizard_triton._fwd_kernel, types, constants, aligned=aligned,
+                     divisible=("L", "H", "HKV", "NT", "window"), num_warps=warps, num_stages=stages)
+
+
 def lizard_window_dkv_types() -> dict[str, str]:
     """`lizard_triton._bwd_window_dkv_kernel`'s argument types for bf16 operands."""
     tile, f32 = "*bf16", "*fp32"
@@ -134,12 +147,12 @@ def main() -> None:
     print(f"Lizard's forward (inference), bf16, F = d = 128, w = {window}, 4 sinks, {cfg}:")
     constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk),
                  "M": 4, "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": True,
-                 "CF": cfg.chunk_axis_first, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+                 "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
     variants = {"as launched at Table 3 shapes": (constants, True), "without alignment hints": (constants, False),
-                "the heads first in the launch order": (constants | {"CF": False}, True)}
+                "the heads first in the launch order": (constants | {"CF": False}, True),
+                "pointer loads instead of tensor descriptors": (constants | {"TMA": False}, True)}
     for label, (values, aligned) in variants.items():
-        found = resources(lizard_triton._fwd_kernel, lizard_forward_types(), values, aligned=aligned,
-                          divisible=("L", "H", "HKV", "NT", "window"), num_warps=cfg.warps, num_stages=cfg.stages)
+        found = lizard_forward(values, cfg.warps, cfg.stages, aligned)
         print(f"  {label}: {found}")
     print(f"Lizard's window d k / d v pass, bf16, D = 128, w = {window}, by key rows a program and warps:")
     for rows, warps in ((cfg.window_dkv_block, cfg.warps), (64, 4), (64, 8)):

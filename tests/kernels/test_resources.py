@@ -66,3 +66,15 @@ def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
     found = res.lizard_chunk_backward(cfg.warps, cfg.stages, cfg.chunk)
     assert 2 * found["registers"] * 32 * cfg.warps <= 64 * 1024
     assert 2 * (found["shared"] + 1024) <= 228 * 1024
+
+
+def test_lizard_forward_through_tensor_descriptors_does_not_spill_as_launched():
+    """Saving the backward's parts, the one variant that spilled most through pointer loads (64 bytes)."""
+    from linearize.kernels import lizard_triton
+
+    cfg = lizard_triton.Config.default(torch.bfloat16)
+    assert cfg.tma
+    constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": 2, "M": 4, "MP": 4, "VEC": False,
+                 "SAVE": True, "SPLIT": True, "NORM": True, "SHARED": True, "CF": True, "TMA": True,
+                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+    assert res.lizard_forward(constants, cfg.warps, cfg.stages)["spilled"] == 0
