@@ -36,6 +36,8 @@ CHUNK = 64  # fla's default chunk and gla_window_chunked's
 WINDOW = 128
 SINKS = 4
 MODES = ("fwd", "fwd+bwd")
+# Issue 6's targets for the fused Lizard op: (pass, fla op, largest time ratio) at every Table 3 shape.
+TARGETS = (("fwd", "fla chunk_gla", 0.5), ("fwd+bwd", "fla chunk_gla", 0.5), ("fwd", "fla chunk_simple_gla", 1.3))
 
 FULL = {"shapes": [(16, 32, 2048, 128), (16, 32, 4096, 128), (16, 32, 8192, 128), (32, 32, 8192, 128)],
         "warmup": 3, "iters": 10, "peak_n": 8192}
@@ -258,6 +260,7 @@ def tables(results: dict) -> list[str]:
                      for B, L in shapes]
             lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += target_lines(rows, rows)
     if settings.get("lizard_config") and any(r["op"] == "lizard (triton)" and r["status"] == "ok" for r in rows):
         lines.append(f"- lizard (triton) ran `{settings['lizard_config']}`")
     skipped = {r["op"]: r["reason"] for r in rows if r["status"] in ("skipped", "error")}
@@ -267,6 +270,23 @@ def tables(results: dict) -> list[str]:
         by_formula.setdefault(formula, []).append(name)
     lines += [f"- FLOPs of {', '.join(names)}: {formula}" for formula, names in by_formula.items()]
     return lines + [""]
+
+
+def target_lines(ours: list[dict], fla: list[dict]) -> list[str]:
+    """The targets (`TARGETS`) as ratios of the Triton op's median ms in `ours` to fla's in `fla` (rows
+    of one run, or of two: then the ratios compare across runs), at every shape both measured."""
+    ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in ours + fla if r["status"] == "ok"}
+    ms |= {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in ours if r["status"] == "ok"}
+    shapes = list(dict.fromkeys((r["B"], r["L"]) for r in ours))
+    lines = []
+    for mode, other, target in TARGETS:
+        ratios = {(B, L): ms[("lizard (triton)", mode, B, L)] / ms[(other, mode, B, L)] for B, L in shapes
+                  if ("lizard (triton)", mode, B, L) in ms and (other, mode, B, L) in ms}
+        if ratios:
+            cells = ", ".join(f"B={B} L={size_label(L)} {ratio:.2f}x" for (B, L), ratio in ratios.items())
+            verdict = "met" if max(ratios.values()) <= target else "missed"
+            lines.append(f"- lizard (triton) {mode} / {other}: {cells} (target at most {target}x: {verdict})")
+    return lines + ([""] if lines else [])
 
 
 def plots(results: dict, out: Path) -> list[Path]:
@@ -290,3 +310,23 @@ def plots(results: dict, out: Path) -> list[Path]:
     path = out / "kernels.png"
     fig.savefig(path, dpi=120)
     return [path]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m linearize.bench.kernels OURS.json [FLA.json]`: the targets' ratios of a kernels run,
+    fla's times from FLA.json where given (ratios across two runs)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("ours", type=Path, help="a kernels.json with the lizard (triton) rows")
+    parser.add_argument("fla", type=Path, nargs="?", help="a kernels.json with fla's rows (default: OURS)")
+    args = parser.parse_args(argv)
+    ours = json.loads(args.ours.read_text())["rows"]
+    fla = json.loads(args.fla.read_text())["rows"] if args.fla else ours
+    lines = [line for line in target_lines(ours, fla) if line]
+    print("\n".join(lines or ["no shape has both the Triton op's and fla's times"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -342,15 +342,16 @@ def sweep_configs():
 
 
 def forward_sweep_rows():
-    """(label, Config, window) rows of `--sweep-forward`: the default; its chunk kernel's tiles through
-    pointer loads instead of tensor descriptors (TMA); its state pass at 2 stages; the window at two
-    key blocks and at one (what each of its three 64-key blocks costs: docs/kernels.md)."""
+    """(label, Config, window) rows of `--sweep-forward`: the default; its chunk kernel capped at 128
+    registers (four programs an SM, spilling) and without a cap (two programs an SM, not three);
+    through pointer loads instead of tensor descriptors (TMA); the window at two key blocks and at one
+    (what each of its three 64-key blocks costs: docs/kernels.md)."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [("default", default, 128), ("pointer loads", change(tma=False), 128),
-            ("state pass 2 stages", change(state_stages=2), 128),
+    return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
+            ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

@@ -60,6 +60,12 @@ class Config:
     state_block_v: int = 128
     state_warps: int = 8  # the forward state pass's warps and software pipelining (Triton's num_stages)
     state_stages: int = 1
+    # The forward chunk kernel's pipelining and register cap (ptxas's maxnreg; None: as many as it
+    # takes; taken with `tma` only: through pointer loads the cap spills). At 1 stage and 168
+    # registers three of its 4-warp programs share an H200 SM, not two: its window loop then keeps no
+    # second buffer of keys and values (docs/kernels.md).
+    forward_stages: int = 1
+    forward_registers: int | None = None
     dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
@@ -87,9 +93,12 @@ class Config:
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {size}")
-        for warps, stages in ((self.warps, self.stages), (self.state_warps, self.state_stages)):
+        for warps, stages in ((self.warps, self.stages), (self.state_warps, self.state_stages),
+                              (self.warps, self.forward_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {warps}, {stages}")
+        if self.forward_registers is not None and not 24 <= self.forward_registers <= 255:
+            raise ValueError(f"Config.forward_registers must be None or 24..255, got {self.forward_registers}")
 
     @property
     def chunk_axis_first(self) -> bool:
@@ -110,10 +119,11 @@ class Config:
         # then each kernel's own blocks, from that session's profiles of one change at a time; the
         # forward state pass at 3 stages and the forward's tiles through TMA from the twenty-fourth's
         # forward sweeps (B=32, L=8K: the state pass 2.74 ms against 2.90, the chunk kernel 6.79
-        # against 7.04).
+        # against 7.04); the chunk kernel at 1 stage under 168 registers, three programs an SM, from
+        # the twenty-fifth's (6.05 ms against 7.4-7.6 for the same code at two programs an SM).
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
                       stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_warps=4,
-                      state_stages=3, tma=True)
+                      state_stages=3, tma=True, forward_stages=1, forward_registers=168)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -340,22 +350,11 @@ def _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D: tl.c
 
 
 @triton.jit
-def _chunk_outputs(q, k, v, A, S, z, QW, KW, V, bh, kv, col, n, t, L, window, scale, eps, m0, l0,
-                   D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr, VEC: tl.constexpr,
-                   NORM: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
-    """Chunk n's outputs given the state at its start: the linear part with its denominator, and the
-    window part with its softmax max, the key that holds it (-1: a sink) and the sum."""
-    P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
-    y_gla = _dot_acc(P, v, _dot(q_dec, S, DT), DT) / den[:, None]
-    acc, m_i, l_i, arg = _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D, BV, BT, NWB, TMA, DT)
-    return y_gla, acc / l_i[:, None], den, m_i, l_i, arg
-
-
-@triton.jit
-def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, stat, pos, L, y_gla, y_win, alpha,
+def _store_outputs(Y, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, stat, pos, L, y_gla, y_win, alpha,
                    den, m_i, l_i, arg, first, D: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr,
                    SHARED: tl.constexpr):
-    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout); the saved parts at their own + out."""
+    """y at Y + y_out, rows y_row apart (the [B, L, H, d] layout); the saved parts (y_gla is already)
+    at their own + out."""
     if SHARED:  # one normaliser: (window numerator + linear numerator) / (l_i + den), l_i relative to m_i
         y = (y_win * l_i[:, None] + y_gla * den[:, None]) / (l_i + den)[:, None]
     else:
@@ -363,7 +362,6 @@ def _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, y_row, out, s
     cols = tl.arange(0, BV)
     tl.store(Y + y_out + pos[:, None] * y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=(pos < L)[:, None])
     if SAVE:
-        _store_tile(Y_GLA + out, pos, L, y_gla, D, BV)
         _store_tile(Y_WIN + out, pos, L, y_win, D, BV)
         if first:
             tl.store(DEN + stat + pos, den, mask=pos < L)
@@ -450,22 +448,35 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     else:
         S = _state_before_chunks(HS, F, BV, SPLIT)
     z = tl.zeros([F], tl.float32)
+    # Registers and shared memory for three programs an SM (docs/kernels.md): y_gla waits in memory
+    # while the window runs (where it is saved anyway, or in the output's own rows, still in L2), and
+    # the state and v load only once the scores have used q and k, whose shared memory they take over.
+    if SAVE:
+        Y_PART, part_row = Y_GLA + bh * L * D + col, D
+    else:
+        Y_PART, part_row = Y + y_out, H * D
     first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
         if SPLIT:
-            if TMA:
-                S, z = _head_rows(HS, bh * NT + n, 0, col, F, D, F, BV, TMA), tl.load(HZ + n * F + rows)
-            else:
-                S, z = _load_chunk_state(HS + bh * NT * F * D + col, HZ, n, rows, F, D, BV)
+            z = tl.load(HZ + n * F + rows)
         q = _head_rows(FQ, bh, n * BT, 0, L, F, BT, F, TMA)
         k = _head_rows(FK, bh, n * BT, 0, L, F, BT, F, TMA)
-        v = _head_rows(V, kv, n * BT, col, L, D, BT, BV, TMA)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        y_gla, y_win, den, m_i, l_i, arg = _chunk_outputs(q, k, v, A, S, z, QW, KW, V, bh, kv, col, n, t, L, window,
-                                                          scale, eps, m0, l0, D, BV, BT, NWB, VEC, NORM, TMA, DT)
-        _store_outputs(Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + col, bh * L, pos, L,
-                       y_gla, y_win, alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
+        P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
+        if SPLIT:  # HS viewed as [B*H*NT, F, D]; S in its stored dtype (only ever a GEMM operand)
+            S = _head_rows(HS, bh * NT + n, 0, col, F, D, F, BV, TMA)
+        y_gla = _dot(q_dec, S, DT)
+        v = _head_rows(V, kv, n * BT, col, L, D, BT, BV, TMA)
+        y_gla = _dot_acc(P, v, y_gla, DT) / den[:, None]
+        _store_tile(Y_PART, pos, L, y_gla, part_row, BV)
+        tl.debug_barrier()  # every thread's y_gla rows stored before any reads them back
+        acc, m_i, l_i, arg = _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D, BV, BT, NWB,
+                                          TMA, DT)
+        y_gla = _load_tile(Y_PART, pos, L, part_row, BV).to(tl.float32)
+        tl.debug_barrier()  # and read back by all before y, in its own layout, overwrites them in Y
+        _store_outputs(Y, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + col, bh * L, pos, L, y_gla,
+                       acc / l_i[:, None], alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -1028,7 +1039,8 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
         lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma, **shapes)
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
+        **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

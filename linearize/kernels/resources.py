@@ -26,10 +26,12 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def resources(kernel, types: dict[str, str], constants: dict, *, divisible=(), aligned: bool = True,
-              num_warps: int = 4, num_stages: int = 3, arch: int = 90) -> dict[str, int]:
+              num_warps: int = 4, num_stages: int = 3, max_registers: int | None = None,
+              arch: int = 90) -> dict[str, int]:
     """{registers (per thread), spilled (stack bytes per thread), shared (bytes)} of `kernel` compiled for
     sm_`arch`: `types` gives each runtime argument's Triton type ("*bf16", "i32", "fp32"), `constants`
-    each constexpr's value, `divisible` the integer arguments that are multiples of 16 at run time.
+    each constexpr's value, `divisible` the integer arguments that are multiples of 16 at run time,
+    `max_registers` ptxas's cap (maxnreg; what it cannot fit spills).
 
     As at launch, pointers are taken as 16-byte aligned (torch's allocations are) and `divisible`
     as multiples of 16: Triton specializes on both, and without them (`aligned=False`) the code needs
@@ -43,7 +45,7 @@ def resources(kernel, types: dict[str, str], constants: dict, *, divisible=(), a
                        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
                        attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": max_registers})
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -70,7 +72,8 @@ def lizard_forward_types() -> dict[str, str]:
             "eps": "fp32"}
 
 
-def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = True) -> dict[str, int]:
+def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = True,
+                   max_registers: int | None = None) -> dict[str, int]:
     """`lizard_triton._fwd_kernel` with `constants` (F = D = 128, chunk 64 where its tiles come through
     tensor descriptors: constants["TMA"])."""
     from . import lizard_triton
@@ -80,7 +83,27 @@ def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = Tru
         tile = "tensordesc<bf16[1,64,128]>"
         types |= {"FQ": tile, "FK": tile, "QW": tile, "KW": tile, "V": tile, "HS": "tensordesc<bf16[1,128,128]>"}
     return resources(lizard_triton._fwd_kernel, types, constants, aligned=aligned,
-                     divisible=("L", "H", "HKV", "NT", "window"), num_warps=warps, num_stages=stages)
+                     divisible=("L", "H", "HKV", "NT", "window"), num_warps=warps, num_stages=stages,
+                     max_registers=max_registers)
+
+
+def lizard_forward_constants(cfg, window: int) -> dict:
+    """`lizard_triton._fwd_kernel`'s constexprs for `cfg` at Table 3's F = D = 128 (inference, the alpha
+    mix, 4 sinks)."""
+    import torch
+
+    from . import lizard_triton
+
+    return {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk), "M": 4,
+            "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": False,
+            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+
+
+def programs_per_sm(found: dict, warps: int) -> int:
+    """Programs of one kernel an H200 SM holds at once: 64K registers, 228 KB of shared memory, 1 KB
+    of it reserved per program, at most 32 programs."""
+    by_registers = 64 * 1024 // (found["registers"] * 32 * warps)
+    return min(by_registers, 228 * 1024 // (found["shared"] + 1024), 32)
 
 
 def lizard_window_dkv_types() -> dict[str, str]:
@@ -145,15 +168,18 @@ def main() -> None:
     cfg = lizard_triton.Config.default(torch.bfloat16)
     window = 128
     print(f"Lizard's forward (inference), bf16, F = d = 128, w = {window}, 4 sinks, {cfg}:")
-    constants = {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk),
-                 "M": 4, "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": True,
-                 "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
-    variants = {"as launched at Table 3 shapes": (constants, True), "without alignment hints": (constants, False),
-                "the heads first in the launch order": (constants | {"CF": False}, True),
-                "pointer loads instead of tensor descriptors": (constants | {"TMA": False}, True)}
-    for label, (values, aligned) in variants.items():
-        found = lizard_forward(values, cfg.warps, cfg.stages, aligned)
-        print(f"  {label}: {found}")
+    constants = lizard_forward_constants(cfg, window)
+    cap = cfg.forward_registers
+    variants = {"as launched at Table 3 shapes": (constants, True, cap),
+                "saving the backward's parts (training)": (constants | {"SAVE": True}, True, cap),
+                "without the register cap": (constants, True, None),
+                "without alignment hints": (constants, False, cap),
+                "the heads first in the launch order": (constants | {"CF": False}, True, cap),
+                "pointer loads instead of tensor descriptors (launched without the cap)": (constants | {"TMA": False},
+                                                                                          True, None)}
+    for label, (values, aligned, registers) in variants.items():
+        found = lizard_forward(values, cfg.warps, cfg.forward_stages, aligned, registers)
+        print(f"  {label}: {found}, {programs_per_sm(found, cfg.warps)} programs an SM")
     print(f"Lizard's window d k / d v pass, bf16, D = 128, w = {window}, by key rows a program and warps:")
     for rows, warps in ((cfg.window_dkv_block, cfg.warps), (64, 4), (64, 8)):
         print(f"  {rows} rows, {warps} warps: {lizard_window_dkv(rows, warps, cfg.stages, window)}")

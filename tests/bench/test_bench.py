@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from linearize.bench import kernels as kernels_bench
 from linearize.bench import model as model_bench
 from linearize.bench.command import register
 from linearize.bench.common import OpCount, new_results, parse_sizes
@@ -63,6 +64,34 @@ def test_kernels_ops_times_only_those_and_names_its_section(tmp_path):
     assert "lizard (triton) ran" not in (tmp_path / "kernels.md").read_text()
     with pytest.raises(ValueError, match="unknown op.*flash.*choose from triton"):
         run("bench", "kernels", "--out", tmp_path, "--quick", "--ops", "sdpa,flash")
+
+
+def _kernel_row(op, mode, L, ms):
+    return {"op": op, "mode": mode, "B": 16, "H": 32, "L": L, "D": 128, "status": "ok", "ms": ms}
+
+
+def test_kernel_targets_are_ratios_to_fla_in_the_same_run_or_another(tmp_path, capsys):
+    ours = [_kernel_row("lizard (triton)", "fwd", 2048, 1.3), _kernel_row("lizard (triton)", "fwd", 8192, 4.5),
+            _kernel_row("lizard (triton)", "fwd+bwd", 2048, 5.0)]
+    fla = [_kernel_row("fla chunk_gla", "fwd", 2048, 2.8), _kernel_row("fla chunk_gla", "fwd", 8192, 10.0),
+           _kernel_row("fla chunk_simple_gla", "fwd", 2048, 1.0), _kernel_row("fla chunk_simple_gla", "fwd", 8192, 3.6),
+           {**_kernel_row("fla chunk_gla", "fwd+bwd", 2048, 0.0), "status": "error"}]
+    lines = kernels_bench.target_lines(ours, fla)
+    assert lines[0] == ("- lizard (triton) fwd / fla chunk_gla: B=16 L=2K 0.46x, B=16 L=8K 0.45x "
+                        "(target at most 0.5x: met)")
+    assert lines[1] == ("- lizard (triton) fwd / fla chunk_simple_gla: B=16 L=2K 1.30x, B=16 L=8K 1.25x "
+                        "(target at most 1.3x: met)")
+    assert lines[2] == "" and len(lines) == 3  # fla's fwd+bwd failed: no ratio, no verdict
+    slower = [{**row, "ms": row["ms"] * 1.1} for row in ours]
+    assert "B=16 L=2K 1.43x" in kernels_bench.target_lines(slower, fla)[1]
+    assert "missed" in kernels_bench.target_lines(slower, fla)[1]
+    # Our op's times win over any of its rows in the other run; that run alone has no fla rows.
+    assert kernels_bench.target_lines(ours, fla + slower) == lines
+    assert kernels_bench.target_lines(ours, ours) == []
+    (tmp_path / "ours.json").write_text(json.dumps({"rows": ours}))
+    (tmp_path / "fla.json").write_text(json.dumps({"rows": fla}))
+    kernels_bench.main([str(tmp_path / "ours.json"), str(tmp_path / "fla.json")])
+    assert capsys.readouterr().out.splitlines() == lines[:2]
 
 
 def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(outputs):
