@@ -330,24 +330,22 @@ def _online_softmax(s, first_key, v, m, l, arg, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _window_sums(QW, KW, V, v, bh, kv, col, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
+def _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D: tl.constexpr, BV: tl.constexpr,
                  BT: tl.constexpr, NWB: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Anchor window: online softmax over the key chunks that overlap (pos - w, pos]. The unnormalised
     sum (relative to the running max), the max, the key that holds it (-1: a sink) and the softmax sum.
-    Query head bh, key/value head kv, value columns col.. (`_head_rows`); v: chunk n's own values,
-    already loaded for the linear part."""
+    Query head bh, key/value head kv, value columns col.. (`_head_rows`)."""
     pos = n * BT + t
     qw = _head_rows(QW, bh, n * BT, 0, L, D, BT, D, TMA)
     m_i = tl.zeros([BT], tl.float32) + m0
     l_i = tl.zeros([BT], tl.float32) + l0
     arg = tl.zeros([BT], tl.int32) - 1
     acc = tl.zeros([BT, BV], tl.float32)
-    for mb in range(tl.maximum(n - NWB, 0), n):
-        s = _window_scores(qw, _head_rows(KW, kv, mb * BT, 0, L, D, BT, D, TMA), pos, mb * BT + t, window, scale, DT)
-        m_i, l_i, arg, acc = _online_softmax(s, mb * BT, _head_rows(V, kv, mb * BT, col, L, D, BT, BV, TMA), m_i, l_i,
-                                             arg, acc, DT)
-    s = _window_scores(qw, _head_rows(KW, kv, n * BT, 0, L, D, BT, D, TMA), pos, pos, window, scale, DT)
-    m_i, l_i, arg, acc = _online_softmax(s, n * BT, v, m_i, l_i, arg, acc, DT)
+    for mb in range(tl.maximum(n - NWB, 0), n + 1):
+        kw = _head_rows(KW, kv, mb * BT, 0, L, D, BT, D, TMA)
+        s = _window_scores(qw, kw, pos, mb * BT + t, window, scale, DT)
+        vb = _head_rows(V, kv, mb * BT, col, L, D, BT, BV, TMA)
+        m_i, l_i, arg, acc = _online_softmax(s, mb * BT, vb, m_i, l_i, arg, acc, DT)
     return acc, m_i, l_i, arg
 
 
@@ -473,7 +471,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         y_gla = _dot_acc(P, v, y_gla, DT) / den[:, None]
         _store_tile(Y_PART, pos, L, y_gla, part_row, BV)
         tl.debug_barrier()  # every thread's y_gla rows stored before any reads them back
-        acc, m_i, l_i, arg = _window_sums(QW, KW, V, v, bh, kv, col, n, t, L, window, scale, m0, l0, D, BV, BT, NWB,
+        acc, m_i, l_i, arg = _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D, BV, BT, NWB,
                                           TMA, DT)
         y_gla = _load_tile(Y_PART, pos, L, part_row, BV).to(tl.float32)
         tl.debug_barrier()  # and read back by all before y, in its own layout, overwrites them in Y
