@@ -351,7 +351,7 @@ def forward_sweep_rows():
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
     return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
-            ("no register cap", change(forward_registers=None), 128), ("spilled, no stash", change(stash=False), 128), ("pointer loads", change(tma=False), 128),
+            ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

@@ -66,7 +66,6 @@ class Config:
     # second buffer of keys and values (docs/kernels.md).
     forward_stages: int = 1
     forward_registers: int | None = None
-    stash: bool = True  # y_gla through memory while the window runs; False: in registers (spilled under the cap)
     dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
@@ -425,8 +424,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr,
-                STASH: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
     HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
@@ -471,16 +469,12 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         y_gla = _dot(q_dec, S, DT)
         v = _head_rows(V, kv, n * BT, col, L, D, BT, BV, TMA)
         y_gla = _dot_acc(P, v, y_gla, DT) / den[:, None]
-        if STASH:
-            _store_tile(Y_PART, pos, L, y_gla, part_row, BV)
-            tl.debug_barrier()  # every thread's y_gla rows stored before any reads them back
+        _store_tile(Y_PART, pos, L, y_gla, part_row, BV)
+        tl.debug_barrier()  # every thread's y_gla rows stored before any reads them back
         acc, m_i, l_i, arg = _window_sums(QW, KW, V, bh, kv, col, n, t, L, window, scale, m0, l0, D, BV, BT, NWB,
                                           TMA, DT)
-        if STASH:
-            y_gla = _load_tile(Y_PART, pos, L, part_row, BV).to(tl.float32)
-            tl.debug_barrier()  # and read back by all before y, in its own layout, overwrites them in Y
-        elif SAVE:
-            _store_tile(Y_PART, pos, L, y_gla, part_row, BV)
+        y_gla = _load_tile(Y_PART, pos, L, part_row, BV).to(tl.float32)
+        tl.debug_barrier()  # and read back by all before y, in its own layout, overwrites them in Y
         _store_outputs(Y, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + col, bh * L, pos, L, y_gla,
                        acc / l_i[:, None], alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
         if not SPLIT:
@@ -1045,7 +1039,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
         lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma, STASH=cfg.stash,
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
         **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
