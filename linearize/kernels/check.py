@@ -352,11 +352,6 @@ def forward_sweep_rows():
     change = functools.partial(dataclasses.replace, default)
     return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
             ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
-            ("state rows 64, 168 registers", change(state_block_k=64, state_registers=168), 128),
-            ("state rows 64, 2 stages, 168 registers", change(state_block_k=64, state_stages=2, state_registers=168), 128),
-            ("state rows 64 columns 64, 2 stages, 128 registers",
-             change(state_block_k=64, state_block_v=64, state_stages=2, state_registers=128), 128),
-            ("state columns 64, 168 registers", change(state_block_v=64, state_registers=168), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

@@ -66,7 +66,6 @@ class Config:
     # second buffer of keys and values (docs/kernels.md).
     forward_stages: int = 1
     forward_registers: int | None = None
-    state_registers: int | None = None  # the forward state pass's register cap (maxnreg)
     dstate_block_k: int = 128
     # Chunk-parallel kernels, as fla does: one light sequential pass stores the state at every chunk
     # start (forward) and its gradient at every chunk end (backward), then every chunk's outputs and
@@ -98,10 +97,8 @@ class Config:
                               (self.warps, self.forward_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {warps}, {stages}")
-        for name in ("forward_registers", "state_registers"):
-            cap = getattr(self, name)
-            if cap is not None and not 24 <= cap <= 255:
-                raise ValueError(f"Config.{name} must be None or 24..255, got {cap}")
+        if self.forward_registers is not None and not 24 <= self.forward_registers <= 255:
+            raise ValueError(f"Config.forward_registers must be None or 24..255, got {self.forward_registers}")
 
     @property
     def chunk_axis_first(self) -> bool:
@@ -516,16 +513,15 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                        VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
-    """Grid (D/BV, F/BK, B*H), for the split kernels: the state at the start of every chunk, HS
+    """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
     [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
     in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
     depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
     starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
-    (float32, same shapes). A head's blocks come first in the launch order: they run side by side
-    and read its keys and values once from memory, each block's re-reads from L2."""
-    iv = tl.program_id(0)
+    (float32, same shapes)."""
+    bh = tl.program_id(0).to(tl.int64)
     fo = tl.program_id(1) * BK
-    bh = tl.program_id(2).to(tl.int64)
+    iv = tl.program_id(2)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
     FK += bh * L * F + fo
     LG += bh * L * F + fo if VEC else bh * L
@@ -1020,11 +1016,10 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
-        _fwd_states_kernel[(D // BVS, F // BKS, B * H)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
                                                         CARRY=carried is not None, BK=BKS,
                                                         **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
-                                                                     "num_stages": cfg.state_stages,
-                                                                     "maxnreg": cfg.state_registers}))
+                                                                     "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
     # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
     # shared split without a copy.
