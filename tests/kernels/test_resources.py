@@ -64,8 +64,7 @@ def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
 
     cfg = Config.default(torch.bfloat16)
     found = res.lizard_chunk_backward(cfg.warps, cfg.stages, cfg.chunk)
-    assert 2 * found["registers"] * 32 * cfg.warps <= 64 * 1024
-    assert 2 * (found["shared"] + 1024) <= 228 * 1024
+    assert res.programs_per_sm(found, cfg.warps) >= 2
 
 
 @pytest.mark.parametrize("save", [False, True])
