@@ -209,6 +209,7 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
     for dtype in (torch.float32, bf16):
         Config.default(dtype)
     for bad in ({"chunk": 48}, {"state_block_k": 8}, {"state_block_v": 96}, {"dv_block_v": 96}, {"window_dkv_block": 8},
-                {"dstate_block_k": 24}, {"warps": 3}, {"stages": 0}, {"state_warps": 6}, {"state_stages": 0}):
+                {"dstate_block_k": 24}, {"warps": 3}, {"stages": 0}, {"state_warps": 6}, {"state_stages": 0},
+                {"forward_stages": 0}, {"forward_registers": 16}, {"forward_registers": 256}):
         with pytest.raises(ValueError, match="Config"):
             Config(**{"chunk": 64, **bad})
