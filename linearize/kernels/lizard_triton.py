@@ -110,6 +110,7 @@ class Config:
         return self.fused_backward and self.split and not vec
 
     @staticmethod
+    @functools.cache  # frozen, so one instance serves every call (each forward asks, before its first launch)
     def default(dtype: torch.dtype) -> Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
@@ -1257,8 +1258,11 @@ def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, a
     tensors = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     # Keep what the backward needs only when there will be one (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    return LizardAttentionFunction.apply(*tensors, int(window), float(scale), float(eps), bool(normalize),
-                                         config or Config.default(fq.dtype), save, bool(shared))
+    options = (int(window), float(scale), float(eps), bool(normalize), config or Config.default(fq.dtype), save,
+               bool(shared))
+    if not save:  # no backward: skip the autograd Function's bookkeeping, host time before the first launch
+        return _forward(*tensors, *options)[1]
+    return LizardAttentionFunction.apply(*tensors, *options)
 
 
 @torch.no_grad()
