@@ -275,8 +275,7 @@ def tables(results: dict) -> list[str]:
 def target_lines(ours: list[dict], fla: list[dict]) -> list[str]:
     """The targets (`TARGETS`) as ratios of the Triton op's median ms in `ours` to fla's in `fla` (rows
     of one run, or of two: then the ratios compare across runs), at every shape both measured."""
-    ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in ours + fla if r["status"] == "ok"}
-    ms |= {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in ours if r["status"] == "ok"}
+    ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in fla + ours if r["status"] == "ok"}  # ours last: they win
     shapes = list(dict.fromkeys((r["B"], r["L"]) for r in ours))
     lines = []
     for mode, other, target in TARGETS:
