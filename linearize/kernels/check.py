@@ -51,7 +51,6 @@ class Case:
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
     tma: bool | None = None  # the forward's tiles through tensor descriptors (Config.tma)
-    inter_in_state_pass: bool | None = None  # an inference forward's q~ S from the state pass (Config)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -83,7 +82,7 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first", "fused_backward", "tma", "inter_in_state_pass"):
+                 "window_dkv_block", "chunks_first", "fused_backward", "tma"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -352,13 +351,7 @@ def forward_sweep_rows():
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
     return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
-            ("pointer loads", change(tma=False), 128),
-            ("the chunk kernel takes the states (q~ S in the chunk kernel)", change(inter_in_state_pass=False), 128),
-            ("state pass at 2 stages", change(state_stages=2), 128),
-            ("state pass at 8 warps, 2 stages", change(state_warps=8, state_stages=2), 128),
-            ("state pass at 64 columns, 2 stages", change(state_block_v=64, state_stages=2), 128),
-            ("chunk kernel at 128 registers, state pass at 2 stages", change(forward_registers=128, state_stages=2),
-             128),
+            ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

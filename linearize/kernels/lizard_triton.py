@@ -85,12 +85,6 @@ class Config:
     # one (compute capability 9 and up) and in the interpreter. The state pass keeps pointer loads
     # (through descriptors it took 3.11 ms against 2.74 at B=32, L=8K: docs/kernels.md).
     tma: bool = False
-    # With no backward to come, the split forward's state pass, whose program holds every state row
-    # of its columns, also takes each chunk's queries against the state at the chunk's start (q~ S and
-    # q~ . z) and stores those instead of the state: half the bytes of an [F, D] state a 64-token
-    # chunk, and the chunk kernel loses its largest GEMM and tile. Training keeps the states: the
-    # backward reads them.
-    inter_in_state_pass: bool = True
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -309,39 +303,19 @@ def _advance_state(S, z, k, v, A, a_end, VEC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _intra_scores(q, k, A, t, BT: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr):
-    """The gated linear part's intra-chunk scores P."""
+def _linear_scores(q, k, A, z, t, eps, BT: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+    """The gated linear part's intra-chunk scores P, its decayed queries (to meet the state carried
+    from earlier chunks) and its denominator: the "ones column" of V, or 1 unnormalised (Liger)."""
     if VEC:
         P = _vector_scores(q.to(tl.float32), k.to(tl.float32), A, t, BT)
     else:
         P = _dot(q, tl.trans(k), DT) * _scalar_decay(A, t)
-    return P
-
-
-@triton.jit
-def _inter_rows(q, S, z, A, VEC: tl.constexpr, DT: tl.constexpr):
-    """A chunk's queries against the state at its start: q~ S and q~ . z, q~ = q e^A. A scalar gate
-    scales the products' rows instead of q: q stays a GEMM operand as loaded, with no float32 copy."""
-    if VEC:
-        q_dec = q * _q_decay(A, VEC)
-        y = _dot(q_dec, S, DT)
-        den = tl.sum(q_dec * z[None, :], 1)
-    else:
-        decay = tl.exp(A)
-        y = _dot(q, S, DT) * decay[:, None]
-        den = tl.sum(q * z[None, :], 1) * decay
-    return y, den
-
-
-@triton.jit
-def _linear_den(P, den_inter, eps, BT: tl.constexpr, NORM: tl.constexpr):
-    """The linear part's denominator, the "ones column" of V: the chunk's own scores plus the earlier
-    chunks' share, den_inter = q~ . z; or 1 unnormalised (Liger), which keeps the backward's formulas."""
+    q_dec = q * _q_decay(A, VEC)
     if NORM:
-        den = tl.sum(P, 1) + den_inter + eps
-    else:
+        den = tl.sum(P, 1) + tl.sum(q_dec * z[None, :], 1) + eps
+    else:  # a denominator of 1 keeps the backward's formulas
         den = tl.zeros([BT], tl.float32) + 1.0
-    return den
+    return P, q_dec, den
 
 
 @triton.jit
@@ -451,22 +425,19 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, INTER: tl.constexpr,
-                DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
-    HS, HZ (`_fwd_states_kernel`), or with INTER what the state pass made of it for these queries:
-    q~ S in HS [B*H, L, D] and q~ . z in HZ [B*H, L]. The scores are recomputed by each column block.
-    Y is [B, L, H, d]: the layout the model's o_proj reads, so no transpose copy follows. With TMA,
-    FQ, FK, QW, KW, V and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D], or with
-    INTER [B*H, L, D])."""
+    HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
+    the layout the model's o_proj reads, so no transpose copy follows. With TMA, FQ, FK, QW, KW, V
+    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D])."""
     bh = _head(CF, 2)
     iv = tl.program_id(1)
     h = bh % H
     y_out = (bh // H) * L * H * D + h * D + iv * BV
     kv = (bh // H) * HKV + h // (H // HKV)
     LG += bh * L * (F if VEC else 1)
-    HZ += bh * L if INTER else bh * NT * F
+    HZ += bh * NT * F
     col = iv * BV  # this program's value columns
     t = tl.arange(0, BT)
     rows = tl.arange(0, F)
@@ -488,19 +459,15 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     first, last = _chunks(NT, SPLIT, CF)
     for n in range(first, last):
         pos = n * BT + t
+        if SPLIT:
+            z = tl.load(HZ + n * F + rows)
         q = _head_rows(FQ, bh, n * BT, 0, L, F, BT, F, TMA)
         k = _head_rows(FK, bh, n * BT, 0, L, F, BT, F, TMA)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
-        P = _intra_scores(q, k, A, t, BT, VEC, DT)
-        if INTER:
-            y_gla = _head_rows(HS, bh, n * BT, col, L, D, BT, BV, TMA).to(tl.float32)
-            den_inter = tl.load(HZ + pos, mask=pos < L, other=0.0)
-        else:
-            if SPLIT:  # HS viewed as [B*H*NT, F, D]; S in its stored dtype (only ever a GEMM operand)
-                z = tl.load(HZ + n * F + rows)
-                S = _head_rows(HS, bh * NT + n, 0, col, F, D, F, BV, TMA)
-            y_gla, den_inter = _inter_rows(q, S, z, A, VEC, DT)
-        den = _linear_den(P, den_inter, eps, BT, NORM)
+        P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
+        if SPLIT:  # HS viewed as [B*H*NT, F, D]; S in its stored dtype (only ever a GEMM operand)
+            S = _head_rows(HS, bh * NT + n, 0, col, F, D, F, BV, TMA)
+        y_gla = _dot(q_dec, S, DT)
         v = _head_rows(V, kv, n * BT, col, L, D, BT, BV, TMA)
         y_gla = _dot_acc(P, v, y_gla, DT) / den[:, None]
         _store_tile(Y_PART, pos, L, y_gla, part_row, BV)
@@ -544,17 +511,15 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 
 
 @triton.jit
-def _fwd_states_kernel(FQ, FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
+def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr, INTER: tl.constexpr):
+                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
     """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
     [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
     in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
-    depends only on its own feature of the keys. With INTER (every row in one program, BK = F) what
-    the chunk kernel makes of those states goes there instead: each chunk's queries against the state
-    at its start, q~ S into HS [B*H, L, D] and q~ . z into HZ [B*H, L]. With CARRY (a prefill
-    continuing a cache) the state starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last
-    token goes to S_END, Z_END (float32, same shapes)."""
+    depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
+    starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
+    (float32, same shapes)."""
     bh = tl.program_id(0).to(tl.int64)
     fo = tl.program_id(1) * BK
     iv = tl.program_id(2)
@@ -563,13 +528,8 @@ def _fwd_states_kernel(FQ, FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, N
     LG += bh * L * F + fo if VEC else bh * L
     VB = V + kv * L * D + iv * BV
     block = bh * F * D + fo * D + iv * BV  # this program's block of an [F, D] state
-    if INTER:
-        FQ += bh * L * F
-        HS += bh * L * D + iv * BV
-        HZ += bh * L
-    else:
-        HS += bh * NT * F * D + fo * D + iv * BV
-        HZ += bh * NT * F + fo
+    HS += bh * NT * F * D + fo * D + iv * BV
+    HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
     if CARRY:
@@ -579,15 +539,9 @@ def _fwd_states_kernel(FQ, FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, N
         S = tl.zeros([BK, BV], tl.float32)
         z = tl.zeros([BK], tl.float32)
     for n in range(NT):
+        _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        if INTER:
-            y_inter, den_inter = _inter_rows(_load_tile(FQ, pos, L, F, F), S, z, A, VEC, DT)
-            _store_tile(HS, pos, L, y_inter, D, BV)
-            if iv == 0:
-                tl.store(HZ + pos, den_inter, mask=pos < L)
-        else:
-            _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
         S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
     if CARRY:
         _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
@@ -1010,20 +964,16 @@ def _has_tma(device: torch.device) -> bool:
     return INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _descriptors(fq, fk, qw, kw, v, hs, inter: bool, BT: int, BV: int) -> tuple:
+def _descriptors(fq, fk, qw, kw, v, hs, BT: int, BV: int) -> tuple:
     """The forward's tiled inputs as tensor descriptors (`_head_rows`): [heads, L, width] views whose
-    [1, BT, width] tiles end at each head's last row, and the chunk states [B*H*NT, F, D] (with
-    `inter`, q~ S [B*H, L, D]; without split kernels, `hs` is a placeholder, passed as it is)."""
+    [1, BT, width] tiles end at each head's last row, and the chunk states [B*H*NT, F, D]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def rows(x, width):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[-2], x.shape[-1]), [1, BT, width])
 
     F, D = fq.shape[-1], qw.shape[-1]
-    if inter:
-        states = rows(hs, BV)
-    else:
-        states = TensorDescriptor.from_tensor(hs.view(-1, F, D), [1, F, BV]) if hs.dim() == 4 else hs
+    states = TensorDescriptor.from_tensor(hs.view(-1, F, D), [1, F, BV]) if hs.dim() == 4 else hs
     return rows(fq, F), rows(fk, F), rows(qw, D), rows(kw, D), rows(v, BV), states
 
 
@@ -1059,23 +1009,16 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     end = None
     tma = cfg.tma and _has_tma(qw.device)
     # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
-    inter = False
     if cfg.split:
-        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
-        inter = cfg.inter_in_state_pass and not save and BKS == F
-        state_dtype = _state_dtype(fq.dtype, vec)
-        if inter:  # q~ S and q~ . z of every query (`_fwd_states_kernel`)
-            hs = torch.empty(B * H, L, D, device=qw.device, dtype=state_dtype)
-            hz = torch.empty(B * H, L, device=qw.device, dtype=torch.float32)
-        else:
-            hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=state_dtype)
-            hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
+        hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
+        hz = torch.empty(B * H, NT, F, device=qw.device, dtype=torch.float32)
         s0, z0 = (t.float().contiguous() for t in carried) if carried is not None else (hz, hz)
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
-        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV,
-                                                        NT, CARRY=carried is not None, INTER=inter, BK=BKS,
+        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                                        CARRY=carried is not None, BK=BKS,
                                                         **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
                                                                      "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
@@ -1092,12 +1035,12 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
         hs = hz = den  # unread
-    fq_t, fk_t, qw_t, kw_t, v_t, hs_t = (_descriptors(fq, fk, qw, kw, v, hs, inter, BT, BV) if tma
+    fq_t, fk_t, qw_t, kw_t, v_t, hs_t = (_descriptors(fq, fk, qw, kw, v, hs, BT, BV) if tma
                                          else (fq, fk, qw, kw, v, hs))
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
         lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
-        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma, INTER=inter,
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
         **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())

@@ -81,8 +81,7 @@ def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = Tru
     types = lizard_forward_types()
     if constants["TMA"]:
         tile = "tensordesc<bf16[1,64,128]>"
-        states = tile if constants["INTER"] else "tensordesc<bf16[1,128,128]>"
-        types |= {"FQ": tile, "FK": tile, "QW": tile, "KW": tile, "V": tile, "HS": states}
+        types |= {"FQ": tile, "FK": tile, "QW": tile, "KW": tile, "V": tile, "HS": "tensordesc<bf16[1,128,128]>"}
     return resources(lizard_triton._fwd_kernel, types, constants, aligned=aligned,
                      divisible=("L", "H", "HKV", "NT", "window"), num_warps=warps, num_stages=stages,
                      max_registers=max_registers)
@@ -90,31 +89,14 @@ def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = Tru
 
 def lizard_forward_constants(cfg, window: int) -> dict:
     """`lizard_triton._fwd_kernel`'s constexprs for `cfg` at Table 3's F = D = 128 (inference, the alpha
-    mix, 4 sinks; saving the backward's parts, set SAVE and unset INTER)."""
+    mix, 4 sinks)."""
     import torch
 
     from . import lizard_triton
 
     return {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk), "M": 4,
             "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": False,
-            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "INTER": cfg.split and cfg.inter_in_state_pass,
-            "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
-
-
-def lizard_forward_states(cfg, inter: bool) -> dict[str, int]:
-    """`lizard_triton._fwd_states_kernel` for `cfg` at Table 3's F = D = 128, bf16, a scalar gate, storing
-    the states (training) or, with `inter`, the chunks' q~ S and q~ . z (inference)."""
-    import torch
-
-    from . import lizard_triton
-
-    tile, f32 = "*bf16", "*fp32"
-    types = {"FQ": tile, "FK": tile, "LG": f32, "V": tile, "HS": tile, "HZ": f32, "S0": f32, "Z0": f32,
-             "S_END": f32, "Z_END": f32, "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32"}
-    constants = {"F": 128, "D": 128, "BK": cfg.state_block_k, "BV": cfg.state_block_v, "BT": cfg.chunk, "VEC": False,
-                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16], "CARRY": False, "INTER": inter}
-    return resources(lizard_triton._fwd_states_kernel, types, constants, divisible=("L", "H", "HKV", "NT"),
-                     num_warps=cfg.state_warps, num_stages=cfg.state_stages)
+            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
 
 
 def programs_per_sm(found: dict, warps: int) -> int:
@@ -198,9 +180,6 @@ def main() -> None:
     for label, (values, aligned, registers) in variants.items():
         found = lizard_forward(values, cfg.warps, cfg.forward_stages, aligned, registers)
         print(f"  {label}: {found}, {programs_per_sm(found, cfg.warps)} programs an SM")
-    for inter, label in ((False, "storing the states (training)"), (True, "storing q~ S and q~ . z (inference)")):
-        found = lizard_forward_states(cfg, inter)
-        print(f"  its state pass, {label}: {found}, {programs_per_sm(found, cfg.state_warps)} programs an SM")
     print(f"Lizard's window d k / d v pass, bf16, D = 128, w = {window}, by key rows a program and warps:")
     for rows, warps in ((cfg.window_dkv_block, cfg.warps), (64, 4), (64, 8)):
         print(f"  {rows} rows, {warps} warps: {lizard_window_dkv(rows, warps, cfg.stages, window)}")

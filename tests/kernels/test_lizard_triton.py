@@ -93,12 +93,6 @@ INFERENCE_CASES = {
     "chunks-first-shared-L100-gqa-w32-sinks4-bf16": Case(L=100, shared=True, dtype=bf16, chunks_first=True),
     "tma-L129-w64-bf16": Case(L=129, window=64, dtype=bf16, tma=True),
     "tma-unnormalised-L65-F128-nosinks": Case(L=65, F=128, D=128, sinks=0, normalize=False, split=True, tma=True),
-    # The state pass's q~ S (Config.inter_in_state_pass) through pointer loads, with a vector gate, and
-    # where it does not apply (state rows split over programs); then the states read by the chunk kernel.
-    "split-L100-gqa-w32-sinks4": Case(L=100, split=True),
-    "split-vector-L37-nosinks": Case(L=37, gate="vector", sinks=0, split=True),
-    "split-rows16-L100-bf16": Case(L=100, dtype=bf16, state_block_k=16, state_block_v=32),
-    "states-in-chunk-kernel-L100-gqa-w32-sinks4-bf16": Case(L=100, dtype=bf16, inter_in_state_pass=False),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 

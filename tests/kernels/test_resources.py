@@ -77,7 +77,7 @@ def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
 
     cfg = lizard_triton.Config.default(torch.bfloat16)
     assert cfg.tma
-    constants = res.lizard_forward_constants(cfg, 128) | ({"SAVE": True, "INTER": False} if save else {})
+    constants = res.lizard_forward_constants(cfg, 128) | {"SAVE": save}
     capped = res.lizard_forward(constants, cfg.warps, cfg.forward_stages, max_registers=cfg.forward_registers)
     assert res.programs_per_sm(capped, cfg.warps) == 3
     assert capped["spilled"] <= 128
