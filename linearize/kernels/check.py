@@ -51,8 +51,6 @@ class Case:
     chunks_first: bool | None = None  # the launch order (Config.chunks_first); None: the default
     fused_backward: bool | None = None  # the split backward's one chunk kernel (Config.fused_backward)
     tma: bool | None = None  # the forward's tiles through tensor descriptors (Config.tma)
-    state_pass_groups: int | None = None  # the split forward in groups of the batch (Config.state_pass_groups)
-    state_stream_priority: int | None = None  # their state pass's stream priority (Config)
     normalize: bool = True  # False: Liger's unnormalised linear part
     shared: bool = False  # one normaliser for both branches (Lizard's `combine="shared"`)
     frozen: bool = False  # the kernel's qw, kw and v need no gradient (stage 1); their errors are not reported
@@ -84,8 +82,7 @@ def _output(case, leaves, dtype):
             "normalize": case.normalize, "shared": case.shared}
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
-                 "window_dkv_block", "chunks_first", "fused_backward", "tma", "state_pass_groups",
-                 "state_stream_priority"):
+                 "window_dkv_block", "chunks_first", "fused_backward", "tma"):
         if getattr(case, name) is not None:
             overrides[name] = getattr(case, name)
     if dtype is None and overrides:
@@ -355,13 +352,6 @@ def forward_sweep_rows():
     change = functools.partial(dataclasses.replace, default)
     return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
             ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
-            ("state pass ahead in 2 batch groups", change(state_pass_groups=2), 128),
-            ("state pass ahead in 4 batch groups", change(state_pass_groups=4), 128),
-            ("state pass ahead in 8 batch groups", change(state_pass_groups=8), 128),
-            ("state pass ahead in 2 batch groups, its stream first", change(state_pass_groups=2,
-                                                                             state_stream_priority=-1), 128),
-            ("state pass ahead in 4 batch groups, its stream first", change(state_pass_groups=4,
-                                                                             state_stream_priority=-1), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 

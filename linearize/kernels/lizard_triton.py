@@ -21,10 +21,8 @@ Importing this module needs triton; `linearize.kernels` guards that import.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import itertools
 import os
 
 import torch
@@ -87,13 +85,6 @@ class Config:
     # one (compute capability 9 and up) and in the interpreter. The state pass keeps pointer loads
     # (through descriptors it took 3.11 ms against 2.74 at B=32, L=8K: docs/kernels.md).
     tma: bool = False
-    # The split forward over this many groups of the batch: the state pass of every group on a second
-    # CUDA stream, one group after another, and each group's chunk kernel as soon as its states are
-    # in, so that the state pass of the next group overlaps the chunk kernel of this one.
-    # Its stream's priority (CUDA's: 0 the default, -1 the higher; the pending programs of a higher
-    # priority stream take an SM's free room first).
-    state_pass_groups: int = 1
-    state_stream_priority: int = 0
 
     def __post_init__(self):
         # Triton's block shapes are powers of two; tl.dot needs at least 16 rows and columns.
@@ -106,9 +97,6 @@ class Config:
                               (self.warps, self.forward_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"Config needs warps in 1/2/4/8/16 and stages >= 1, got {warps}, {stages}")
-        if self.state_pass_groups < 1 or self.state_stream_priority not in (-1, 0):
-            raise ValueError(f"Config needs state_pass_groups >= 1 and state_stream_priority -1 or 0, got "
-                             f"{self.state_pass_groups}, {self.state_stream_priority}")
         if self.forward_registers is not None and not 24 <= self.forward_registers <= 255:
             raise ValueError(f"Config.forward_registers must be None or 24..255, got {self.forward_registers}")
 
@@ -970,40 +958,6 @@ def _grid(cfg: Config, heads: int, middle: tuple, blocks: int | None) -> tuple:
     return (blocks, *middle, heads) if cfg.chunks_first else (heads, *middle, blocks)
 
 
-def _batch_groups(B: int, groups: int) -> list[slice]:
-    """The batch in at most `groups` contiguous slices of near-equal size (`Config.state_pass_groups`)."""
-    groups = max(1, min(groups, B))
-    bounds = [B * i // groups for i in range(groups + 1)]
-    return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
-
-
-def _rows(B: int, b: slice, rows: int) -> int:
-    """How many of `rows` rows, batch-major over B batches, the batches b hold."""
-    return (b.stop - b.start) * (rows // B)
-
-
-def _batch_rows(x: torch.Tensor, B: int, b: slice) -> torch.Tensor:
-    """The part of x for batches b: x's leading axis is the batch, or batch-major heads (B * H)."""
-    per = x.shape[0] // B
-    return x[b.start * per:b.stop * per]
-
-
-@functools.cache
-def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device, priority=priority)
-
-
-def _group_streams(device: torch.device, priority: int) -> tuple | None:
-    """(the caller's stream, a second stream that has caught up with it) for a forward whose state
-    pass runs ahead of its chunk kernels group by group; None off CUDA (the interpreter runs the
-    groups in turn)."""
-    if device.type != "cuda":
-        return None
-    main, side = torch.cuda.current_stream(device), _side_stream(device, priority)
-    side.wait_stream(main)  # the inputs are made on the caller's stream
-    return main, side
-
-
 def _has_tma(device: torch.device) -> bool:
     """Whether tensor descriptors are copied by a tensor memory accelerator: Hopper and later, or
     Triton's interpreter (which copies them as the hardware would, zero-filling past the end)."""
@@ -1054,8 +1008,6 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
               "num_stages": cfg.stages}
     end = None
     tma = cfg.tma and _has_tma(qw.device)
-    groups = _batch_groups(B, cfg.state_pass_groups if cfg.split else 1)
-    streams = _group_streams(qw.device, cfg.state_stream_priority) if len(groups) > 1 else None
     # The state pass launches first, so that the GPU starts on it while the host allocates the rest.
     if cfg.split:
         hs = torch.empty(B * H, NT, F, D, device=qw.device, dtype=_state_dtype(fq.dtype, vec))
@@ -1064,17 +1016,11 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
-        BKS, BVS = _state_blocks(B // len(groups) * H, F, D, cfg.state_block_k, cfg, qw.device)
-        events = []
-        with torch.cuda.stream(streams[1]) if streams else contextlib.nullcontext():
-            for b in groups:
-                _fwd_states_kernel[(_rows(B, b, B * H), F // BKS, D // BVS)](
-                    *(_batch_rows(t, B, b) for t in (fk, log_g, v, hs, hz, s0, z0, s_end, z_end)), L, H, HKV, NT,
-                    CARRY=carried is not None, BK=BKS,
-                    **(shapes | {"BV": BVS, "num_warps": cfg.state_warps, "num_stages": cfg.state_stages}))
-                if streams:
-                    events.append(torch.cuda.Event())
-                    events[-1].record()
+        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                                        CARRY=carried is not None, BK=BKS,
+                                                        **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
+                                                                     "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
     # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
     # shared split without a copy.
@@ -1089,20 +1035,13 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
         hs = hz = den  # unread
-    for i, b in enumerate(groups):
-        # The chunk kernels of a group wait for its states alone, while the state pass runs on ahead on
-        # the other stream. Every tensor that stream touches was made before this call or on this
-        # stream, which waits for all of its work before anything after the call runs.
-        if streams:
-            streams[0].wait_event(events[i])
-        tiled = [_batch_rows(t, B, b) for t in (fq, fk, qw, kw, v, hs)]
-        fq_t, fk_t, qw_t, kw_t, v_t, hs_t = _descriptors(*tiled, BT, BV) if tma else tiled
-        _fwd_kernel[_grid(cfg, _rows(B, b, B * H), (D // BV,), NT if cfg.split else None)](
-            fq_t, fk_t, _batch_rows(log_g, B, b), qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t,
-            *(_batch_rows(t, B, b) for t in (hz, y, y_gla, y_win, den, lse, row_max, arg)), L, H, HKV, NT, window,
-            scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save, SPLIT=cfg.split, NORM=normalize,
-            SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
-            **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
+    fq_t, fk_t, qw_t, kw_t, v_t, hs_t = (_descriptors(fq, fk, qw, kw, v, hs, BT, BV) if tma
+                                         else (fq, fk, qw, kw, v, hs))
+    _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
+        fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
+        lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
+        **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end

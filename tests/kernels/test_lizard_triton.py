@@ -67,8 +67,6 @@ INTERPRETER_CASES = {
     "tma-one-pass-L63-w64-bf16": Case(L=63, window=64, dtype=bf16, split=False, tma=True),
     "tma-shared-split-L37-vector-F128-D64": Case(L=37, gate="vector", F=128, D=64, shared=True, split=True, tma=True),
     "tma-split-rows16-L100": Case(L=100, split=True, state_block_k=16, state_block_v=32, tma=True),
-    # The forward batch by batch in uneven groups, its state pass on a second stream (Config.state_pass_groups).
-    "groups2-split-B3-L100-gqa-w32-sinks4": Case(L=100, B=3, split=True, state_pass_groups=2),
 }
 SLOW_INTERPRETER_CASES = {
     "L257-vector-w64": Case(L=257, gate="vector", window=64),
@@ -95,9 +93,6 @@ INFERENCE_CASES = {
     "chunks-first-shared-L100-gqa-w32-sinks4-bf16": Case(L=100, shared=True, dtype=bf16, chunks_first=True),
     "tma-L129-w64-bf16": Case(L=129, window=64, dtype=bf16, tma=True),
     "tma-unnormalised-L65-F128-nosinks": Case(L=65, F=128, D=128, sinks=0, normalize=False, split=True, tma=True),
-    "groups2-tma-B3-L100-gqa-w32-sinks4-bf16": Case(L=100, B=3, dtype=bf16, state_pass_groups=2),
-    "groups4-shared-B4-L63-vector": Case(L=63, B=4, gate="vector", shared=True, split=True, state_pass_groups=4,
-                                         state_stream_priority=-1),
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
@@ -215,7 +210,6 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
         Config.default(dtype)
     for bad in ({"chunk": 48}, {"state_block_k": 8}, {"state_block_v": 96}, {"dv_block_v": 96}, {"window_dkv_block": 8},
                 {"dstate_block_k": 24}, {"warps": 3}, {"stages": 0}, {"state_warps": 6}, {"state_stages": 0},
-                {"forward_stages": 0}, {"forward_registers": 16}, {"forward_registers": 256},
-                {"state_pass_groups": 0}, {"state_stream_priority": 1}):
+                {"forward_stages": 0}, {"forward_registers": 16}, {"forward_registers": 256}):
         with pytest.raises(ValueError, match="Config"):
             Config(**{"chunk": 64, **bad})
