@@ -958,9 +958,11 @@ def _grid(cfg: Config, heads: int, middle: tuple, blocks: int | None) -> tuple:
     return (blocks, *middle, heads) if cfg.chunks_first else (heads, *middle, blocks)
 
 
+@functools.cache
 def _has_tma(device: torch.device) -> bool:
     """Whether tensor descriptors are copied by a tensor memory accelerator: Hopper and later, or
-    Triton's interpreter (which copies them as the hardware would, zero-filling past the end)."""
+    Triton's interpreter (which copies them as the hardware would, zero-filling past the end). Looked
+    up once a device: every forward asks before its first launch."""
     return INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
