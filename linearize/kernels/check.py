@@ -344,20 +344,14 @@ def sweep_configs():
 def forward_sweep_rows():
     """(label, Config, window) rows of `--sweep-forward`: the default; its chunk kernel capped at 128
     registers (four programs an SM, spilling) and without a cap (two programs an SM, not three);
-    through pointer loads instead of tensor descriptors (TMA); 128-token chunks (half the state pass's
-    sequential steps and half the chunk states' bytes, one 8-warp program an SM for either kernel);
-    the window at two key blocks and at one (what each of its three 64-key blocks costs:
-    docs/kernels.md)."""
+    through pointer loads instead of tensor descriptors (TMA); the window at two key blocks and at one
+    (what each of its three 64-key blocks costs: docs/kernels.md)."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
     return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
             ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
-            ("128-token chunks, 8 warps, state pass at 8 warps and 2 stages",
-             change(chunk=128, warps=8, forward_registers=None, state_warps=8, state_stages=2), 128),
-            ("128-token chunks, 8 warps, state pass at 4 warps and 2 stages",
-             change(chunk=128, warps=8, forward_registers=None, state_stages=2), 128),
             ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 
