@@ -358,7 +358,6 @@ def forward_sweep_rows():
             ("pointer loads", change(tma=False), 128, False),
             ("window 64 (two key blocks)", default, 64, False), ("window 1 (the diagonal block)", default, 1, False),
             ("from q, k", default, 128, True), ("from q, k, no register cap", change(forward_registers=None), 128, True),
-            ("from q, k, state pass 2 stages", change(state_stages=2), 128, True),
             ("from q, k, state pass 8 warps 2 stages", change(state_warps=8, state_stages=2), 128, True),
             ("from q, k, state pass 8 warps 3 stages", change(state_warps=8), 128, True),
             ("from q, k, 8 warps 2 stages, no cap", change(state_warps=8, state_stages=2, forward_registers=None), 128,

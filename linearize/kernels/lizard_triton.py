@@ -255,22 +255,15 @@ def _vector_scores(q, k, A, t, BT: tl.constexpr):
 
 
 @triton.jit
-def _hedgehog_weights(W, h, D: tl.constexpr, F: tl.constexpr, DT: tl.constexpr):
-    """Head h's Hedgehog weight of W [H, D, F/2] as DT GEMM operands: its DT part and the rest (the
-    rest is unused where DT is float32, which `_dot` takes as 3xTF32)."""
+def _hedgehog(x, W, h, D: tl.constexpr, F: tl.constexpr, DT: tl.constexpr):
+    """phi(x) = [softmax(x W_h), softmax(-x W_h)] (`HedgehogFeatureMap`) of a tile x [rows, D] in its own
+    dtype, for head h of W [H, D, F/2]. Two DT GEMMs, on W's DT part and on the rest, keep x W at about
+    float32 accuracy from a 16-bit x (a float32 x takes one, as 3xTF32)."""
     w = tl.load(W + h * D * (F // 2) + tl.arange(0, D)[:, None] * (F // 2) + tl.arange(0, F // 2)[None, :])
     w = w.to(tl.float32)
-    return w.to(DT), (w - w.to(DT).to(tl.float32)).to(DT)
-
-
-@triton.jit
-def _hedgehog(x, w, w_rest, F: tl.constexpr, DT: tl.constexpr):
-    """phi(x) = [softmax(x W_h), softmax(-x W_h)] (`HedgehogFeatureMap`) of a tile x [rows, D] in its own
-    dtype, from `_hedgehog_weights`: two DT GEMMs, on W's DT part and on the rest, keep x W at about
-    float32 accuracy from a 16-bit x."""
-    u = _dot(x, w, DT)
+    u = _dot(x, w.to(DT), DT)
     if DT != tl.float32:
-        u = _dot_acc(x, w_rest, u, DT)
+        u = _dot_acc(x, (w - w.to(DT).to(tl.float32)).to(DT), u, DT)
     up = tl.exp(u - tl.max(u, 1)[:, None])
     down = tl.exp(tl.min(u, 1)[:, None] - u)
     up = (up / tl.sum(up, 1)[:, None]).to(x.dtype)
@@ -489,10 +482,8 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, WQ, WK, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y
         if SPLIT:
             z = tl.load(HZ + n * F + rows)
         if FEAT:
-            w, w_rest = _hedgehog_weights(WQ, h, D, F, DT)
-            q = _hedgehog(_head_rows(QW, bh, n * BT, 0, L, D, BT, D, TMA), w, w_rest, F, DT)
-            w, w_rest = _hedgehog_weights(WK, h, D, F, DT)
-            k = _hedgehog(_head_rows(KW, kv, n * BT, 0, L, D, BT, D, TMA), w, w_rest, F, DT)
+            q = _hedgehog(_head_rows(QW, bh, n * BT, 0, L, D, BT, D, TMA), WQ, h, D, F, DT)
+            k = _hedgehog(_head_rows(KW, kv, n * BT, 0, L, D, BT, D, TMA), WK, h, D, F, DT)
         else:
             q = _head_rows(FQ, bh, n * BT, 0, L, F, BT, F, TMA)
             k = _head_rows(FK, bh, n * BT, 0, L, F, BT, F, TMA)
@@ -567,8 +558,6 @@ def _fwd_states_kernel(FK, KW, WK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HK
     HZ += bh * NT * F + fo
     t = tl.arange(0, BT)
     rows = tl.arange(0, BK)
-    if FEAT:  # loaded once: inside the loop Triton's pipelining would keep a copy a stage in shared memory
-        w, w_rest = _hedgehog_weights(WK, bh % H, D, F, DT)
     if CARRY:
         S = _load_tile(S0 + block, rows, BK, D, BV)
         z = tl.load(Z0 + bh * F + fo + rows)
@@ -580,7 +569,7 @@ def _fwd_states_kernel(FK, KW, WK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HK
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
         if FEAT:
-            k = _hedgehog(_load_tile(KW, pos, L, D, D), w, w_rest, F, DT)
+            k = _hedgehog(_load_tile(KW, pos, L, D, D), WK, bh % H, D, F, DT)
         else:
             k = _load_tile(FK, pos, L, F, BK)
         S, z = _advance_state(S, z, k, _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
