@@ -171,11 +171,9 @@ def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
 def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, dw_q, dw_k, L, NB,
                          sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                          H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-                         BL: tl.constexpr, ROPE: tl.constexpr, WINDOW: tl.constexpr, GRAD_X: tl.constexpr,
-                         GRAD_W: tl.constexpr):
+                         BL: tl.constexpr, ROPE: tl.constexpr, GRAD_X: tl.constexpr, GRAD_W: tl.constexpr):
     """Grid (B*H_kv, NB = cdiv(L, BL)): `_features_kernel`'s backward for a KV head and its query heads
-    over a block of tokens. Gradients in, contiguous: dfq, dfk [B, H, L, 2F] and, with ROPE or WINDOW
-    (no rotation: the window took q and k as they are, and their gradients add as they come), dqw
+    over a block of tokens. Gradients in, contiguous: dfq, dfk [B, H, L, 2F] and, with ROPE, dqw
     [B, H, L, D], dkw [B, H_kv, L, D]. Out, float32 and contiguous: with GRAD_X, dq [B, H, L, D] and dk
     [B, H_kv, L, D] (the group's phi_k terms summed); with GRAD_W, each block's share of the weights'
     gradients, dw_q, dw_k [B, H, NB, D, F] (summed over batch and blocks afterwards)."""
@@ -203,8 +201,6 @@ def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, d
             d_q = tl.dot(du_q, tl.trans(W_q), input_precision="tf32x3")
             if ROPE:
                 d_q += _rotation_grad(dqw + bh * L * D, c_at, s_at, rows, live, d, D)
-            elif WINDOW:
-                d_q += tl.load(dqw + bh * L * D + rows[:, None] * D + d[None, :], mask=live[:, None]).to(tl.float32)
             tl.store(dq + bh * L * D + rows[:, None] * D + d[None, :], d_q, mask=live[:, None])
             d_k += tl.dot(du_k, tl.trans(W_k), input_precision="tf32x3")
         if GRAD_W:
@@ -214,8 +210,6 @@ def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, d
     if GRAD_X:
         if ROPE:
             d_k += _rotation_grad(dkw + bk * L * D, c_at, s_at, rows, live, d, D)
-        elif WINDOW:
-            d_k += tl.load(dkw + bk * L * D + rows[:, None] * D + d[None, :], mask=live[:, None]).to(tl.float32)
         tl.store(dk + bk * L * D + rows[:, None] * D + d[None, :], d_k, mask=live[:, None])
 
 
@@ -247,12 +241,11 @@ class LizardFeaturesFunction(torch.autograd.Function):
 
 def features_backward(q, k, w_q, w_k, position, dfq, dfk, d_rotated, dtype, grad_x, grad_w):
     """(d q, d k, d w_q, d w_k) of `lizard_features` (those of q and k only with grad_x, of the weights
-    only with grad_w, else None) from d fq, d fk and d qw, d kw (`d_rotated`: of the rotated q, k
-    given `position` (cos, sin), else of q, k themselves, or empty); a gradient that is None counts as
-    zeros of `dtype`."""
+    only with grad_w, else None) from d fq, d fk and, given `position` (cos, sin), d qw, d kw
+    (`d_rotated`); a gradient that is None counts as zeros of `dtype`."""
     B, H, L, D = q.shape
     HKV, F = k.shape[1], w_q.shape[-1]
-    rope, window = bool(position), not position and bool(d_rotated)
+    rope = bool(position)
 
     def dense(grad, *shape):  # an output that got no gradient
         return torch.zeros(shape, device=q.device, dtype=dtype) if grad is None else grad.contiguous()
@@ -266,13 +259,13 @@ def features_backward(q, k, w_q, w_k, position, dfq, dfk, d_rotated, dtype, grad
     dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
     dw_k = torch.empty_like(dw_q) if grad_w else unused
     cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if rope else (unused, unused)
-    # Read only with GRAD_X.
-    dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if (rope or window) and grad_x \
+    # Read only with GRAD_X (through the rotation).
+    dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if rope and grad_x \
         else (unused, unused)
     _features_bwd_kernel[(B * HKV, NB)](
         q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq, dfk, dqw, dkw,
         dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=rope, WINDOW=window,
+        cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=rope,
         GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)
     dq, dk = (dq.to(q.dtype), dk.to(k.dtype)) if grad_x else (None, None)
     dw_q, dw_k = (dw_q.sum((0, 2)).to(w_q.dtype), dw_k.sum((0, 2)).to(w_k.dtype)) if grad_w else (None, None)

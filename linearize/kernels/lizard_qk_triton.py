@@ -37,9 +37,10 @@ class LizardQKFunction(torch.autograd.Function):
         dfq, dfk, d_log_g, dqw, dkw, dv, dsinks, dalpha = attention_backward(
             dy, (fq, fk, log_g, q, k, v, sinks, alpha, *rest), *ctx.options, grad_q, grad_k, grad_v)
         del fq, fk
-        # The window's d q, d k join the features' in their kernel (`WINDOW`).
-        dq, dk, dw_q, dw_k = features_backward(q, k, w_q, w_k, (), dfq, dfk, (dqw, dkw), q.dtype, grad_q or grad_k,
+        dq, dk, dw_q, dw_k = features_backward(q, k, w_q, w_k, (), dfq, dfk, (), q.dtype, grad_q or grad_k,
                                                grad_wq or grad_wk)
+        dq = dq + dqw if grad_q else None
+        dk = dk + dkw if grad_k else None
         return (dq, dk, dw_q, dw_k, d_log_g, dv, dsinks, dalpha) + (None,) * 7
 
 
