@@ -17,13 +17,10 @@ import linearize
 from linearize import kernels
 from linearize.attention import fused
 
-# name: (method, options); "lizard-shared" is the variant with RoPE in the window and one shared normaliser;
-# "lizard-qk" has Hedgehog maps wide enough (16 features a half) for the kernels to form the features
-# themselves (`kernels.lizard_attention_qk`) where its window takes q and k as they are.
+# name: (method, options); "lizard-shared" is the variant with RoPE in the window and one shared normaliser.
 STUDENTS = {"lizard": ("lizard", {"window": 8, "num_sinks": 2}), "liger": ("liger", {"window": 8}),
             "lizard-shared": ("lizard", {"window": 8, "num_sinks": 2, "rope_in_window": True, "combine": "shared",
-                                         "feature_dim": 16}),
-            "lizard-qk": ("lizard", {"window": 8, "num_sinks": 2, "feature_dim": 16})}
+                                         "feature_dim": 16})}
 
 
 def _rel(a, b):
@@ -41,15 +38,13 @@ def _student(method, device, dtype):
 @contextmanager
 def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = None,
                           feature_passes: list | None = None):
-    """Count the passes that take a kernel path (a first pass, from the features or from q and k, or a
-    continued prefill), the decode steps that run on the step kernels and the padding layouts read
-    back from the device; list the lengths of the passes whose features come from the features kernel
-    ("grad" for one with gradients)."""
+    """Count the passes that take a kernel path (a first pass, or a continued prefill), the decode
+    steps that run on the step kernels and the padding layouts read back from the device; list the
+    lengths of the passes whose features come from the features kernel ("grad" for one with
+    gradients)."""
     first_pass, continued, step = kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step
-    from_qk = kernels.lizard_attention_qk
     layout = fused.row_layout
     kernels.lizard_attention = lambda *a, **k: calls.append(1) or first_pass(*a, **k)
-    kernels.lizard_attention_qk = lambda *a, **k: calls.append(1) or from_qk(*a, **k)
     kernels.lizard_attention_continued = lambda *a, **k: calls.append(1) or continued(*a, **k)
     fused.row_layout = lambda *a: (layout_reads.append(1) if layout_reads is not None else None) or layout(*a)
 
@@ -76,7 +71,6 @@ def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = 
         yield
     finally:
         kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step = first_pass, continued, step
-        kernels.lizard_attention_qk = from_qk
         kernels.lizard_features, kernels.lizard_features_with_grad = features, features_with_grad
         fused.row_layout = layout
 
@@ -117,13 +111,12 @@ def check(device: str, dtype=torch.float32, length: int = 37, method: str = "liz
     # No attention mask: every pass knows its rows are unpadded without a device read (a host sync).
     assert not layout_reads, f"{len(layout_reads)} padding layouts read back from the device"
     # Lizard takes its features from one kernel too: every step, and the training pass and prefills
-    # where the dims fit its tensor-core tiles (F >= 16), but for a training pass that forms them
-    # inside the attention's kernels (lizard-qk). Liger's feature map has no weights.
+    # where the dims fit its tensor-core tiles (F >= 16). Liger's feature map has no weights.
     lizard = method.startswith("lizard")
     blocks = lizard and model.model.layers[0].self_attn.features >= 32
     layers = len(model.model.layers)
     assert feature_passes.count(1) == (len(steps) if lizard else 0), (feature_passes, len(steps))
-    assert feature_passes.count("grad") == (layers if blocks and method != "lizard-qk" else 0), feature_passes
+    assert feature_passes.count("grad") == (layers if blocks else 0), feature_passes
     assert sum(n != "grad" and n > 1 for n in feature_passes) == (2 * layers if blocks else 0)
     errors = {"kernel_calls": len(calls), "step_calls": len(steps), "logits": _rel(on[0], off[0]),
               "cached": _rel(on[2], off[2])}

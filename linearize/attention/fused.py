@@ -74,24 +74,6 @@ def run(fq, fk, log_g, qw, kw, v, valid, *, state, start, caching, dtype, can_co
     return y, new_state
 
 
-def run_from_qk(q, k, w_q, w_k, log_g, v, valid, *, start, caching, dtype, shared=False, unpadded=False, **options):
-    """(y in `dtype`, None) through `kernels.lizard_attention_qk` (Hedgehog features of weights w_q, w_k
-    formed inside the kernels, the window on q and k themselves), or None where it does not apply:
-    it takes multi-token passes from an empty state that fill no cache (training, uncached forwards)
-    and whose rows have no leading padding. Arguments as `run`'s."""
-    if not kernels_enabled() or q.shape[2] == 1 or start > 0 or caching:
-        return None
-    options |= float32_head_scalars(options)
-    if kernels.qk_unsupported_reason(q, k, w_q, log_g, v, window=options["window"], sinks=options["sinks"],
-                                     dtype=dtype):
-        return None
-    one_run, _, lead = (True, True, None) if unpadded else row_layout(valid)
-    if not one_run or lead is not None:
-        return None
-    return kernels.lizard_attention_qk(q.to(dtype), k.to(dtype), w_q, w_k, log_g, v.to(dtype), shared=shared,
-                                       **options), None
-
-
 def float32_head_scalars(options: dict) -> dict:
     """`options`' sinks and alpha in float32 (what the multi-token kernels and the PyTorch ops take; a
     bf16 model keeps them in bf16, and only its decode steps take them as they are)."""

@@ -61,18 +61,12 @@ class LizardAttention(LinearizedAttention):
 
     def attend(self, q, k, v, position_embeddings, valid, state, start):
         cfg = self.cfg
+        fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
         log_g = self.log_gate(q.shape[0], q.shape[2], q.device)
         # In the model's dtype: a decode step's kernel converts them itself (`fused.run` casts for the rest).
         options = {"window": cfg.window, "scale": self.scaling, "sinks": self.sinks if cfg.num_sinks else None,
                    "alpha": self.alpha, "eps": cfg.eps}
         shared = cfg.combine == "shared"
-        if not cfg.rope_in_window:  # the window on q and k as they are: the kernels can form the features
-            out = fused.run_from_qk(q, k, self.feature_map_q.weight, self.feature_map_k.weight, log_g, v, valid,
-                                    start=start, caching=self.caching, dtype=self.projection_dtype, shared=shared,
-                                    unpadded=self.unpadded, **options)
-            if out is not None:
-                return out
-        fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
         out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
                         unpadded=self.unpadded, in_place=self.frozen_cache, dtype=self.projection_dtype,
                         can_continue=True, shared=shared, **options)

@@ -69,9 +69,8 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
     return _chunked(fq, fk, log_g, qw, kw, v, **options)
 
 
-def qk_unsupported_reason(q, k, w_q, log_g, v, *, window, sinks, dtype=None) -> str | None:
-    """None when `lizard_attention_qk` would take the kernel path for these inputs (q, k and v cast to
-    `dtype` where given), else why not."""
+def qk_unsupported_reason(q, k, w_q, log_g, v, *, window, sinks) -> str | None:
+    """None when `lizard_attention_qk` would take the kernel path for these inputs, else why not."""
     if not available():
         return "triton or a CUDA device (or TRITON_INTERPRET=1) missing"
     from .features_triton import features_unsupported
@@ -80,7 +79,7 @@ def qk_unsupported_reason(q, k, w_q, log_g, v, *, window, sinks, dtype=None) -> 
     if w_q.shape[-1] < 16:
         return f"Hedgehog feature dim {w_q.shape[-1]} < 16 (tensor-core tiles)"
     phi = q[..., :1].expand(*q.shape[:-1], 2 * w_q.shape[-1])  # phi_q(q)'s shape and dtype, no copy
-    return supports(phi, phi, log_g, q, k, v, window=window, sinks=sinks, dtype=dtype) or features_unsupported(q, k, w_q)
+    return supports(phi, phi, log_g, q, k, v, window=window, sinks=sinks) or features_unsupported(q, k, w_q)
 
 
 def lizard_attention_qk(q, k, w_q, w_k, log_g, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,

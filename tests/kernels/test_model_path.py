@@ -8,11 +8,11 @@ from test_lizard_triton import HAS_TRITON
 
 # Kernel passes with 2 layers: the uncached forward and the first prefill, plus (Lizard only) the
 # continued prefill; and the 3 single-token steps on the step kernels.
-CALLS = {"lizard": 6, "liger": 4, "lizard-shared": 6, "lizard-qk": 6}
+CALLS = {"lizard": 6, "liger": 4, "lizard-shared": 6}
 STEP_CALLS = 2 * 3
 _SCRIPT = ("import json, attention_kernel_check as c; "
            "print(json.dumps({m: {'plain': c.check('cpu', method=m), 'padded': c.check_padded('cpu', method=m), "
-           "'static': c.check_static_decode('cpu', method=m)} for m in ('lizard', 'liger', 'lizard-shared', 'lizard-qk')}))")
+           "'static': c.check_static_decode('cpu', method=m)} for m in ('lizard', 'liger', 'lizard-shared')}))")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -31,7 +31,7 @@ def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
 def test_stage1_through_the_interpreted_kernels_skips_the_frozen_gradients():
     """Stage 1 trains only the new modules: the kernels give their gradients as the PyTorch ops do, and
     launch none of the passes that only the frozen q, k and v's gradients need."""
-    for method in ("lizard", "lizard-shared", "lizard-qk"):
+    for method in ("lizard", "lizard-shared"):
         errors = interpreted(f"import json, attention_kernel_check as c; "
                              f"print(json.dumps(c.check_stage1('cpu', method={method!r})))")
         assert errors.pop("kernel_calls") == 2 and errors.pop("frozen_input_launches") == 0, (method, errors)
@@ -50,7 +50,7 @@ def test_bf16_model_steps_through_the_interpreted_kernels():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
-@pytest.mark.parametrize("method", ["lizard", "liger", "lizard-shared", "lizard-qk"])
+@pytest.mark.parametrize("method", ["lizard", "liger", "lizard-shared"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_through_the_kernel_on_cuda_equals_the_pytorch_ops(method, dtype):
     errors = check("cuda", dtype, length=300, method=method)
@@ -63,7 +63,7 @@ def test_model_through_the_kernel_on_cuda_equals_the_pytorch_ops(method, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
-@pytest.mark.parametrize("method", ["lizard", "lizard-shared", "lizard-qk"])
+@pytest.mark.parametrize("method", ["lizard", "lizard-shared"])
 def test_stage1_through_the_kernels_on_cuda_skips_the_frozen_gradients(method):
     errors = check_stage1("cuda", method=method, length=300)
     assert errors.pop("kernel_calls") == 2 and errors.pop("frozen_input_launches") == 0, errors
