@@ -68,12 +68,7 @@ class HedgehogFeatureMap(nn.Module):
         self.out_dim = 2 * feature_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return hedgehog(x, self.weight)
-
-
-def hedgehog(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`HedgehogFeatureMap` with weight [H, d, f] on x [B, H, L, d], in x's dtype."""
-    return _signed_softmax(per_head_projection(x, weight.to(x.dtype)))
+        return _signed_softmax(per_head_projection(x, self.weight.to(x.dtype)))
 
 
 class NormPreservingFeatureMap(nn.Module):

@@ -37,9 +37,6 @@ WINDOW = 128
 SINKS = 4
 MODES = ("fwd", "fwd+bwd")
 # Issue 6's targets for the fused Lizard op: (pass, fla op, largest time ratio) at every Table 3 shape.
-# Our fused ops: from the features (the op the model called up to the twenty-seventh session) and from
-# q and k, forming the Hedgehog features inside the kernels.
-OURS, OURS_QK = "lizard (triton)", "lizard (triton, from q, k)"
 TARGETS = (("fwd", "fla chunk_gla", 0.5), ("fwd+bwd", "fla chunk_gla", 0.5), ("fwd", "fla chunk_simple_gla", 1.3))
 
 FULL = {"shapes": [(16, 32, 2048, 128), (16, 32, 4096, 128), (16, 32, 8192, 128), (32, 32, 8192, 128)],
@@ -59,16 +56,11 @@ def lizard_flops(B, H, L, D) -> float:
     return gla_flops(B, H, L, D) + 8.0 * B * H * L * WINDOW * D
 
 
-def lizard_qk_flops(B, H, L, D) -> float:
-    return lizard_flops(B, H, L, D) + 2.0 * B * H * L * D * D
-
-
 SDPA_FORMULA = "fwd 2·B·H·L²·D (QKᵀ and PV over half the square); bwd 2.5× fwd (FlashAttention's count)"
 GLA_FORMULA = (f"fwd B·H·L·(4·C·D + 4·D²), C = {CHUNK}: intra-chunk QKᵀ and AV, inter-chunk Q·S and the "
                "state update; bwd 2× fwd")
 LIZARD_FORMULA = (f"the chunked-GLA count with F = D features + B·H·L·8·w·D, w = {WINDOW}: window blocks, each "
                   "query scores 2w keys and sums 2w values; bwd 2× fwd")
-LIZARD_QK_FORMULA = f"{LIZARD_FORMULA[:-len('; bwd 2× fwd')]} + B·H·L·2·D²: Hedgehog's x W (D/2 columns) of q and k; bwd 2× fwd"
 
 
 @dataclass
@@ -124,21 +116,6 @@ def make_lizard_chunked(B, H, L, D, device, dtype):
     return lambda: gla_window_chunked(*inputs, valid, state, beta=1.0, **options)[0], inputs
 
 
-def make_lizard_qk(B, H, L, D, device, dtype):
-    """The op from q and k as the model has them (`kernels.lizard_attention_qk`): Hedgehog weights
-    [H, D, D/2] in float32 (the model's), near the identity it starts from; the rest as `lizard_inputs`."""
-    from .. import kernels
-
-    inputs, options = lizard_inputs(B, H, L, D, device, dtype)
-    log_g, q, k, v = inputs[2:]
-    w_q, w_k = ((torch.eye(D, D // 2, device=device) + 0.1 * torch.randn(H, D, D // 2, device=device))
-                .requires_grad_() for _ in range(2))
-    reason = kernels.qk_unsupported_reason(q, k, w_q, log_g, v, window=options["window"], sinks=options["sinks"])
-    if reason:
-        raise Unsupported(f"the Triton kernels do not take these inputs: {reason}")
-    return lambda: kernels.lizard_attention_qk(q, k, w_q, w_k, log_g, v, **options), [q, k, w_q, w_k, log_g, v]
-
-
 class Unsupported(Exception):
     """The op cannot take these inputs: the row is skipped, with this reason."""
 
@@ -176,7 +153,6 @@ def fla_unavailable(device: torch.device) -> str | None:
 
 OPS = [
     Op("triton", "lizard (triton)", lizard_flops, 2.0, LIZARD_FORMULA, make_lizard_triton, triton_unavailable),
-    Op("triton-qk", OURS_QK, lizard_qk_flops, 2.0, LIZARD_QK_FORMULA, make_lizard_qk, triton_unavailable),
     Op("chunked", "lizard (pytorch chunked)", lizard_flops, 2.0, LIZARD_FORMULA, make_lizard_chunked, lambda device: None),
     Op("chunk_gla", "fla chunk_gla", gla_flops, 2.0, GLA_FORMULA, make_fla(simple=False), fla_unavailable),
     Op("chunk_simple_gla", "fla chunk_simple_gla", gla_flops, 2.0, GLA_FORMULA, make_fla(simple=True), fla_unavailable),
@@ -226,7 +202,7 @@ def lizard_config() -> str | None:
 def bench(out: Path, *, quick: bool = False, ops: list[str] | None = None) -> list[Path]:
     chosen = select_ops(ops)
     settings = dict(QUICK if quick else FULL, dtype="bfloat16", chunk=CHUNK, window=WINDOW, sinks=SINKS, quick=quick)
-    if any(op.key in ("triton", "triton-qk") for op in chosen):
+    if any(op.key == "triton" for op in chosen):
         settings["lizard_config"] = lizard_config()
     if ops is not None:
         settings["ops"] = [op.key for op in chosen]
@@ -285,8 +261,8 @@ def tables(results: dict) -> list[str]:
             lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += target_lines(rows, rows)
-    if settings.get("lizard_config") and any(r["op"] in (OURS, OURS_QK) and r["status"] == "ok" for r in rows):
-        lines.append(f"- our ops ran `{settings['lizard_config']}`")
+    if settings.get("lizard_config") and any(r["op"] == "lizard (triton)" and r["status"] == "ok" for r in rows):
+        lines.append(f"- lizard (triton) ran `{settings['lizard_config']}`")
     skipped = {r["op"]: r["reason"] for r in rows if r["status"] in ("skipped", "error")}
     lines += [f"- {name}: {reason}" for name, reason in skipped.items()]
     by_formula = {}
@@ -297,19 +273,18 @@ def tables(results: dict) -> list[str]:
 
 
 def target_lines(ours: list[dict], fla: list[dict]) -> list[str]:
-    """The targets (`TARGETS`) as ratios of each of our Triton ops' median ms in `ours` to fla's in `fla`
-    (rows of one run, or of two: then the ratios compare across runs), at every shape both measured."""
+    """The targets (`TARGETS`) as ratios of the Triton op's median ms in `ours` to fla's in `fla` (rows
+    of one run, or of two: then the ratios compare across runs), at every shape both measured."""
     ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in fla + ours if r["status"] == "ok"}  # ours last: they win
     shapes = list(dict.fromkeys((r["B"], r["L"]) for r in ours))
     lines = []
-    for name in (OURS, OURS_QK):
-        for mode, other, target in TARGETS:
-            ratios = {(B, L): ms[(name, mode, B, L)] / ms[(other, mode, B, L)] for B, L in shapes
-                      if (name, mode, B, L) in ms and (other, mode, B, L) in ms}
-            if ratios:
-                cells = ", ".join(f"B={B} L={size_label(L)} {ratio:.2f}x" for (B, L), ratio in ratios.items())
-                verdict = "met" if max(ratios.values()) <= target else "missed"
-                lines.append(f"- {name} {mode} / {other}: {cells} (target at most {target}x: {verdict})")
+    for mode, other, target in TARGETS:
+        ratios = {(B, L): ms[("lizard (triton)", mode, B, L)] / ms[(other, mode, B, L)] for B, L in shapes
+                  if ("lizard (triton)", mode, B, L) in ms and (other, mode, B, L) in ms}
+        if ratios:
+            cells = ", ".join(f"B={B} L={size_label(L)} {ratio:.2f}x" for (B, L), ratio in ratios.items())
+            verdict = "met" if max(ratios.values()) <= target else "missed"
+            lines.append(f"- lizard (triton) {mode} / {other}: {cells} (target at most {target}x: {verdict})")
     return lines + ([""] if lines else [])
 
 

@@ -14,7 +14,6 @@ import os
 
 import torch
 
-from ..feature_maps import hedgehog
 from ..ops import gla_window
 from ..ops.common import carried_window, extend_window, repeat_kv
 from ..ops.gla_window_chunked import gla_window_chunked
@@ -67,37 +66,6 @@ def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, e
 
         return lizard_attention_triton(fq, fk, log_g, qw, kw, v, **options)
     return _chunked(fq, fk, log_g, qw, kw, v, **options)
-
-
-def qk_unsupported_reason(q, k, w_q, log_g, v, *, window, sinks) -> str | None:
-    """None when `lizard_attention_qk` would take the kernel path for these inputs, else why not."""
-    if not available():
-        return "triton or a CUDA device (or TRITON_INTERPRET=1) missing"
-    from .features_triton import features_unsupported
-    from .lizard_triton import supports
-
-    if w_q.shape[-1] < 16:
-        return f"Hedgehog feature dim {w_q.shape[-1]} < 16 (tensor-core tiles)"
-    phi = q[..., :1].expand(*q.shape[:-1], 2 * w_q.shape[-1])  # phi_q(q)'s shape and dtype, no copy
-    return supports(phi, phi, log_g, q, k, v, window=window, sinks=sinks) or features_unsupported(q, k, w_q)
-
-
-def lizard_attention_qk(q, k, w_q, w_k, log_g, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                        shared=False):
-    """`lizard_attention(phi_q(q), phi_k(k), log_g, q, k, v)` with Hedgehog feature maps of weights w_q,
-    w_k [H, d, f] (`feature_maps.hedgehog`, phi_k on each query head's KV head) and the window on q, k
-    themselves (no RoPE in it). The kernels form the features from the q and k tiles they load
-    (`lizard_qk_triton`): the forward reads q, k and v only. Elsewhere the PyTorch feature maps feed
-    `lizard_attention`. Differentiable in all tensors."""
-    options = {"window": window, "scale": scale, "sinks": sinks, "alpha": alpha, "eps": eps, "normalize": normalize,
-               "shared": shared}
-    if qk_unsupported_reason(q, k, w_q, log_g, v, window=window, sinks=sinks) is None:
-        from .lizard_qk_triton import lizard_attention_qk_triton
-
-        return lizard_attention_qk_triton(q, k, w_q, w_k, log_g, v, **options)
-    fq = hedgehog(q.float(), w_q).to(q.dtype)
-    fk = hedgehog(repeat_kv(k.float(), q.shape[1] // k.shape[1]), w_k).to(k.dtype)
-    return lizard_attention(fq, fk, log_g, q, k, v, **options)
 
 
 @torch.no_grad()

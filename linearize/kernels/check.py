@@ -342,26 +342,17 @@ def sweep_configs():
 
 
 def forward_sweep_rows():
-    """(label, Config, window, from q and k) rows of `--sweep-forward`: the default; its chunk kernel
-    capped at 128 registers (four programs an SM, spilling) and without a cap (two programs an SM, not
-    three); through pointer loads instead of tensor descriptors (TMA); the window at two key blocks and
-    at one (what each of its three 64-key blocks costs: docs/kernels.md); then the op that forms the
-    Hedgehog features from q and k itself (`lizard_attention_qk`; Hedgehog's x W_h and softmaxes
-    included) at the default, without the chunk kernel's register cap, and its state pass at 8 warps
-    (one program an SM holds its shared memory: 2 or 3 stages)."""
+    """(label, Config, window) rows of `--sweep-forward`: the default; its chunk kernel capped at 128
+    registers (four programs an SM, spilling) and without a cap (two programs an SM, not three);
+    through pointer loads instead of tensor descriptors (TMA); the window at two key blocks and at one
+    (what each of its three 64-key blocks costs: docs/kernels.md)."""
     from .lizard_triton import Config
 
     default = Config.default(torch.bfloat16)
     change = functools.partial(dataclasses.replace, default)
-    return [("default", default, 128, False), ("128 registers", change(forward_registers=128), 128, False),
-            ("no register cap", change(forward_registers=None), 128, False),
-            ("pointer loads", change(tma=False), 128, False),
-            ("window 64 (two key blocks)", default, 64, False), ("window 1 (the diagonal block)", default, 1, False),
-            ("from q, k", default, 128, True), ("from q, k, no register cap", change(forward_registers=None), 128, True),
-            ("from q, k, state pass 8 warps 2 stages", change(state_warps=8, state_stages=2), 128, True),
-            ("from q, k, state pass 8 warps 3 stages", change(state_warps=8), 128, True),
-            ("from q, k, 8 warps 2 stages, no cap", change(state_warps=8, state_stages=2, forward_registers=None), 128,
-             True)]
+    return [("default", default, 128), ("128 registers", change(forward_registers=128), 128),
+            ("no register cap", change(forward_registers=None), 128), ("pointer loads", change(tma=False), 128),
+            ("window 64 (two key blocks)", default, 64), ("window 1 (the diagonal block)", default, 1)]
 
 
 def _kernel_ms(fn, calls=5) -> dict[str, float]:
@@ -377,19 +368,15 @@ def run_forward_sweep(lengths, batches=(16,), H=32, D=128):
     """Time our forward alone (bf16, scalar gate, no autograd) at each `forward_sweep_rows` row: CUDA
     events as `bench kernels` times a call, a CUDA graph's replay (the kernels alone) and each kernel's
     share, from the profiler."""
-    from . import qk_check
-    from .lizard_qk_triton import lizard_attention_qk_triton
     from .lizard_triton import lizard_attention_triton
 
     print(f"\nforward sweep, bf16 scalar gate, H={H} D={D}: events / graph replay ms, then each kernel's ms")
     for B, L in zip(batches, lengths):
         case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
         (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
-        (q, k, w_q, w_k, *_), _ = qk_check.make_inputs(case, "cuda")
-        for label, cfg, window, from_qk in forward_sweep_rows():
-            options = {"window": window, "scale": D**-0.5, "sinks": sinks, "alpha": alpha, "config": cfg}
-            forward = (functools.partial(lizard_attention_qk_triton, q, k, w_q, w_k, log_g, v, **options) if from_qk
-                       else functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, **options))
+        for label, cfg, window in forward_sweep_rows():
+            forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=window,
+                                        scale=D**-0.5, sinks=sinks, alpha=alpha, config=cfg)
             try:
                 with torch.no_grad():
                     events = _median_ms(forward)

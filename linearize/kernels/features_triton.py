@@ -233,40 +233,32 @@ class LizardFeaturesFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dfq, dfk, *d_rotated):
+        q, k, w_q, w_k, *position = ctx.saved_tensors
+        B, H, L, D = q.shape
+        HKV, F = k.shape[1], w_q.shape[-1]
         grad_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        return features_backward(*ctx.saved_tensors[:4], ctx.saved_tensors[4:], dfq, dfk, d_rotated, ctx.dtype,
-                                 grad_x, grad_w) + (None, None, None)
 
+        def dense(grad, *shape):  # an output that got no gradient
+            return torch.zeros(shape, device=q.device, dtype=ctx.dtype) if grad is None else grad.contiguous()
 
-def features_backward(q, k, w_q, w_k, position, dfq, dfk, d_rotated, dtype, grad_x, grad_w):
-    """(d q, d k, d w_q, d w_k) of `lizard_features` (those of q and k only with grad_x, of the weights
-    only with grad_w, else None) from d fq, d fk and, given `position` (cos, sin), d qw, d kw
-    (`d_rotated`); a gradient that is None counts as zeros of `dtype`."""
-    B, H, L, D = q.shape
-    HKV, F = k.shape[1], w_q.shape[-1]
-    rope = bool(position)
-
-    def dense(grad, *shape):  # an output that got no gradient
-        return torch.zeros(shape, device=q.device, dtype=dtype) if grad is None else grad.contiguous()
-
-    dfq, dfk = dense(dfq, B, H, L, 2 * F), dense(dfk, B, H, L, 2 * F)
-    NB = triton.cdiv(L, BWD_TOKENS_PER_PROGRAM)
-    f32 = {"device": q.device, "dtype": torch.float32}
-    unused = dfq  # a placeholder where the kernel reads or writes nothing
-    dq = torch.empty(B, H, L, D, **f32) if grad_x else unused
-    dk = torch.empty(B, HKV, L, D, **f32) if grad_x else unused
-    dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
-    dw_k = torch.empty_like(dw_q) if grad_w else unused
-    cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if rope else (unused, unused)
-    # Read only with GRAD_X (through the rotation).
-    dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if rope and grad_x \
-        else (unused, unused)
-    _features_bwd_kernel[(B * HKV, NB)](
-        q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq, dfk, dqw, dkw,
-        dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=rope,
-        GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)
-    dq, dk = (dq.to(q.dtype), dk.to(k.dtype)) if grad_x else (None, None)
-    dw_q, dw_k = (dw_q.sum((0, 2)).to(w_q.dtype), dw_k.sum((0, 2)).to(w_k.dtype)) if grad_w else (None, None)
-    return dq, dk, dw_q, dw_k
+        dfq, dfk = dense(dfq, B, H, L, 2 * F), dense(dfk, B, H, L, 2 * F)
+        NB = triton.cdiv(L, BWD_TOKENS_PER_PROGRAM)
+        f32 = {"device": q.device, "dtype": torch.float32}
+        unused = dfq  # a placeholder where the kernel reads or writes nothing
+        dq = torch.empty(B, H, L, D, **f32) if grad_x else unused
+        dk = torch.empty(B, HKV, L, D, **f32) if grad_x else unused
+        dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
+        dw_k = torch.empty_like(dw_q) if grad_w else unused
+        cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if ctx.rope else (unused, unused)
+        # Read only with GRAD_X (through the rotation).
+        dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if ctx.rope and grad_x \
+            else (unused, unused)
+        _features_bwd_kernel[(B * HKV, NB)](
+            q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq, dfk, dqw, dkw,
+            dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=ctx.rope,
+            GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)
+        dq, dk = (dq.to(q.dtype), dk.to(k.dtype)) if grad_x else (None, None)
+        dw_q, dw_k = (dw_q.sum((0, 2)).to(w_q.dtype), dw_k.sum((0, 2)).to(w_k.dtype)) if grad_w else (None, None)
+        return dq, dk, dw_q, dw_k, None, None, None

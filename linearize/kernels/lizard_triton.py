@@ -255,23 +255,6 @@ def _vector_scores(q, k, A, t, BT: tl.constexpr):
 
 
 @triton.jit
-def _hedgehog(x, W, h, D: tl.constexpr, F: tl.constexpr, DT: tl.constexpr):
-    """phi(x) = [softmax(x W_h), softmax(-x W_h)] (`HedgehogFeatureMap`) of a tile x [rows, D] in its own
-    dtype, for head h of W [H, D, F/2]. Two DT GEMMs, on W's DT part and on the rest, keep x W at about
-    float32 accuracy from a 16-bit x (a float32 x takes one, as 3xTF32)."""
-    w = tl.load(W + h * D * (F // 2) + tl.arange(0, D)[:, None] * (F // 2) + tl.arange(0, F // 2)[None, :])
-    w = w.to(tl.float32)
-    u = _dot(x, w.to(DT), DT)
-    if DT != tl.float32:
-        u = _dot_acc(x, (w - w.to(DT).to(tl.float32)).to(DT), u, DT)
-    up = tl.exp(u - tl.max(u, 1)[:, None])
-    down = tl.exp(tl.min(u, 1)[:, None] - u)
-    up = (up / tl.sum(up, 1)[:, None]).to(x.dtype)
-    down = (down / tl.sum(down, 1)[:, None]).to(x.dtype)
-    return tl.reshape(tl.permute(tl.join(up, down), (0, 2, 1)), (x.shape[0], F))
-
-
-@triton.jit
 def _window_scores(qw, kw, qpos, kpos, window, scale, DT: tl.constexpr):
     """Scaled logits q.k, -inf outside the band kpos in (qpos - w, qpos]."""
     s = _dot(qw, tl.trans(kw), DT) * scale
@@ -438,19 +421,16 @@ def _row_block(CF: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(FQ, FK, LG, QW, KW, V, WQ, WK, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
+def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
                 L, H, HKV, NT, window, scale, eps,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, FEAT: tl.constexpr,
-                DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
     HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
     the layout the model's o_proj reads, so no transpose copy follows. With TMA, FQ, FK, QW, KW, V
-    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D]). With FEAT, FQ and FK are
-    unread: the chunk's features are formed from its window q and k and the Hedgehog weights WQ, WK
-    [H, D, F/2] (`_hedgehog`), so the linear part reads no tensors of its own but the state."""
+    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D])."""
     bh = _head(CF, 2)
     iv = tl.program_id(1)
     h = bh % H
@@ -481,12 +461,8 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, WQ, WK, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y
         pos = n * BT + t
         if SPLIT:
             z = tl.load(HZ + n * F + rows)
-        if FEAT:
-            q = _hedgehog(_head_rows(QW, bh, n * BT, 0, L, D, BT, D, TMA), WQ, h, D, F, DT)
-            k = _hedgehog(_head_rows(KW, kv, n * BT, 0, L, D, BT, D, TMA), WK, h, D, F, DT)
-        else:
-            q = _head_rows(FQ, bh, n * BT, 0, L, F, BT, F, TMA)
-            k = _head_rows(FK, bh, n * BT, 0, L, F, BT, F, TMA)
+        q = _head_rows(FQ, bh, n * BT, 0, L, F, BT, F, TMA)
+        k = _head_rows(FK, bh, n * BT, 0, L, F, BT, F, TMA)
         A, a_end = _load_gate(LG, pos, L, F, F, VEC)
         P, q_dec, den = _linear_scores(q, k, A, z, t, eps, BT, VEC, NORM, DT)
         if SPLIT:  # HS viewed as [B*H*NT, F, D]; S in its stored dtype (only ever a GEMM operand)
@@ -535,22 +511,20 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 
 
 @triton.jit
-def _fwd_states_kernel(FK, KW, WK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
+def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr, FEAT: tl.constexpr):
+                       VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
     """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
     [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
     in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
     depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
     starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
-    (float32, same shapes). With FEAT (a program then takes every row: BK = F), FK is unread: the keys'
-    features are formed from the window's keys KW [B, HKV, L, D] and the weights WK (`_hedgehog`)."""
+    (float32, same shapes)."""
     bh = tl.program_id(0).to(tl.int64)
     fo = tl.program_id(1) * BK
     iv = tl.program_id(2)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
     FK += bh * L * F + fo
-    KW += kv * L * D
     LG += bh * L * F + fo if VEC else bh * L
     VB = V + kv * L * D + iv * BV
     block = bh * F * D + fo * D + iv * BV  # this program's block of an [F, D] state
@@ -568,11 +542,7 @@ def _fwd_states_kernel(FK, KW, WK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HK
         _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        if FEAT:
-            k = _hedgehog(_load_tile(KW, pos, L, D, D), WK, bh % H, D, F, DT)
-        else:
-            k = _load_tile(FK, pos, L, F, BK)
-        S, z = _advance_state(S, z, k, _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
+        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
     if CARRY:
         _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
 
@@ -996,7 +966,7 @@ def _has_tma(device: torch.device) -> bool:
     return INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _descriptors(fq, fk, qw, kw, v, hs, BT: int, BV: int, F: int) -> tuple:
+def _descriptors(fq, fk, qw, kw, v, hs, BT: int, BV: int) -> tuple:
     """The forward's tiled inputs as tensor descriptors (`_head_rows`): [heads, L, width] views whose
     [1, BT, width] tiles end at each head's last row, and the chunk states [B*H*NT, F, D]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1004,9 +974,9 @@ def _descriptors(fq, fk, qw, kw, v, hs, BT: int, BV: int, F: int) -> tuple:
     def rows(x, width):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[-2], x.shape[-1]), [1, BT, width])
 
-    D = qw.shape[-1]
+    F, D = fq.shape[-1], qw.shape[-1]
     states = TensorDescriptor.from_tensor(hs.view(-1, F, D), [1, F, BV]) if hs.dim() == 4 else hs
-    return rows(fq, fq.shape[-1]), rows(fk, fk.shape[-1]), rows(qw, D), rows(kw, D), rows(v, BV), states
+    return rows(fq, F), rows(fk, F), rows(qw, D), rows(kw, D), rows(v, BV), states
 
 
 def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
@@ -1018,27 +988,17 @@ def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
 
 
 def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False,
-             carried=None, weights=None):
+             carried=None):
     """Launch the forward; returns the inputs made contiguous, the output, what the backward needs
     (y_gla, y_win, den, lse and, with `shared`, each row's window max and the key holding it), the
     split kernels' chunk states and, given `carried` (S [B, H, F, D], z [B, H, F] float32: the linear
-    state of earlier tokens, which the linear part then continues), the state after the last token.
-    Given `weights` (the Hedgehog maps' w_q, w_k [H, D, F/2]), fq and fk are None: the kernels form
-    phi_q(qw) and phi_k(kw) themselves (split kernels only)."""
-    if (carried is not None or weights is not None) and not cfg.split:
-        # The state pass is what starts from the carried state, and what alone forms phi_k where the
-        # chunk kernel does not carry the state.
-        cfg = dataclasses.replace(cfg, split=True)
-    feat = weights is not None
-    if feat:
-        fq = fk = qw  # unread placeholders
-        w_q, w_k = (w.contiguous() for w in weights)
+    state of earlier tokens, which the linear part then continues), the state after the last token."""
+    if carried is not None and not cfg.split:
+        cfg = dataclasses.replace(cfg, split=True)  # the state pass is what starts from the carried state
     fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
-    if not feat:
-        w_q = w_k = alpha  # unread
     sinks = None if sinks is None or sinks.shape[-1] == 0 else sinks.contiguous()
-    B, H, L, D = qw.shape
-    F = 2 * w_q.shape[-1] if feat else fq.shape[-1]
+    B, H, L, F = fq.shape
+    D = qw.shape[-1]
     vec = log_g.shape[-1] != 1
     BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
     BV = min(cfg.block_v, D)
@@ -1058,9 +1018,9 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
         if carried is not None:
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
-        BKS, BVS = _state_blocks(B * H, F, D, F if feat else cfg.state_block_k, cfg, qw.device)
-        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, kw, w_k, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H,
-                                                        HKV, NT, CARRY=carried is not None, BK=BKS, FEAT=feat,
+        BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
+        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
+                                                        CARRY=carried is not None, BK=BKS,
                                                         **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
                                                                      "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
@@ -1077,12 +1037,12 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
         hs = hz = den  # unread
-    fq_t, fk_t, qw_t, kw_t, v_t, hs_t = (_descriptors(fq, fk, qw, kw, v, hs, BT, BV, F) if tma
+    fq_t, fk_t, qw_t, kw_t, v_t, hs_t = (_descriptors(fq, fk, qw, kw, v, hs, BT, BV) if tma
                                          else (fq, fk, qw, kw, v, hs))
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
-        fq_t, fk_t, log_g, qw_t, kw_t, v_t, w_q, w_k, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla,
-        y_win, den, lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP,
-        SAVE=save, SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma, FEAT=feat,
+        fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
+        lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+        SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
         **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
     parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
@@ -1101,112 +1061,106 @@ class LizardAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        grads = attention_backward(dy, ctx.saved_tensors, ctx.window, ctx.scale, ctx.normalize, ctx.cfg, ctx.shared,
-                         *ctx.needs_input_grad[3:6])
-        return grads + (None,) * 7
+        shared = ctx.shared
+        fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *rest = ctx.saved_tensors
+        row_max, arg, states = (rest[0], rest[1], rest[2:]) if shared else (den, den, rest)
+        cfg, window, scale = ctx.cfg, ctx.window, ctx.scale
+        dlse = dm = dden_ext = den  # unread unless shared
+        if shared:  # the split reads dy as it comes (the model's [B, L, H d] gradient, viewed), no copy
+            dy_gla, dy_win, dlse, dm, dden_ext = shared_split(dy, y_gla, y_win, den, lse, row_max)
+            alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
+        else:  # read as it comes: the model's [B, L, H, D] gradient, transposed, is not copied
+            dy_gla = dy_win = dy if dy.stride(-1) == 1 else dy.contiguous()
+        B, H, L, F = fq.shape
+        HKV, D = kw.shape[1], kw.shape[-1]
+        group = H // HKV
+        vec = log_g.shape[-1] != 1
+        BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
+        BK, BV = min(cfg.block_k, F), min(cfg.dv_block_v, D)
+        BWQ, BWKV = cfg.window_dq_block, cfg.window_dkv_block
+        NW = triton.cdiv(L, BWQ)  # the dq pass's row blocks, each writing its share of d sinks and d alpha
+        M = 0 if sinks is None else sinks.shape[-1]
+        MP = max(2, triton.next_power_of_2(M))
+        dev, f32 = fq.device, torch.float32
+        NT = triton.cdiv(L, BT)
+        split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
+                 "DY_ROW": dy_gla.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
+        state = {key: value for key, value in split.items() if key != "SPLIT"}
+        split["CF"] = cfg.chunk_axis_first
+        chunks = NT if cfg.split else None
+        win = {"D": D, "DT": DOT_DTYPES[fq.dtype], "DY_ROW": dy_win.stride(2), "CF": cfg.chunks_first,
+               "num_warps": cfg.warps, "num_stages": cfg.stages}
+        win_dq = win | {"BW": BWQ, "NWB": triton.cdiv(window - 1, BWQ)}
+        win_dkv = win | {"BW": BWKV, "NWB": triton.cdiv(window - 1, BWKV)}
+        dy_gla_bh, dy_win_bh = (dy_gla.stride(0), dy_gla.stride(1)), (dy_win.stride(0), dy_win.stride(1))
 
+        # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
+        # and v need no gradient, and the window's d k / d v passes and the linear part's d v are skipped.
+        grad_qw, grad_kw, grad_v = ctx.needs_input_grad[3:6]
+        window_kv = grad_kw or grad_v  # the window's d k / d v pass writes both
+        dfq, dfk = torch.empty_like(fq), torch.empty_like(fk)
+        dqw = torch.empty_like(qw) if grad_qw else den  # den: a placeholder the kernel does not touch
+        # Per query head; float32 where a GQA group is summed afterwards.
+        kv_dtype = kw.dtype if group == 1 else f32
+        dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if window_kv else den
+        dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_v else den
+        dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32) if window_kv else den
+        fused = cfg.fuses_backward(vec)
+        # dA shares: per feature (vector gate), else partial sums: one from the fused kernel, or one per
+        # feature block of the dq pass and then of the dk pass.
+        shares = 1 if fused else 2 * (F // BK)
+        da = torch.empty((2, B, H, L, F) if vec else (shares, B, H, L), device=dev, dtype=f32)
+        d_den, delta = torch.empty_like(den), torch.empty_like(den)
+        d_sinks = torch.empty(B * H * NW, MP, device=dev, dtype=f32)
+        d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
 
-def attention_backward(dy, saved, window, scale, normalize, cfg, shared, grad_qw, grad_kw, grad_v):
-    """The gradients (d fq, d fk, d log g, d qw, d kw, d v, d sinks, d alpha) from dy and what the
-    forward saved (`LizardAttentionFunction`: the inputs, the parts and the chunk states); those of qw,
-    kw and v only where asked (grad_qw, ...), else None."""
-    fq, fk, log_g, qw, kw, v, sinks, alpha, y_gla, y_win, den, lse, *rest = saved
-    row_max, arg, states = (rest[0], rest[1], rest[2:]) if shared else (den, den, rest)
-    dlse = dm = dden_ext = den  # unread unless shared
-    if shared:  # the split reads dy as it comes (the model's [B, L, H d] gradient, viewed), no copy
-        dy_gla, dy_win, dlse, dm, dden_ext = shared_split(dy, y_gla, y_win, den, lse, row_max)
-        alpha = torch.ones_like(alpha)  # the window kernels scale dy by alpha: dy_win is already scaled
-    else:  # read as it comes: the model's [B, L, H, D] gradient, transposed, is not copied
-        dy_gla = dy_win = dy if dy.stride(-1) == 1 else dy.contiguous()
-    B, H, L, F = fq.shape
-    HKV, D = kw.shape[1], kw.shape[-1]
-    group = H // HKV
-    vec = log_g.shape[-1] != 1
-    BT = VECTOR_GATE_CHUNK if vec else cfg.chunk
-    BK, BV = min(cfg.block_k, F), min(cfg.dv_block_v, D)
-    BWQ, BWKV = cfg.window_dq_block, cfg.window_dkv_block
-    NW = triton.cdiv(L, BWQ)  # the dq pass's row blocks, each writing its share of d sinks and d alpha
-    M = 0 if sinks is None else sinks.shape[-1]
-    MP = max(2, triton.next_power_of_2(M))
-    dev, f32 = fq.device, torch.float32
-    NT = triton.cdiv(L, BT)
-    split = {"SPLIT": cfg.split, "BT": BT, "VEC": vec, "DT": DOT_DTYPES[_state_dtype(fq.dtype, vec)],
-             "DY_ROW": dy_gla.stride(2), "num_warps": cfg.warps, "num_stages": cfg.stages}
-    state = {key: value for key, value in split.items() if key != "SPLIT"}
-    split["CF"] = cfg.chunk_axis_first
-    chunks = NT if cfg.split else None
-    win = {"D": D, "DT": DOT_DTYPES[fq.dtype], "DY_ROW": dy_win.stride(2), "CF": cfg.chunks_first,
-           "num_warps": cfg.warps, "num_stages": cfg.stages}
-    win_dq = win | {"BW": BWQ, "NWB": triton.cdiv(window - 1, BWQ)}
-    win_dkv = win | {"BW": BWKV, "NWB": triton.cdiv(window - 1, BWKV)}
-    dy_gla_bh, dy_win_bh = (dy_gla.stride(0), dy_gla.stride(1)), (dy_win.stride(0), dy_win.stride(1))
+        # First the per-token terms: the window's delta and the linear part's d den, which all the
+        # linear part's passes read.
+        _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](
+            qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win, *dy_win_bh, dqw, delta, d_sinks,
+            d_alpha, dlse, arg, dm, dy_gla, y_gla, den, d_den, dden_ext, L, H, HKV, window, scale, M=M, MP=MP,
+            SHARED=shared, GRAD_Q=grad_qw, NORM=ctx.normalize, **win_dq)
+        if window_kv:
+            _bwd_window_dkv_kernel[_grid(cfg, B * H, (), triton.cdiv(L, BWKV))](
+                qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win, L, H, HKV, window, scale,
+                SHARED=shared, **win_dkv)
+        hs, hz = states if cfg.split else (den, den)  # unread unless split
+        if cfg.split:
+            hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
+            hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
+            BKS, BVS = _state_blocks(B * H, F, D, cfg.dstate_block_k, cfg, dev)
+            _bwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, log_g, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, L, H,
+                                                            NT, F=F, D=D, BK=BKS, BV=BVS, **state)
+        else:
+            hds = hdz = den
+        if fused:
+            _bwd_chunk_kernel[_grid(cfg, B * H, (), NT)](
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, hds, hdz, dv_win, dfq, dfk, dv, da, L, H,
+                HKV, NT, F=F, D=D, BT=BT, DY_ROW=split["DY_ROW"], GRAD_V=grad_v, CF=cfg.chunks_first,
+                DT=split["DT"], num_warps=cfg.warps, num_stages=cfg.stages)
+        else:
+            da_q, da_k = da.chunk(2)  # each pass's half of the shares
+            _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, dfq, da_q, L, H, HKV, NT, F=F, D=D, BK=BK,
+                **split)
+            _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
+                fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da_k, L, H, HKV, NT, F=F, D=D, BK=BK,
+                **split)
+            if grad_v:
+                _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
+                    fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)
 
-    # Stage 1 trains the feature maps, gate, sinks and alpha only: qw, kw (RoPE of frozen projections)
-    # and v need no gradient, and the window's d k / d v passes and the linear part's d v are skipped.
-    window_kv = grad_kw or grad_v  # the window's d k / d v pass writes both
-    dfq, dfk = torch.empty_like(fq), torch.empty_like(fk)
-    dqw = torch.empty_like(qw) if grad_qw else den  # den: a placeholder the kernel does not touch
-    # Per query head; float32 where a GQA group is summed afterwards.
-    kv_dtype = kw.dtype if group == 1 else f32
-    dkw = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if window_kv else den
-    dv = torch.empty(B, H, L, D, device=dev, dtype=kv_dtype) if grad_v else den
-    dv_win = torch.empty(B, H, L, D, device=dev, dtype=f32) if window_kv else den
-    fused = cfg.fuses_backward(vec)
-    # dA shares: per feature (vector gate), else partial sums: one from the fused kernel, or one per
-    # feature block of the dq pass and then of the dk pass.
-    shares = 1 if fused else 2 * (F // BK)
-    da = torch.empty((2, B, H, L, F) if vec else (shares, B, H, L), device=dev, dtype=f32)
-    d_den, delta = torch.empty_like(den), torch.empty_like(den)
-    d_sinks = torch.empty(B * H * NW, MP, device=dev, dtype=f32)
-    d_alpha = torch.empty(B * H * NW, device=dev, dtype=f32)
-
-    # First the per-token terms: the window's delta and the linear part's d den, which all the
-    # linear part's passes read.
-    _bwd_window_dq_kernel[_grid(cfg, B * H, (), NW)](
-        qw, kw, v, alpha if sinks is None else sinks, alpha, y_win, lse, dy_win, *dy_win_bh, dqw, delta, d_sinks,
-        d_alpha, dlse, arg, dm, dy_gla, y_gla, den, d_den, dden_ext, L, H, HKV, window, scale, M=M, MP=MP,
-        SHARED=shared, GRAD_Q=grad_qw, NORM=normalize, **win_dq)
-    if window_kv:
-        _bwd_window_dkv_kernel[_grid(cfg, B * H, (), triton.cdiv(L, BWKV))](
-            qw, kw, v, alpha, lse, dy_win, *dy_win_bh, delta, arg, dm, dkw, dv_win, L, H, HKV, window, scale,
-            SHARED=shared, **win_dkv)
-    hs, hz = states if cfg.split else (den, den)  # unread unless split
-    if cfg.split:
-        hds = torch.empty(B * H, NT, F, D, device=dev, dtype=_state_dtype(fq.dtype, vec))
-        hdz = torch.empty(B * H, NT, F, device=dev, dtype=f32)
-        BKS, BVS = _state_blocks(B * H, F, D, cfg.dstate_block_k, cfg, dev)
-        _bwd_states_kernel[(B * H, F // BKS, D // BVS)](fq, log_g, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, L, H,
-                                                        NT, F=F, D=D, BK=BKS, BV=BVS, **state)
-    else:
-        hds = hdz = den
-    if fused:
-        _bwd_chunk_kernel[_grid(cfg, B * H, (), NT)](
-            fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, hds, hdz, dv_win, dfq, dfk, dv, da, L, H,
-            HKV, NT, F=F, D=D, BT=BT, DY_ROW=split["DY_ROW"], GRAD_V=grad_v, CF=cfg.chunks_first,
-            DT=split["DT"], num_warps=cfg.warps, num_stages=cfg.stages)
-    else:
-        da_q, da_k = da.chunk(2)  # each pass's half of the shares
-        _bwd_dq_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
-            fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hs, hz, dfq, da_q, L, H, HKV, NT, F=F, D=D, BK=BK,
-            **split)
-        _bwd_dk_kernel[_grid(cfg, B * H, (F // BK,), chunks)](
-            fq, fk, log_g, v, den, dy_gla, *dy_gla_bh, d_den, hds, hdz, dfk, da_k, L, H, HKV, NT, F=F, D=D, BK=BK,
-            **split)
-        if grad_v:
-            _bwd_dv_kernel[_grid(cfg, B * H, (D // BV,), chunks)](
-                fq, fk, log_g, den, dy_gla, *dy_gla_bh, dv_win, hds, dv, L, H, NT, F=F, D=D, BV=BV, **split)
-
-    # d log g_t = sum over s >= t of dA_s.
-    if vec:
-        d_log_g = da.sum(0).flip(2).cumsum(2).flip(2)
-    else:
-        d_log_g = scalar_gate_grad(da)[..., None]
-    dqw = dqw if grad_qw else None
-    dkw = (dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype) if group > 1 else dkw) if grad_kw else None
-    dv = (dv.view(B, HKV, group, L, D).sum(2).to(v.dtype) if group > 1 else dv) if grad_v else None
-    dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
-    dalpha = None if shared else d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
-    return dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha
+        # d log g_t = sum over s >= t of dA_s.
+        if vec:
+            d_log_g = da.sum(0).flip(2).cumsum(2).flip(2)
+        else:
+            d_log_g = scalar_gate_grad(da)[..., None]
+        dqw = dqw if grad_qw else None
+        dkw = (dkw.view(B, HKV, group, L, D).sum(2).to(kw.dtype) if group > 1 else dkw) if grad_kw else None
+        dv = (dv.view(B, HKV, group, L, D).sum(2).to(v.dtype) if group > 1 else dv) if grad_v else None
+        dsinks = None if sinks is None else d_sinks.view(B, H, NW, MP).sum((0, 2))[:, :M].to(sinks.dtype)
+        dalpha = None if shared else d_alpha.view(B, H, NW).sum((0, 2)).to(alpha.dtype)
+        return (dfq, dfk, d_log_g.to(log_g.dtype), dqw, dkw, dv, dsinks, dalpha) + (None,) * 7
 
 
 GATE_GRAD_BLOCK = 1024  # tokens per step of `_scalar_gate_grad_kernel`'s scan

@@ -66,8 +66,7 @@ def still_key_kernel_types(dtype: str) -> dict[str, str]:
 def lizard_forward_types() -> dict[str, str]:
     """`lizard_triton._fwd_kernel`'s argument types for bf16 operands (a scalar gate's float32 log g)."""
     tile, f32 = "*bf16", "*fp32"
-    return {"FQ": tile, "FK": tile, "LG": f32, "QW": tile, "KW": tile, "V": tile, "WQ": f32, "WK": f32, "SINKS": f32,
-            "ALPHA": f32,
+    return {"FQ": tile, "FK": tile, "LG": f32, "QW": tile, "KW": tile, "V": tile, "SINKS": f32, "ALPHA": f32,
             "HS": tile, "HZ": f32, "Y": tile, "Y_GLA": tile, "Y_WIN": tile, "DEN": f32, "LSE": f32, "ROW_MAX": f32,
             "ARG": "*i32", "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32", "window": "i32", "scale": "fp32",
             "eps": "fp32"}
@@ -97,7 +96,7 @@ def lizard_forward_constants(cfg, window: int) -> dict:
 
     return {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk), "M": 4,
             "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": False,
-            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "FEAT": False, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
 
 
 def programs_per_sm(found: dict, warps: int) -> int:
@@ -174,8 +173,6 @@ def main() -> None:
     variants = {"as launched at Table 3 shapes": (constants, True, cap),
                 "saving the backward's parts (training)": (constants | {"SAVE": True}, True, cap),
                 "without the register cap": (constants, True, None),
-                "forming the features from q and k (lizard_attention_qk)": (constants | {"FEAT": True}, True, cap),
-                "forming the features, without the register cap": (constants | {"FEAT": True}, True, None),
                 "without alignment hints": (constants, False, cap),
                 "the heads first in the launch order": (constants | {"CF": False}, True, cap),
                 "pointer loads instead of tensor descriptors (launched without the cap)": (constants | {"TMA": False},
