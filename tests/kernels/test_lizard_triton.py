@@ -213,3 +213,22 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
                 {"forward_stages": 0}, {"forward_registers": 16}, {"forward_registers": 256}):
         with pytest.raises(ValueError, match="Config"):
             Config(**{"chunk": 64, **bad})
+
+
+@needs_triton
+def test_shapes_the_gpu_build_gets_wrong_are_named():
+    from linearize.kernels.lizard_triton import miscompiled_on_gpu
+
+    assert miscompiled_on_gpu(32, 16, bf16) and miscompiled_on_gpu(64, 16, torch.float16)
+    assert not any(miscompiled_on_gpu(F, D, dtype) for F, D, dtype in
+                   ((16, 16, bf16), (32, 32, bf16), (128, 64, bf16), (32, 16, torch.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+def test_gpu_falls_back_where_its_build_is_wrong():
+    """bf16, 32 features, head dim 16: the PyTorch op, not the kernel (which read out of range there)."""
+    case = Case(L=300, window=8, sinks=2, dtype=bf16, F=32, D=16)
+    out = compare(case)
+    assert out["path"].startswith("head dim 16 under 32 features"), out["path"]
+    assert within_tolerance(case, out["errors"]), out["errors"]
