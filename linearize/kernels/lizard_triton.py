@@ -935,10 +935,10 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks, dtype=None) -> str | No
 
 def miscompiled_on_gpu(F: int, D: int, dtype: torch.dtype) -> bool:
     """Shapes whose forward Triton (3.6, sm_90) compiles wrongly: a head dim of 16 under more features,
-    in 16 bits. On the H200 (twenty-seventh session, docs/kernels.md "Known limitations") F = 32 and 64
-    at D = 16 in bf16 read shared memory out of range (an illegal address, through tensor descriptors
-    or pointer loads) or, in the one-pass kernel, gave y at 0.34 relative error; F = D = 16, F = D = 32
-    and float32 were right. The interpreter is right at all of them."""
+    in 16 bits. On the H200 (twenty-seventh session, docs/kernels.md "Known limitations") bf16 at D = 16
+    read shared memory out of range (F = 32: an illegal address, through tensor descriptors or pointer
+    loads) or gave y at 0.34 relative error (F = 32 in the one-pass kernel, F = 64); F = D = 16,
+    F = D = 32 and float32 were right. The interpreter is right at all of them."""
     return D == 16 and F > D and dtype in (torch.bfloat16, torch.float16)
 
 
