@@ -938,7 +938,8 @@ def miscompiled_on_gpu(F: int, D: int, dtype: torch.dtype) -> bool:
     in 16 bits. On the H200 (twenty-seventh session, docs/kernels.md "Known limitations") bf16 at D = 16
     read shared memory out of range (F = 32: an illegal address, through tensor descriptors or pointer
     loads) or gave y at 0.34 relative error (F = 32 in the one-pass kernel, F = 64); F = D = 16,
-    F = D = 32 and float32 were right. The interpreter is right at all of them."""
+    F = D = 32 and float32 were right. The interpreter is right at all of them. float16, not measured,
+    builds the same tiles and is refused with bf16."""
     return D == 16 and F > D and dtype in (torch.bfloat16, torch.float16)
 
 
