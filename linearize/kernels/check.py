@@ -364,12 +364,47 @@ def _kernel_ms(fn, calls=5) -> dict[str, float]:
     return {e.key: e.self_device_time_total / calls / 1e3 for e in prof.key_averages() if e.self_device_time_total}
 
 
+def _forward_row(label: str, forward) -> str:
+    """One `--sweep-forward` row: CUDA events / graph replay ms, then each kernel's ms."""
+    try:
+        with torch.no_grad():
+            events = _median_ms(forward)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+            replay = _median_ms(graph.replay)
+            kernels = _kernel_ms(forward)
+        del graph
+        parts = ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(kernels.items()))
+        return f"{label}: {events:.3f} / {replay:.3f} ({parts})"
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+        return f"{label}: {type(e).__name__}: {str(e)[:80]}"
+
+
+def fla_tuned_configs() -> list[str]:
+    """The block configurations fla's autotuner picked for its chunked forward's kernels, per key."""
+    from fla.ops.common import chunk_h, chunk_o
+    from triton.runtime.autotuner import Autotuner
+
+    lines = []
+    for module in (chunk_h, chunk_o):
+        for name, fn in vars(module).items():
+            while not isinstance(fn, Autotuner) and hasattr(fn, "fn"):  # under heuristics wrappers
+                fn = fn.fn
+            if isinstance(fn, Autotuner):
+                lines += [f"{name} {key}: {config}" for key, config in fn.cache.items()]
+    return lines
+
+
 def run_forward_sweep(lengths, batches=(16,), H=32, D=128):
     """Time our forward alone (bf16, scalar gate, no autograd) at each `forward_sweep_rows` row: CUDA
     events as `bench kernels` times a call, a CUDA graph's replay (the kernels alone) and each kernel's
-    share, from the profiler."""
+    share, from the profiler; then, where fla is installed, its chunk_simple_gla forward the same way
+    (the 1.3x target's baseline: which of its kernels our state pass and chunk kernel stand against)."""
+    from ..bench.kernels import fla_unavailable, make_fla
     from .lizard_triton import lizard_attention_triton
 
+    baseline = fla_unavailable(torch.device("cuda")) is None
     print(f"\nforward sweep, bf16 scalar gate, H={H} D={D}: events / graph replay ms, then each kernel's ms")
     for B, L in zip(batches, lengths):
         case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
@@ -377,20 +412,15 @@ def run_forward_sweep(lengths, batches=(16,), H=32, D=128):
         for label, cfg, window in forward_sweep_rows():
             forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=window,
                                         scale=D**-0.5, sinks=sinks, alpha=alpha, config=cfg)
-            try:
-                with torch.no_grad():
-                    events = _median_ms(forward)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        forward()
-                    replay = _median_ms(graph.replay)
-                    kernels = _kernel_ms(forward)
-                del graph
-                parts = ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(kernels.items()))
-                print(f"B={B} L={L} {label}: {events:.3f} / {replay:.3f} ({parts})", flush=True)
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
-                print(f"B={B} L={L} {label}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            print(_forward_row(f"B={B} L={L} {label}", forward), flush=True)
+        del fq, fk, log_g, qw, kw, v
+        if baseline:
+            forward, _ = make_fla(simple=True)(B, H, L, D, torch.device("cuda"), torch.bfloat16)
+            print(_forward_row(f"B={B} L={L} fla chunk_simple_gla", forward), flush=True)
+            del forward
         torch.cuda.empty_cache()
+    if baseline:
+        print("\nfla's tuned configurations:\n" + "\n".join(fla_tuned_configs()), flush=True)
 
 
 def compiled_kernels():

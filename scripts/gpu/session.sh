@@ -35,7 +35,7 @@ case $part in
     case ${1:-} in
       sweep) step sweep 300 python -m linearize.kernels.check --no-check --no-bench --sweep --lengths 2048 \
                --profile "$res/profile" ;;
-      forward) step forward 300 python -m linearize.kernels.check --no-check --no-bench --sweep-forward \
+      forward) step forward 480 python -m linearize.kernels.check --no-check --no-bench --sweep-forward \
                  --lengths 2048 8192 8192 --batches 16 16 32 ;;
       host) step host 120 python -m linearize.kernels.check --no-check --no-bench --host ;;
       bench) ops=()
