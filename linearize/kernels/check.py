@@ -423,6 +423,44 @@ def run_forward_sweep(lengths, batches=(16,), H=32, D=128):
         print("\nfla's tuned configurations:\n" + "\n".join(fla_tuned_configs()), flush=True)
 
 
+def state_sweep_configs():
+    """Configurations `--sweep-states` times: the forward state pass's blocks (rows x value columns),
+    warps and pipelining, fla's chunk_fwd_h autotuning space (32 and 64 rows and columns, 1-8 warps,
+    2-4 stages; 1 warp left out) and ours (128 rows and columns); the rest as the bf16 default."""
+    from .lizard_triton import Config
+
+    default = Config.default(torch.bfloat16)
+    blocks = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32)]
+    return [dataclasses.replace(default, state_block_k=k, state_block_v=v, state_warps=w, state_stages=st)
+            for k, v in blocks for w in (2, 4, 8) for st in (2, 3, 4)
+            if k * v // (32 * w) <= 256]  # at most 256 float32 state registers a thread: no sense past that
+
+
+def run_state_sweep(L, B, H=32, D=128):
+    """Time the forward state pass alone (`_fwd_states_kernel`, from the profiler) at each
+    `state_sweep_configs` row, fastest first."""
+    from .lizard_triton import lizard_attention_triton
+
+    case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
+    (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+    print(f"\nforward state pass, bf16 scalar gate, B={B} H={H} D={D} L={L}: ms (rows x columns, warps, stages)")
+    rows = []
+    for cfg in state_sweep_configs():
+        label = f"{cfg.state_block_k} x {cfg.state_block_v}, {cfg.state_warps} warps, {cfg.state_stages} stages"
+        forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
+                                    sinks=sinks, alpha=alpha, config=cfg)
+        try:
+            with torch.no_grad():
+                forward()
+                ms = next(ms for name, ms in _kernel_ms(forward, calls=10).items() if "_fwd_states_kernel" in name)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            print(f"{label}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        print(f"{label}: {ms:.3f}", flush=True)
+        rows.append((ms, label))
+    print("\nfastest:\n" + "\n".join(f"{ms:.3f} {label}" for ms, label in sorted(rows)[:8]), flush=True)
+
+
 def compiled_kernels():
     """(name, Triton's compiled kernel) for every variant of the Lizard kernels compiled in this process."""
     from triton.runtime.jit import JITFunction
@@ -477,6 +515,8 @@ def main():
     parser.add_argument("--sweep-forward", action="store_true",
                         help="time the forward alone at `forward_sweep_rows` (--lengths, with --batches)")
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 16, 16])
+    parser.add_argument("--sweep-states", action="store_true",
+                        help="time the forward state pass alone at `state_sweep_configs` (first length and batch)")
     parser.add_argument("--host", action="store_true",
                         help="also split our forward's time between the host and the GPU (`run_host`)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
@@ -494,6 +534,8 @@ def main():
         run_host(args.lengths)
     if args.sweep_forward:
         run_forward_sweep(args.lengths, args.batches)
+    if args.sweep_states:
+        run_state_sweep(args.lengths[0], args.batches[0])
     if args.sweep:
         run_sweep(args.lengths[0], profile_dir=args.profile)
     elif args.profile is not None:

@@ -514,15 +514,17 @@ def _store_da_share(DA, pos, L, share, F: tl.constexpr, BK: tl.constexpr, VEC: t
 def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
                        F: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                        VEC: tl.constexpr, DT: tl.constexpr, CARRY: tl.constexpr):
-    """Grid (B*H, F/BK, D/BV), for the split kernels: the state at the start of every chunk, HS
+    """Grid (B*H * F/BK * D/BV,), for the split kernels: the state at the start of every chunk, HS
     [B*H, NT, F, D] in the inputs' dtype (the GEMMs that read it take it so anyway) and HZ [B*H, NT, F]
     in float32; a program carries rows [ik*BK, (ik+1)*BK) and columns [iv*BV, (iv+1)*BV): a state row
-    depends only on its own feature of the keys. With CARRY (a prefill continuing a cache) the state
-    starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last token goes to S_END, Z_END
-    (float32, same shapes)."""
-    bh = tl.program_id(0).to(tl.int64)
-    fo = tl.program_id(1) * BK
-    iv = tl.program_id(2)
+    depends only on its own feature of the keys. A head's blocks come first in the launch order, so
+    they run side by side and share its key and value tiles through L2. With CARRY (a prefill
+    continuing a cache) the state starts from S0 [B*H, F, D], Z0 [B*H, F] and the state after the last
+    token goes to S_END, Z_END (float32, same shapes)."""
+    pid = tl.program_id(0)
+    iv = pid % (D // BV)
+    fo = pid // (D // BV) % (F // BK) * BK
+    bh = (pid // (D // BV * (F // BK))).to(tl.int64)
     kv = (bh // H) * HKV + (bh % H) // (H // HKV)
     FK += bh * L * F + fo
     LG += bh * L * F + fo if VEC else bh * L
@@ -1031,10 +1033,10 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
             end = torch.empty(B, H, F, D, device=qw.device, dtype=torch.float32), torch.empty_like(z0)
         s_end, z_end = end if end is not None else (hz, hz)
         BKS, BVS = _state_blocks(B * H, F, D, cfg.state_block_k, cfg, qw.device)
-        _fwd_states_kernel[(B * H, F // BKS, D // BVS)](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT,
-                                                        CARRY=carried is not None, BK=BKS,
-                                                        **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
-                                                                     "num_stages": cfg.state_stages}))
+        grid = (B * H * (F // BKS) * (D // BVS),)
+        _fwd_states_kernel[grid](fk, log_g, v, hs, hz, s0, z0, s_end, z_end, L, H, HKV, NT, CARRY=carried is not None,
+                                 BK=BKS, **(shapes | {"BV": BVS, "num_warps": cfg.state_warps,
+                                                      "num_stages": cfg.state_stages}))
     # y as [B, L, H, d] in memory, returned as its [B, H, L, d] view: the model's transpose back to
     # [B, L, H d] for o_proj is then a view, and in training its gradient reaches the backward's
     # shared split without a copy.

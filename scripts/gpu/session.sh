@@ -28,7 +28,8 @@ case $part in
     step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
     # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels forward`: the forward
-    # alone at the forward sweep's rows, B=16 L=2K and B=32 L=8K; `kernels host`: our forward's
+    # alone at the forward sweep's rows, B=16 L=2K and B=32 L=8K, and fla chunk_simple_gla's; `kernels states
+    # [L B]`: the forward state pass alone at each block, warps and stages (B=32 L=8K); `kernels host`: our forward's
     # time split between the host and the GPU (events, host, CUDA graph replay); `kernels bench [OPS]`: `bench
     # kernels` (Table 3: every shape, every op or the ops OPS names joined by +, into the docs' format;
     # fla's kernels take ~6 minutes to compile and tune on a cold machine); no word: the check's timings.
@@ -38,6 +39,8 @@ case $part in
       forward) step forward 480 python -m linearize.kernels.check --no-check --no-bench --sweep-forward \
                  --lengths 2048 8192 8192 --batches 16 16 32 ;;
       host) step host 120 python -m linearize.kernels.check --no-check --no-bench --host ;;
+      states) step states 480 python -m linearize.kernels.check --no-check --no-bench --sweep-states \
+                --lengths "${2:-8192}" --batches "${3:-32}" ;;
       bench) ops=()
              [ -n "${2:-}" ] && ops=(--ops "${2//+/,}")
              step bench 540 python -m linearize.cli bench kernels "${ops[@]}" --out "$res/kernels" ;;
