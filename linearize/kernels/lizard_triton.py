@@ -544,7 +544,18 @@ def _fwd_states_kernel(FK, LG, V, HS, HZ, S0, Z0, S_END, Z_END, L, H, HKV, NT,
         _store_chunk_state(HS, HZ, n, S, z, iv == 0, F, D, BK, BV)
         pos = n * BT + t
         A, a_end = _load_gate(LG, pos, L, F, BK, VEC)
-        S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), _load_tile(VB, pos, L, D, BV), A, a_end, VEC, DT)
+        v = _load_tile(VB, pos, L, D, BV)
+        if VEC:
+            S, z = _advance_state(S, z, _load_tile(FK, pos, L, F, BK), v, A, a_end, VEC, DT)
+        else:
+            # A scalar gate's decay to the chunk end scales the values instead of the keys, so the keys
+            # go into the GEMM as loaded, already transposed ([BK, BT]: no layout change in registers).
+            k_t = tl.load(FK + rows[:, None] + pos[None, :] * F, mask=(pos < L)[None, :], other=0.0)
+            decay = tl.exp(a_end - A)
+            S = _dot_acc(k_t, (v * decay[:, None]).to(v.dtype), S * tl.exp(a_end), DT)
+            z *= tl.exp(a_end)
+            if iv == 0:  # the only programs that store z
+                z += tl.sum(k_t * decay[None, :], 1)
     if CARRY:
         _store_chunk_state(S_END + block, Z_END + bh * F + fo, 0, S, z, iv == 0, F, D, BK, BV)
 
