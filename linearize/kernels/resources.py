@@ -7,8 +7,9 @@ the device. Register spills, the usual reason a tile configuration is slow, can 
 
 prints them for STILL's backward key kernel at the shapes the models use, and for Lizard's forward
 at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), for its window
-d k / d v pass at the key-row blocks and warps the sweeps weighed, and for its fused backward chunk
-kernel at 4 and 8 warps.
+d k / d v pass at the key-row blocks and warps the sweeps weighed, for its forward state pass beside
+fla's (`chunk_fwd_kernel_h`, where fla is installed), and for its fused backward chunk kernel at 4
+and 8 warps.
 """
 
 from __future__ import annotations
@@ -148,6 +149,40 @@ def lizard_chunk_backward(warps: int, stages: int, chunk: int = 64, grad_v: bool
                      divisible=("L", "H", "HKV", "NT"), num_warps=warps, num_stages=stages)
 
 
+def lizard_state_pass(rows: int, columns: int, warps: int, stages: int) -> dict[str, int]:
+    """The forward state pass (`lizard_triton._fwd_states_kernel`) at Table 3's F = D = 128, bf16, a
+    scalar gate, 64-token chunks, `rows` x `columns` state blocks a program."""
+    import torch
+
+    from . import lizard_triton
+
+    tile, f32 = "*bf16", "*fp32"
+    types = {"FK": tile, "LG": tile, "V": tile, "HS": tile, "HZ": f32, "S0": f32, "Z0": f32, "S_END": f32,
+             "Z_END": f32, "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32"}
+    constants = {"F": 128, "D": 128, "BK": rows, "BV": columns, "BT": 64, "VEC": False, "CARRY": False,
+                 "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+    return resources(lizard_triton._fwd_states_kernel, types, constants, divisible=("L", "H", "HKV", "NT"),
+                     num_warps=warps, num_stages=stages)
+
+
+def fla_state_pass(rows: int, columns: int, warps: int, stages: int) -> dict[str, int] | None:
+    """fla's `chunk_fwd_kernel_h` (what `chunk_simple_gla`'s forward runs for its states) at the same
+    shapes, its gate in float32 as fla keeps it; None where fla is not installed."""
+    try:
+        from fla.ops.common.chunk_h import chunk_fwd_kernel_h
+    except ImportError:
+        return None
+    kernel = chunk_fwd_kernel_h
+    while not isinstance(kernel, triton.runtime.JITFunction):  # under fla's heuristics and autotuner
+        kernel = kernel.fn
+    types = {"k": "*bf16", "v": "*bf16", "h": "*bf16", "g": "*fp32", "g_gamma": "*fp32", "gk": "*fp32",
+             "gv": "*fp32", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32", "split_offsets": "*i32", "T": "i32"}
+    constants = {"H": 32, "K": 128, "V": 128, "BT": 64, "BS": 64, "BK": rows, "BV": columns, "USE_G": True,
+                 "USE_G_GAMMA": False, "USE_GK": False, "USE_GV": False, "USE_INITIAL_STATE": False,
+                 "STORE_FINAL_STATE": False, "IS_VARLEN": False, "STATE_V_FIRST": False}
+    return resources(kernel, types, constants, divisible=("T",), num_warps=warps, num_stages=stages)
+
+
 def main() -> None:
     import torch
 
@@ -183,6 +218,14 @@ def main() -> None:
     print(f"Lizard's window d k / d v pass, bf16, D = 128, w = {window}, by key rows a program and warps:")
     for rows, warps in ((cfg.window_dkv_block, cfg.warps), (64, 4), (64, 8)):
         print(f"  {rows} rows, {warps} warps: {lizard_window_dkv(rows, warps, cfg.stages, window)}")
+    print("Lizard's forward state pass, bf16, F = d = 128, 64-token chunks, by block, warps and stages, and fla's "
+          "chunk_fwd_kernel_h beside it (where fla is installed):")
+    for rows, columns, warps, stages in ((cfg.state_block_k, cfg.state_block_v, cfg.state_warps, cfg.state_stages),
+                                         (64, 64, 2, 2), (64, 64, 4, 3), (128, 32, 4, 3)):
+        ours = lizard_state_pass(rows, columns, warps, stages)
+        fla = fla_state_pass(rows, columns, warps, stages)
+        print(f"  {rows} x {columns}, {warps} warps, {stages} stages: {ours}, {programs_per_sm(ours, warps)} programs "
+              f"an SM" + ("" if fla is None else f"; fla: {fla}, {programs_per_sm(fla, warps)} programs an SM"))
     print(f"Lizard's fused backward chunk kernel (d fq, d fk, d v), bf16, F = d = 128, {cfg.chunk}-token chunks:")
     for warps in (4, 8):
         for grad_v in (True, False):
