@@ -121,7 +121,9 @@ class Config:
         # forward state pass at 3 stages and the forward's tiles through TMA from the twenty-fourth's
         # forward sweeps (B=32, L=8K: the state pass 2.74 ms against 2.90, the chunk kernel 6.79
         # against 7.04); the chunk kernel at 1 stage under 168 registers, three programs an SM, from
-        # the twenty-fifth's (6.05 ms against 7.5-7.6 for the same code at two programs an SM).
+        # the twenty-fifth's (6.05 ms against 7.5-7.6 for the same code at two programs an SM); the state
+        # pass's blocks, warps and stages again the fastest of 63 after its loop took fla's form, the
+        # twenty-eighth's (2.37 ms at B=32, L=8K).
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
                       stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_warps=4,
                       state_stages=3, tma=True, forward_stages=1, forward_registers=168)
