@@ -294,19 +294,29 @@ def _host_profile(fn, calls=50, rows=20) -> str:
     return out.getvalue()
 
 
+def _our_forward(B, L, H, D):
+    """Our forward on random Table 3 style inputs (bf16, scalar gate, 4 sinks, F = D, no GQA): a
+    function of (config, window) giving a call of it, for the timings that run it without autograd."""
+    from .lizard_triton import lizard_attention_triton
+
+    case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
+    (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+
+    def forward(config=None, window=128):
+        return functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=window, scale=D**-0.5,
+                                 sinks=sinks, alpha=alpha, config=config)
+
+    return forward
+
+
 def run_host(lengths, B=16, H=32, D=128):
     """Where a lone forward's time goes: our forward (bf16, scalar gate, no autograd) timed by CUDA
     events as `bench kernels` times it, the host's share of one call, and the same forward replayed
     from a CUDA graph (its kernels alone, no host work before them); then, at the first length, the
     host's time by function."""
-    from .lizard_triton import lizard_attention_triton
-
     print(f"\nour forward, bf16 scalar gate, B={B} H={H} D={D}: events / host / graph replay ms")
     for L in lengths:
-        case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
-        (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
-        forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
-                                    sinks=sinks, alpha=alpha)
+        forward = _our_forward(B, L, H, D)()
         with torch.no_grad():
             events, host = _median_ms(forward), _host_ms(forward)
             graph = torch.cuda.CUDAGraph()
@@ -402,18 +412,14 @@ def run_forward_sweep(lengths, batches=(16,), H=32, D=128):
     share, from the profiler; then, where fla is installed, its chunk_simple_gla forward the same way
     (the 1.3x target's baseline: which of its kernels our state pass and chunk kernel stand against)."""
     from ..bench.kernels import fla_unavailable, make_fla
-    from .lizard_triton import lizard_attention_triton
 
     baseline = fla_unavailable(torch.device("cuda")) is None
     print(f"\nforward sweep, bf16 scalar gate, H={H} D={D}: events / graph replay ms, then each kernel's ms")
     for B, L in zip(batches, lengths):
-        case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
-        (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+        ours = _our_forward(B, L, H, D)
         for label, cfg, window in forward_sweep_rows():
-            forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=window,
-                                        scale=D**-0.5, sinks=sinks, alpha=alpha, config=cfg)
-            print(_forward_row(f"B={B} L={L} {label}", forward), flush=True)
-        del fq, fk, log_g, qw, kw, v
+            print(_forward_row(f"B={B} L={L} {label}", ours(cfg, window)), flush=True)
+        del ours  # its inputs, before fla's
         if baseline:
             forward, _ = make_fla(simple=True)(B, H, L, D, torch.device("cuda"), torch.bfloat16)
             print(_forward_row(f"B={B} L={L} fla chunk_simple_gla", forward), flush=True)
@@ -439,16 +445,12 @@ def state_sweep_configs():
 def run_state_sweep(L, B, H=32, D=128):
     """Time the forward state pass alone (`_fwd_states_kernel`, from the profiler) at each
     `state_sweep_configs` row, fastest first."""
-    from .lizard_triton import lizard_attention_triton
-
-    case = Case(L=L, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
-    (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
+    ours = _our_forward(B, L, H, D)
     print(f"\nforward state pass, bf16 scalar gate, B={B} H={H} D={D} L={L}: ms (rows x columns, warps, stages)")
     rows = []
     for cfg in state_sweep_configs():
         label = f"{cfg.state_block_k} x {cfg.state_block_v}, {cfg.state_warps} warps, {cfg.state_stages} stages"
-        forward = functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
-                                    sinks=sinks, alpha=alpha, config=cfg)
+        forward = ours(cfg)
         try:
             with torch.no_grad():
                 forward()
