@@ -8,69 +8,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
+from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable from here)
+    EXIT_USAGE,
+    CommandError,
+    atomic_output_dir,
+    parse_int_list,
+    positive_float,
+    positive_int,
+)
 from .config import ConfigError, inference_options_help
-
-EXIT_USAGE = 2
-
-
-class CommandError(Exception):
-    """A problem with the user's input, reported as one line."""
-
-
-def parse_int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _positive(kind, noun: str):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {noun.split()[-1]}, got {text!r}")
-        return value
-
-    return parse
-
-
-positive_int = _positive(int, "an integer")
-positive_float = _positive(float, "a number")
-
-
-@contextmanager
-def atomic_output_dir(out: str | Path):
-    """Yield a scratch directory that becomes `out` only if the block succeeds.
-
-    It is made next to `out` first, so an unwritable destination fails before any real work, and an
-    error or Ctrl-C leaves nothing half-written behind.
-    """
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CommandError(f"output {out} already exists and is not an empty directory")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise CommandError(f"cannot write {out}: parent directory {parent} does not exist")
-    try:
-        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
-    except OSError as e:
-        raise CommandError(f"cannot write {out}: {e.strerror}") from None
-    try:
-        yield scratch
-        if out.exists():
-            out.rmdir()
-        scratch.rename(out)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def cmd_convert(args) -> None:
@@ -176,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import METHOD_CONFIGS
 
     parser = _Parser(prog="linearize", description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("auto", "triton", "torch"), default=None,
+                        help="Triton kernels where they apply (auto, the default: $LINEARIZE_BACKEND or auto), "
+                             "required (triton) or never (torch); see linearize.ops.backend")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="swap a model's attention and save the result")
@@ -231,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
     try:
+        if args.backend:
+            from .ops.backend import set_backend
+
+            set_backend(args.backend)
         args.func(args)
     except KeyboardInterrupt:
         print("linearize: interrupted", file=sys.stderr)

@@ -6,7 +6,6 @@ kernel path ran and the worst relative errors; tests call them on CUDA directly 
 """
 
 import copy
-import os
 from contextlib import contextmanager
 
 import torch
@@ -14,8 +13,8 @@ from tiny_models import perturb_new_parameters, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
-from linearize import kernels
-from linearize.attention import fused
+from linearize.ops import backend, features
+from linearize.ops import gla_window as kernels
 
 # name: (method, options); "lizard-shared" is the variant with RoPE in the window and one shared normaliser.
 STUDENTS = {"lizard": ("lizard", {"window": 8, "num_sinks": 2}), "liger": ("liger", {"window": 8}),
@@ -48,10 +47,10 @@ def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = 
     lengths of the passes whose features come from the features kernel ("grad" for one with
     gradients)."""
     first_pass, continued, step = kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step
-    layout = fused.row_layout
+    layout = kernels.row_layout
     kernels.lizard_attention = lambda *a, **k: calls.append(1) or first_pass(*a, **k)
     kernels.lizard_attention_continued = lambda *a, **k: calls.append(1) or continued(*a, **k)
-    fused.row_layout = lambda *a: (layout_reads.append(1) if layout_reads is not None else None) or layout(*a)
+    kernels.row_layout = lambda *a: (layout_reads.append(1) if layout_reads is not None else None) or layout(*a)
 
     def counted_step(*a, **k):
         out = step(*a, **k)
@@ -59,29 +58,29 @@ def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = 
         return out
 
     def counted_features(q, *a, **k):
-        out = features(q, *a, **k)
+        out = without_grad(q, *a, **k)
         feature_passes.extend([q.shape[2]] if out is not None else [])
         return out
 
     def counted_features_with_grad(*a, **k):
-        out = features_with_grad(*a, **k)
+        out = with_grad(*a, **k)
         feature_passes.extend(["grad"] if out is not None else [])
         return out
 
-    features, feature_passes = kernels.lizard_features, [] if feature_passes is None else feature_passes
-    features_with_grad = kernels.lizard_features_with_grad
-    kernels.lizard_step, kernels.lizard_features = counted_step, counted_features
-    kernels.lizard_features_with_grad = counted_features_with_grad
+    without_grad, feature_passes = features.features_without_grad, [] if feature_passes is None else feature_passes
+    with_grad = features.features_with_grad
+    kernels.lizard_step, features.features_without_grad = counted_step, counted_features
+    features.features_with_grad = counted_features_with_grad
     try:
         yield
     finally:
         kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step = first_pass, continued, step
-        kernels.lizard_features, kernels.lizard_features_with_grad = features, features_with_grad
-        fused.row_layout = layout
+        features.features_without_grad, features.features_with_grad = without_grad, with_grad
+        kernels.row_layout = layout
 
 
 def _run(model, ids, kernels_on: bool):
-    os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
+    backend.set_backend("auto" if kernels_on else "torch")
     model.zero_grad()
     logits = model(ids, use_cache=False).logits
     logits.float().square().mean().backward()
@@ -137,7 +136,7 @@ def check(device: str, dtype=torch.float32, length: int = 37, method: str = "liz
 @contextmanager
 def counting_launches(names: tuple[str, ...], launches: list):
     """Record each launch of the named Triton kernels of `lizard_triton` (launched as kernel[grid](...))."""
-    from linearize.kernels import lizard_triton
+    from linearize.ops.gla_window import triton as lizard_triton
 
     class Counted:
         def __init__(self, name, kernel):
@@ -171,7 +170,7 @@ def check_stage1(device: str, method: str = "lizard-shared", length: int = 37) -
     ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
 
     def run(kernels_on: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
+        backend.set_backend("auto" if kernels_on else "torch")
         model.zero_grad()
         loss = stage_loss(model, ids, 1)
         loss.backward()
@@ -195,7 +194,7 @@ def check_padded(device: str, dtype=torch.float32, length: int = 37, pad: int = 
     mask[1, :pad] = 0
 
     def run(kernels_on: bool):
-        os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
+        backend.set_backend("auto" if kernels_on else "torch")
         with torch.no_grad():
             full = model(ids, attention_mask=mask, use_cache=False).logits
             cache = DynamicCache(config=model.config)
@@ -222,7 +221,7 @@ def check_static_decode(device: str, method: str = "lizard", steps: int = 6) -> 
     ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0)).to(device)
     tokens = {}
     for kernels_on in (True, False):
-        os.environ["LINEARIZE_KERNELS"] = "1" if kernels_on else "0"
+        backend.set_backend("auto" if kernels_on else "torch")
         calls, step_calls = [], []
         with counting_kernel_calls(calls, step_calls):
             tokens[kernels_on] = greedy_decode(model, ids, steps, cuda_graph=False)
@@ -239,8 +238,10 @@ def check_still(device, dtype=torch.float32, length=45):
     from tiny_models import TINY_OPTIONS
 
     calls = []
-    counted = kernels.still_attention
-    kernels.still_attention = lambda *a, **k: calls.append(1) or counted(*a, **k)
+    from linearize.ops.still import triton as still_kernels
+
+    counted = still_kernels.still_attention_triton
+    still_kernels.still_attention_triton = lambda *a, **k: calls.append(1) or counted(*a, **k)
     try:
         model = tiny_teacher()
         linearize.convert(model, "still", **TINY_OPTIONS["still"])
@@ -251,14 +252,14 @@ def check_still(device, dtype=torch.float32, length=45):
         mask[1, :6] = 0
 
         def train_pass(on):
-            os.environ["LINEARIZE_KERNELS"] = "1" if on else "0"
+            backend.set_backend("auto" if on else "torch")
             model.zero_grad()
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
             return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
         def prefill_and_decode(on):
-            os.environ["LINEARIZE_KERNELS"] = "1" if on else "0"
+            backend.set_backend("auto" if on else "torch")
             with torch.no_grad():
                 first = model(input_ids=ids, attention_mask=mask, use_cache=True)
                 tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -275,7 +276,7 @@ def check_still(device, dtype=torch.float32, length=45):
         ref_first, ref_states, ref_tokens = prefill_and_decode(False)
         first, states, tokens = prefill_and_decode(True)
     finally:
-        kernels.still_attention = counted
+        still_kernels.still_attention_triton = counted
     pairs = [(s[n], r[n]) for s, r in zip(states, ref_states, strict=True) for n in r]
     return out | {"prefill_calls": len(calls) - before, "prefill_logits": _rel(first, ref_first),
                   "state_names": all(sorted(s) == sorted(r) for s, r in zip(states, ref_states, strict=True)),

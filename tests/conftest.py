@@ -11,3 +11,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def default_backend():
+    """Each test starts on the default backend, whatever the one before it chose."""
+    from linearize.ops import backend
+
+    backend._chosen = None
+    yield
+    backend._chosen = None

@@ -149,7 +149,7 @@ def test_still_compiles_its_attention_step_once_for_every_layer_and_step(monkeyp
     from transformers import DynamicCache
 
     from linearize.attention.still import StillAttention
-    from linearize.ops.still import still_step
+    from linearize.ops.still.naive import still_step
 
     torch._dynamo.reset()
     counters.clear()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from linearize import feature_maps
+from linearize.ops.features import naive as feature_maps
 from linearize.feature_maps import per_head_projection
 
 

@@ -6,8 +6,8 @@ from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teac
 from transformers import DynamicCache
 
 import linearize
-from linearize.ops import gla_window
-from linearize.ops.gla_window_chunked import gla_window_chunked
+from linearize.ops.gla_window import naive as gla_window
+from linearize.ops.gla_window.chunk import gla_window_chunked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -11,8 +11,7 @@ from torch import nn
 from ..config import LigerConfig
 from ..feature_maps import SoftmaxFeatureMap
 from ..ops.common import repeat_kv
-from ..ops.gla_window_chunked import gla_window_call
-from . import fused
+from ..ops.gla_window import gla_window
 from .base import LinearizedAttention, rotate
 
 
@@ -29,12 +28,8 @@ class LigerAttention(LinearizedAttention):
         fq, fk = self.feature_map(q), self.feature_map(repeat_kv(k, n_rep))
         qw, kw = self.keep_rotated(*rotate(q, k, position_embeddings))
         mix = torch.full((self.num_heads,), cfg.mix, device=q.device)
-        options = {"window": cfg.window, "scale": self.scaling, "sinks": None, "alpha": mix}
-        # The kernel's linear part is unnormalised here; its weight 1 - mix goes into the queries.
-        out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
-                        unpadded=self.unpadded, in_place=self.frozen_cache, dtype=self.projection_dtype,
-                        can_continue=False, query_scale=1.0 - cfg.mix, normalize=False, **options)
-        if out is not None:
-            return out
-        return gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, chunk=cfg.chunk_size, beta=1.0 - cfg.mix,
-                               normalize=False, shared=False, **options)
+        # No sinks; the window's weight is `mix`, the unnormalised linear part's 1 - mix.
+        return gla_window(fq, fk, log_g, qw, kw, v, valid, state, window=cfg.window, scale=self.scaling, sinks=None,
+                          alpha=mix, beta=1.0 - cfg.mix, normalize=False, chunk=cfg.chunk_size, start=start,
+                          caching=self.caching, dtype=self.projection_dtype, can_continue=False,
+                          unpadded=self.unpadded, in_place=self.frozen_cache)

@@ -7,10 +7,9 @@ from torch import nn
 
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
-from ..ops.common import repeat_kv
-from ..ops.gla_window_chunked import gla_window_call
-from . import fused
-from .base import LinearizedAttention, rotate
+from ..ops.features import lizard_features
+from ..ops.gla_window import gla_window
+from .base import LinearizedAttention
 
 
 class LizardAttention(LinearizedAttention):
@@ -45,16 +44,10 @@ class LizardAttention(LinearizedAttention):
         return log_g if self.cfg.gate_temperature == 1.0 else log_g / self.cfg.gate_temperature
 
     def branch_inputs(self, q, k, position_embeddings):
-        """(phi_q(q), phi_k(k) for every query head, the window's q and k): one kernel for all four
-        where it applies, forward and backward (`fused.features`: in the projections' dtype for
-        multi-token passes); the float32 PyTorch ops are the reference."""
+        """(phi_q(q), phi_k(k) for every query head, the window's q and k), in the projections' dtype
+        where the features kernel runs (`ops.features`)."""
         rope = position_embeddings if self.cfg.rope_in_window else None
-        out = fused.features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, self.projection_dtype)
-        if out is None:
-            q, k = q.float(), k.float()
-            fq = self.feature_map_q(q)
-            fk = self.feature_map_k(repeat_kv(k, self.num_heads // self.num_kv_heads))
-            out = (fq, fk, *(rotate(q, k, rope) if rope is not None else (q, k)))
+        out = lizard_features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, self.projection_dtype)
         if rope is not None:
             self.keep_rotated(*out[2:])
         return out
@@ -63,15 +56,7 @@ class LizardAttention(LinearizedAttention):
         cfg = self.cfg
         fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
         log_g = self.log_gate(q.shape[0], q.shape[2], q.device)
-        # In the model's dtype: a decode step's kernel converts them itself (`fused.run` casts for the rest).
-        options = {"window": cfg.window, "scale": self.scaling, "sinks": self.sinks if cfg.num_sinks else None,
-                   "alpha": self.alpha, "eps": cfg.eps}
-        shared = cfg.combine == "shared"
-        out = fused.run(fq, fk, log_g, qw, kw, v, valid, state=state, start=start, caching=self.caching,
-                        unpadded=self.unpadded, in_place=self.frozen_cache, dtype=self.projection_dtype,
-                        can_continue=True, shared=shared, **options)
-        if out is not None:
-            return out
-        return gla_window_call(fq.float(), fk.float(), log_g, qw.float(), kw.float(), v.float(), valid, state,
-                               chunk=cfg.chunk_size, beta=1.0, normalize=True, shared=shared,
-                               **(options | fused.float32_head_scalars(options)))
+        return gla_window(fq, fk, log_g, qw, kw, v, valid, state, window=cfg.window, scale=self.scaling,
+                          sinks=self.sinks if cfg.num_sinks else None, alpha=self.alpha, eps=cfg.eps,
+                          shared=cfg.combine == "shared", chunk=cfg.chunk_size, start=start, caching=self.caching,
+                          dtype=self.projection_dtype, unpadded=self.unpadded, in_place=self.frozen_cache)

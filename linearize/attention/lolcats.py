@@ -7,8 +7,7 @@ from torch import nn
 
 from ..config import LolcatsConfig
 from ..feature_maps import HedgehogFeatureMap
-from ..ops import lolcats
-from ..ops.lolcats_chunked import lolcats_chunked
+from ..ops.lolcats import lolcats
 from .base import LinearizedAttention, rotate
 
 
@@ -28,9 +27,4 @@ class LolcatsAttention(LinearizedAttention):
         q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
         options = {"window": cfg.window, "scale": self.scaling, "factor": torch.sigmoid(self.window_factors.float()),
                        "eps": cfg.eps}
-        if state is None:
-            state = lolcats.init_state(q.shape[0], self.num_heads, self.num_kv_heads, self.features, self.head_dim,
-                                       cfg.window, device=q.device)
-        elif q.shape[2] == 1:
-            return lolcats.lolcats_step(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)
-        return lolcats_chunked(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)
+        return lolcats(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)

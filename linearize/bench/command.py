@@ -32,7 +32,7 @@ def methods(text: str) -> list[str]:
 
 
 def register(subparsers) -> None:
-    from ..cli import positive_float, positive_int
+    from ..cli_args import positive_float, positive_int
 
     bench = subparsers.add_parser("bench", help="measure kernel, model and training speed and memory",
                                   description="Each writes DIR/<name>.json, DIR/<name>.md and PNG plots into --out.")

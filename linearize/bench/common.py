@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -141,9 +140,12 @@ def environment(device: torch.device) -> dict:
 
 
 def switches() -> dict[str, str]:
-    """The LINEARIZE_* environment variables that change which code runs (LINEARIZE_KERNELS=0, ...):
-    a run with any set is another measurement. LINEARIZE_CACHE only says where assets live."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("LINEARIZE_") and k != "LINEARIZE_CACHE"}
+    """The backend, where it is not the default (`linearize.ops.backend`), as the environment variable
+    that reruns it: a run on another backend is another measurement."""
+    from ..ops.backend import get_backend
+
+    backend = get_backend()
+    return {} if backend == "auto" else {"LINEARIZE_BACKEND": backend}
 
 
 def new_results(bench: str, subject: str, device: torch.device, settings: dict) -> dict:

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
-from ..ops.gla_window import init_state
-from ..ops.gla_window_chunked import gla_window_chunked
+from ..ops import gla_window
+from ..ops.gla_window.chunk import gla_window_chunked
+from ..ops.gla_window.naive import init_state
 from .common import (
     cell,
     default_device,
@@ -121,24 +122,22 @@ class Unsupported(Exception):
 
 
 def make_lizard_triton(B, H, L, D, device, dtype):
-    from .. import kernels
-
     inputs, options = lizard_inputs(B, H, L, D, device, dtype)
     # lizard_attention falls back to the PyTorch op on inputs its kernel does not take: never time that here.
-    reason = kernels.unsupported_reason(*inputs, window=options["window"], sinks=options["sinks"])
+    reason = gla_window.unsupported_reason(*inputs, window=options["window"], sinks=options["sinks"])
     if reason:
         raise Unsupported(f"the Triton kernel does not take these inputs: {reason}")
-    return lambda: kernels.lizard_attention(*inputs, **options), inputs
+    return lambda: gla_window.lizard_attention(*inputs, **options), inputs
 
 
 def triton_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "the Triton kernel needs a CUDA device"
-    try:
-        from .. import kernels
-    except ImportError as e:
-        return f"linearize.kernels not importable ({e})"
-    return None if kernels.available() else "linearize.kernels.available() is False"
+    from ..ops import backend
+
+    if backend.get_backend() == "torch":
+        return "the backend is torch"
+    return None if backend.kernels_available() else "triton is not installed"
 
 
 def fla_unavailable(device: torch.device) -> str | None:
@@ -193,7 +192,7 @@ def select_ops(keys: list[str] | None) -> list[Op]:
 def lizard_config() -> str | None:
     """The Triton kernel's default block configuration for these bf16 inputs, as the run used it."""
     try:
-        from ..kernels.lizard_triton import Config
+        from ..ops.gla_window.triton import Config
     except ImportError:
         return None
     return repr(Config.default(torch.bfloat16))

@@ -110,18 +110,16 @@ def bench(out: Path, *, model: str = "smollm2", method: str = "lizard", options:
 
 
 def attention_path(method: str, device: torch.device) -> str:
-    """Which attention code the student runs here, for the record (LINEARIZE_KERNELS=0 turns the kernels off)."""
-    from .. import kernels
-    from ..attention.fused import kernels_enabled
-    from ..attention.still import still_kernel_enabled
+    """Which attention code the student runs here, for the record (`--backend torch` turns the kernels off)."""
+    from ..ops import backend
 
-    if device.type != "cuda" or not kernels_enabled() or not kernels.available():
+    if device.type != "cuda" or not backend.use_kernels():
         return "PyTorch ops"
-    if method == "still" and still_kernel_enabled():
+    if method == "still":
         return "STILL Triton kernels (routing in PyTorch)"
     if method not in ("lizard", "liger"):
         return "PyTorch ops"
-    from ..kernels.lizard_triton import Config
+    from ..ops.gla_window.triton import Config
 
     return f"Triton kernel, {Config.default(torch.bfloat16)}"
 

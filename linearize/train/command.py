@@ -16,7 +16,7 @@ def _lrs(text: str) -> tuple[float, float | None]:
 
 
 def register(subparsers) -> None:
-    from ..cli import parse_int_list, positive_int
+    from ..cli_args import parse_int_list, positive_int
 
     p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
     p.add_argument("--model", required=True, help="teacher: smollm2, a .gguf file, a HF folder or a hub id")

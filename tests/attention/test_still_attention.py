@@ -5,7 +5,7 @@ from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
-from linearize.attention import still as still_attention
+from linearize.ops import still as still_attention
 
 
 def forward(model, ids, cache=None):

@@ -6,9 +6,9 @@ tests run it on CUDA directly and on CPU in a subprocess with TRITON_INTERPRET=1
 
 import torch
 
-from linearize.kernels import lizard_attention_continued, unsupported_reason
-from linearize.kernels.check import Case, make_inputs
-from linearize.ops import gla_window
+from linearize.ops.gla_window import lizard_attention_continued, unsupported_reason
+from linearize.ops.gla_window import naive as gla_window
+from linearize.ops.gla_window.testing import Case, make_inputs
 
 
 def _rel(a, b):

@@ -47,8 +47,8 @@ def test_continued_prefill_on_cuda(name):
 
 _ROW_BLOCKS_SCRIPT = """
 import json, torch
-from linearize.kernels.check import Case, make_inputs
-from linearize.kernels.lizard_triton import Config, lizard_attention_parts
+from linearize.ops.gla_window.testing import Case, make_inputs
+from linearize.ops.gla_window.triton import Config, lizard_attention_parts
 case = Case(L=70, gate="vector", F=64, D=64)
 (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cpu")
 g = torch.Generator().manual_seed(1)

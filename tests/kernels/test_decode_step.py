@@ -5,7 +5,7 @@ import torch
 from interpreted import interpreted_cases
 from test_lizard_triton import HAS_TRITON
 
-from linearize.ops.gla_window import gla_window_step
+from linearize.ops.gla_window.naive import gla_window_step
 
 CASES = {
     "gqa-sinks": {},
@@ -44,7 +44,7 @@ def errors(device, in_place=False, low=None, **case) -> dict:
     """Max abs errors against the reference step; `in_place`: the kernels write over the input state.
     `low`: qw, kw, v, sinks and alpha go in rounded to that dtype (the reference takes the rounded
     values in float32) and y comes out in it (compared with the reference's y rounded the same way)."""
-    from linearize.kernels.decode_triton import lizard_decode_step
+    from linearize.ops.gla_window.step_triton import lizard_decode_step
 
     inputs, options = make_case(device, **case)
     given = inputs[-1]

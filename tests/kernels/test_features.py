@@ -42,7 +42,7 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
     attention module's projections give them, in `dtype`; the outputs are in `out_dtype` (default
     `dtype`), against the float32 references rounded to it. `cos_batch=1`: one row of positions for the
     whole batch."""
-    from linearize.kernels.features_triton import lizard_features
+    from linearize.ops.features.triton import lizard_features
 
     _, maps, q, k, position = _inputs(device, 0, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype, dtype)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -73,7 +73,7 @@ BLOCK_CASES = {name: CASES[name] for name in ("prefill-L37-gqa-rope-projection-s
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_interpreted_features_kernel_at_another_block_size(monkeypatch):
     """LINEARIZE_FEATURES_BLOCK (for A/B timings) changes how many tokens a program takes, not the results."""
-    from linearize.kernels.features_triton import tokens_per_program
+    from linearize.ops.features.triton import tokens_per_program
 
     monkeypatch.setenv("LINEARIZE_FEATURES_BLOCK", "16")
     assert tokens_per_program() == 16
@@ -104,7 +104,7 @@ def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch
     """Max abs errors of `LizardFeaturesFunction`'s outputs and of the gradients it gives q, k and the
     two weights (`wrt`: inputs, weights or both; stage 2 and stage 1 need one each), against autograd
     through the feature maps, repeat_kv and rotate, for random upstream gradients. float32."""
-    from linearize.kernels.features_triton import LizardFeaturesFunction
+    from linearize.ops.features.triton import LizardFeaturesFunction
 
     r, maps, q, k, position = _inputs(device, 1, L, B, H, HKV, D, F, rope, cos_batch)
     for m in maps:

@@ -1,7 +1,7 @@
 """The fused Lizard kernels equal the reference op, in the output and the gradients of every input.
 
 Reference: `gla_window_parallel` in float64 on the same (rounded) inputs, empty state, all tokens valid,
-beta = 1, normalize=True, shared=False (`linearize.kernels.check.compare`). Relative Frobenius error
+beta = 1, normalize=True, shared=False (`linearize.ops.gla_window.testing.compare`). Relative Frobenius error
 below 1e-4 (float32) / 1e-2 (bfloat16), or within 4x of the reference op run in float32 where the case
 itself is ill-conditioned (at L = 1 d phi vanishes up to eps and float32 cancels).
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 from interpreted import interpreted as run_interpreted
 
-from linearize.kernels.check import CHECK_CASES, Case, compare, compare_forward, within_tolerance
+from linearize.ops.gla_window.testing import CHECK_CASES, Case, compare, compare_forward, within_tolerance
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -98,7 +98,7 @@ GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c fo
 
 _SCRIPT = """
 import json, sys, torch
-from linearize.kernels import check
+from linearize.ops.gla_window import testing as check
 cases = [eval(c, {"Case": check.Case, "torch": torch}) for c in json.loads(sys.argv[1])]
 print(json.dumps([getattr(check, sys.argv[2])(c, "cpu") for c in cases]))
 """
@@ -163,7 +163,7 @@ def test_inference_forward_gpu(name):
 
 _GATE_GRAD_SCRIPT = """
 import json, torch
-from linearize.kernels.lizard_triton import scalar_gate_grad
+from linearize.ops.gla_window.triton import scalar_gate_grad
 errors = []
 for NB, B, H, L in [(1, 2, 3, 5), (4, 2, 1, 2049), (1, 1, 1, 1)]:  # 2049: three blocks, the last partial
     da = torch.randn(NB, B, H, L, generator=torch.Generator().manual_seed(L))
@@ -191,8 +191,9 @@ def test_works_without_triton():
 import sys
 sys.modules["triton"] = None  # any `import triton` now fails
 import torch
-from linearize.kernels import available, lizard_attention
-assert not available()
+from linearize.ops.backend import kernels_available
+from linearize.ops.gla_window import lizard_attention
+assert not kernels_available()
 fq = torch.rand(1, 2, 5, 4)
 y = lizard_attention(fq, fq, torch.zeros(1, 2, 5, 1), *torch.randn(3, 1, 2, 5, 8), window=2, scale=0.3,
                      sinks=None, alpha=torch.ones(2))
@@ -204,7 +205,7 @@ assert y.shape == (1, 2, 5, 8) and torch.isfinite(y).all()
 
 @needs_triton
 def test_config_refuses_block_sizes_the_kernels_cannot_take():
-    from linearize.kernels.lizard_triton import Config
+    from linearize.ops.gla_window.triton import Config
 
     for dtype in (torch.float32, bf16):
         Config.default(dtype)
@@ -217,7 +218,7 @@ def test_config_refuses_block_sizes_the_kernels_cannot_take():
 
 @needs_triton
 def test_shapes_the_gpu_build_gets_wrong_are_named():
-    from linearize.kernels.lizard_triton import miscompiled_on_gpu
+    from linearize.ops.gla_window.triton import miscompiled_on_gpu
 
     assert miscompiled_on_gpu(32, 16, bf16) and miscompiled_on_gpu(64, 16, torch.float16)
     assert not any(miscompiled_on_gpu(F, D, dtype) for F, D, dtype in

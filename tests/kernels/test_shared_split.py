@@ -17,7 +17,7 @@ CASES = {
 
 def errors(device, B, H, L, D, dtype, transposed_dy=False) -> list[float]:
     """Max abs error of each output, relative to the reference output's largest magnitude."""
-    from linearize.kernels.lizard_triton import shared_split, shared_split_reference
+    from linearize.ops.gla_window.triton import shared_split, shared_split_reference
 
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=g, device=device)

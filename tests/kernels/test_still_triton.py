@@ -13,8 +13,8 @@ from attention_kernel_check import check_still
 from interpreted import interpreted as run_interpreted
 from test_lizard_triton import HAS_TRITON, needs_triton
 
-from linearize.kernels.check import within_tolerance
-from linearize.kernels.still_check import StillCase, compare_still
+from linearize.ops.gla_window.testing import within_tolerance
+from linearize.ops.still.testing import StillCase, compare_still
 
 bf16 = torch.bfloat16
 
@@ -38,7 +38,7 @@ GPU_CASES = {
 
 _SCRIPT = """
 import json, sys, torch
-from linearize.kernels.still_check import StillCase, compare_still
+from linearize.ops.still.testing import StillCase, compare_still
 cases = [eval(c, {"StillCase": StillCase, "torch": torch}) for c in json.loads(sys.argv[1])]
 print(json.dumps([compare_still(c, "cpu") for c in cases]))
 """

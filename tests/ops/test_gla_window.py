@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from linearize.ops import gla_window
+from linearize.ops.gla_window import naive as gla_window
 
 B, H, HKV, D, F = 2, 4, 2, 8, 6
 

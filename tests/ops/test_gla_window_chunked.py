@@ -4,8 +4,8 @@ import pytest
 import torch
 from test_gla_window import F, H, check_pair, empty_state, inputs, options
 
-from linearize.ops import gla_window
-from linearize.ops.gla_window_chunked import gla_window_chunked
+from linearize.ops.gla_window import naive as gla_window
+from linearize.ops.gla_window.chunk import gla_window_chunked
 
 
 @pytest.mark.parametrize("L", [1, 7, 16, 37])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from linearize.feature_maps import HedgehogFeatureMap
-from linearize.ops import lolcats
+from linearize.ops.lolcats import naive as lolcats
 
 B, H, HKV, D, F = 2, 4, 2, 8, 3
 

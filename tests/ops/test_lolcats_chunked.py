@@ -4,8 +4,8 @@ import pytest
 import torch
 from test_lolcats import setup, state0
 
-from linearize.ops import lolcats
-from linearize.ops.lolcats_chunked import lolcats_chunked
+from linearize.ops.lolcats import naive as lolcats
+from linearize.ops.lolcats.chunk import lolcats_chunked
 
 FACTOR = torch.tensor([0.2, 0.5, 0.7, 0.9], dtype=torch.float64)
 

@@ -7,7 +7,7 @@ import torch
 
 from linearize.config import StillConfig
 from linearize.feature_maps import NormPreservingFeatureMap
-from linearize.ops import still
+from linearize.ops.still import naive as still
 
 B, H, HKV, D, F = 2, 4, 2, 8, 3
 

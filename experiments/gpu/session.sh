@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# One GPU call's worth of the planned runs (experiments/gpu/README.md), each step under its own limit:
+#   source experiments/gpu/env.sh && bash experiments/gpu/session.sh PART [NAME...]
+# PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp [BATCH [CASES]] (2 GPUs)
+# | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
+# | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
+# | routing ROW [KEY=VALUE...] (scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
+# alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
+# | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
+# experiments/gpu/together.sh runs several parts at once, on one GPU or both.
+set -uo pipefail
+source experiments/gpu/step.sh
+part=${1:?part}
+shift
+# "=" would keep the archive from coming back (the device tool refuses odd names).
+tag=$(IFS=-; echo "$part${*:+-$*}" | tr '=/,+' '____')
+export LOGS=/tmp/res/$tag
+res=$LOGS
+mkdir -p "$res"
+case $part in
+  tests)
+    # PATH words narrow the run to those test files (the whole GPU set takes ~5 minutes); pytest
+    # options may follow, with + for the spaces of one (a part's words split at spaces):
+    # `tests tests/kernels -k own-blocks+or+bf16`.
+    paths=("${@//+/ }")
+    [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py tests/train/test_multirank.py)
+    step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
+  kernels)
+    # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels forward`: the forward
+    # alone at the forward sweep's rows, B=16 L=2K and B=32 L=8K, and fla chunk_simple_gla's; `kernels states
+    # [L B]`: the forward state pass alone at each block, warps and stages (B=32 L=8K); `kernels host`: our forward's
+    # time split between the host and the GPU (events, host, CUDA graph replay); `kernels bench [OPS]`: `bench
+    # kernels` (Table 3: every shape, every op or the ops OPS names joined by +, into the docs' format;
+    # fla's kernels take ~6 minutes to compile and tune on a cold machine); no word: the check's timings.
+    case ${1:-} in
+      sweep) step sweep 300 python -m experiments.kernel_check --no-check --no-bench --sweep --lengths 2048 \
+               --profile "$res/profile" ;;
+      forward) step forward 480 python -m experiments.kernel_check --no-check --no-bench --sweep-forward \
+                 --lengths 2048 8192 8192 --batches 16 16 32 ;;
+      host) step host 120 python -m experiments.kernel_check --no-check --no-bench --host ;;
+      states) step states 480 python -m experiments.kernel_check --no-check --no-bench --sweep-states \
+                --lengths "${2:-8192}" --batches "${3:-32}" ;;
+      bench) ops=()
+             [ -n "${2:-}" ] && ops=(--ops "${2//+/,}")
+             step bench 540 python -m linearize.cli bench kernels "${ops[@]}" --out "$res/kernels" ;;
+      *) step check 300 python -m experiments.kernel_check --no-check ;;
+    esac ;;
+  train)
+    # KEY=VALUE words set method options; LINEARIZE_*=VALUE words set that environment variable for
+    # this part alone (e.g. LINEARIZE_FEATURES_BACKWARD=0 for an A/B timing).
+    # The word "graph" replays each step from a CUDA graph (--cuda-graph).
+    sets=()
+    envs=()
+    for option in "${@:4}"; do
+      case $option in
+        LINEARIZE_*=*) envs+=("$option") ;;
+        graph) sets+=(--cuda-graph) ;;
+        *) sets+=(--set "$option") ;;
+      esac
+    done
+    step train 200 env "${envs[@]}" python -m linearize.cli bench train --model smollm2 --method "${1:-lizard}" \
+      --seq-len "${2:-2048}" --batch "${3:-8}" "${sets[@]}" --profile --out "$res/train" ;;
+  after)
+    while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
+    exit ;;
+  fsdp)
+    # An optional word sets the global batch (16 by default, the fifth session's), a second the cases
+    # joined by + (all of fsdp_check.py's by default), e.g. `fsdp 16 graphed`.
+    cases=${2:-fsdp+gathered+replicated+graphed}
+    step fsdp 540 python experiments/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --cases "${cases//+/,}" \
+      --out "$res/fsdp" ;;
+  model)
+    # The best Lizard (recipes/lizard-rope-shared.json), or METHOD with its defaults, prefilling in one
+    # call as the evaluation's generation does (STILL's kernels take fresh passes only); at the 8B
+    # shape the batch sweep runs at the 32K context that the decode target names.
+    shape=${1:-llama3-8b}
+    method=${4:-lizard}
+    extra=(--methods "$method")
+    if [ "$method" = lizard ]; then
+      extra+=(--set combine=shared --set rope_in_window=true)
+    else
+      extra+=(--prefill-chunk 128k)
+    fi
+    [ "$shape" = llama3-8b ] && extra+=(--batch-context 32k --batches 1,16,64)
+    [ "${2:-}" = compile ] && extra+=(--compile-decode)
+    # A third word narrows the sweep: CONTEXTS/BATCHES with + between values (together.sh splits
+    # parts at commas), e.g. 1k+32k/1+64.
+    if [ -n "${3:-}" ]; then
+      contexts=${3%/*}
+      batches=${3#*/}
+      extra+=(--contexts "${contexts//+/,}" --batches "${batches//+/,}")
+    fi
+    # Further LINEARIZE_*=VALUE words set that environment variable for this part alone, e.g.
+    # LINEARIZE_STILL_KERNEL=0 to time STILL's blocked PyTorch prefill against its kernels.
+    envs=("${@:5}")
+    step "model_$shape" 500 env "${envs[@]}" python -m linearize.cli bench model --shape "$shape" "${extra[@]}" \
+      --profile --time-limit 460 --out "$res/model-$shape" ;;
+  rows|distill)
+    recipes=()
+    for name in "$@"; do recipes+=("recipes/$name.json"); done
+    only=()
+    [ "$part" = distill ] && only=(--no-eval)
+    step "$part" 570 python -m linearize.cli recipe run "${recipes[@]}" "${only[@]}" --out /tmp/runs
+    # The runs stay in /tmp/runs (a later call on a warm machine resumes them); weights and checkpoints
+    # stay there, the training logs come back.
+    runs=()
+    for name in "$@"; do [ -d "/tmp/runs/$name" ] && runs+=(-C /tmp/runs "$name"); done
+    tar czf "$OUT/$tag.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude=checkpoint --exclude='*.gguf' \
+      -C /tmp/res "$tag" "${runs[@]}"
+    exit ;;
+  routing)
+    # Where the row's own q and k route the passkey, under each routing variant of the script, and
+    # how much of the question's attention the key gets beside the linear state. KEY=VALUE words
+    # become the script's options, + for commas: `routing ROW task=niah_single variant=3 lengths=1k+4k configs=2`.
+    flags=()
+    for option in "${@:2}"; do flags+=("--${option%%=*}" "${option#*=}"); done
+    flags=("${flags[@]//+/,}")
+    step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" "${flags[@]}" \
+      --out "$res/routing" ;;
+  mass)
+    step mass 300 python scripts/still_routing.py --parts mass --model "/tmp/runs/${1:?row}/model" --out "$res/mass" ;;
+  eval)
+    # TASKS and LENGTHS joined by + (together.sh splits parts at commas), e.g.
+    # `eval still-seq4096 passkey+niah_single 1k+2k+4k+8k budget=6272 max_chunks=128`; as the recipes evaluate.
+    sets=()
+    for option in "${@:4}"; do sets+=(--set "$option"); done
+    tasks=${2:?tasks}
+    lengths=${3:?lengths}
+    step eval 500 python -m linearize.cli eval --model "/tmp/runs/${1:?row}/model" --tasks "${tasks//+/,}" \
+      --lengths "${lengths//+/,}" --batch 32 --dtype bfloat16 "${sets[@]}" --out "$res/eval.json" ;;
+  teacher)
+    step teacher 570 bash experiments/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
+  *)
+    echo "unknown part $part" >&2
+    exit 2 ;;
+esac
+tar czf "$OUT/$tag.tgz" -C /tmp/res "$tag"

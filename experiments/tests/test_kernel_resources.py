@@ -1,0 +1,97 @@
+"""Register use of kernels compiled for the H200 (sm_90) on this CPU: Triton compiles without a GPU."""
+
+import pytest
+import torch
+
+from experiments import kernel_resources as res
+
+pytestmark = pytest.mark.skipif(not (res.TOOLS / "cuobjdump").exists(), reason="triton ships no cuobjdump here")
+
+
+@pytest.fixture(scope="module")
+def still_triton():
+    from linearize.ops.still import triton as still_triton
+
+    return still_triton
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_still_key_kernel_does_not_spill_as_launched(still_triton, d):
+    launch = still_triton.key_kernel_launch(torch.bfloat16, d, d)
+    found = res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
+                          {"D": d, "F": d, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": launch["BM"],
+                           "BN": launch["BN"]}, divisible=("L",), num_warps=launch["num_warps"],
+                          num_stages=launch["num_stages"])
+    assert found["spilled"] == 0
+    assert 0 < found["registers"] <= 255 and 0 < found["shared"] <= 227 * 1024
+
+
+def test_square_tiles_on_four_warps_spill(still_triton):
+    """The configuration the key kernel had before: the check sees its spills."""
+    found = res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
+                          {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64, "BN": 64},
+                          divisible=("L",), num_warps=4, num_stages=3)
+    assert found["registers"] == 255 and found["spilled"] > 0
+
+
+def test_alignment_hints_as_at_launch_save_registers(still_triton):
+    constants = {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64, "BN": 64}
+    hinted, plain = (res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"), constants,
+                                   divisible=("L",), aligned=aligned, num_warps=4, num_stages=3)
+                     for aligned in (True, False))
+    assert hinted["spilled"] < plain["spilled"]
+
+
+def test_every_argument_needs_a_type_or_value(still_triton):
+    with pytest.raises(ValueError, match="no type or value for .*BN"):
+        res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
+                      {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64})
+
+
+def test_lizard_window_key_pass_does_not_spill_as_launched():
+    from linearize.ops.gla_window.triton import Config
+
+    cfg = Config.default(torch.bfloat16)
+    found = res.lizard_window_dkv(cfg.window_dkv_block, cfg.warps, cfg.stages)
+    assert found["spilled"] == 0 and 0 < found["registers"] <= 255
+
+
+def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
+    """The fused chunk kernel holds a chunk's state and state gradient at once; at the default's warps
+    two programs must still share an SM (an H200 SM has 64K registers and 228 KB of shared memory, 1
+    KB of it reserved per block), as when its sweep timed it (twenty-third session)."""
+    from linearize.ops.gla_window.triton import Config
+
+    cfg = Config.default(torch.bfloat16)
+    found = res.lizard_chunk_backward(cfg.warps, cfg.stages, cfg.chunk)
+    assert res.programs_per_sm(found, cfg.warps) >= 2
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
+    """The default caps the forward chunk kernel's registers so that three of its programs share an SM
+    (twenty-fifth session: 6.05 ms against 7.5 uncapped at B=32, L=8K). What the cap spills stays
+    small (8 bytes a thread for inference, 72 saving the backward's parts, compiled here): holding
+    y_gla in registers through the window instead spilled 256 and lost."""
+    from linearize.ops.gla_window import triton as lizard_triton
+
+    cfg = lizard_triton.Config.default(torch.bfloat16)
+    assert cfg.tma
+    constants = res.lizard_forward_constants(cfg, 128) | {"SAVE": save}
+    capped = res.lizard_forward(constants, cfg.warps, cfg.forward_stages, max_registers=cfg.forward_registers)
+    assert res.programs_per_sm(capped, cfg.warps) == 3
+    assert capped["spilled"] <= 128
+    uncapped = res.lizard_forward(constants, cfg.warps, cfg.forward_stages)
+    assert res.programs_per_sm(uncapped, cfg.warps) == 2 and uncapped["spilled"] == 0
+
+
+def test_lizard_state_pass_fits_two_programs_an_sm_without_spilling_as_launched():
+    """The forward state pass holds a 128 x 128 float32 state a program; at the default's 4 warps and 3
+    stages two programs share an SM, unspilled, as when it matched fla's state pass (twenty-eighth
+    session: 2.40 ms against fla's 2.50 at B=32, L=8K)."""
+    from linearize.ops.gla_window.triton import Config
+
+    cfg = Config.default(torch.bfloat16)
+    found = res.lizard_state_pass(cfg.state_block_k, cfg.state_block_v, cfg.state_warps, cfg.state_stages)
+    assert found["spilled"] == 0
+    assert res.programs_per_sm(found, cfg.state_warps) == 2

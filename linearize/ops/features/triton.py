@@ -1,0 +1,263 @@
+"""Lizard's branch inputs for passes without gradients: Hedgehog features and the window's rotation.
+
+In PyTorch a layer's phi(q), phi(k) and rotated q, k are ~25 kernels (casts, per-head einsums, two
+softmaxes, negations, concatenations, `repeat_kv`, the rotation's halves): at a decode step their
+launches cost more than the arithmetic, and in a prefill each is a full pass over [B, H, L, d] in
+float32. Here one kernel, `_features_kernel`, does all four, a program per batch row, query head and
+block of tokens: x W on tensor cores for blocks of 64 tokens (prefills), on CUDA cores for one token
+(decode steps, any power-of-two sizes). A KV head's rotated key is written by the first of its query
+heads. `HedgehogFeatureMap` and `attention.base.rotate` are the references.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gla_window.triton import INTERPRET
+
+if INTERPRET:
+    from .. import _interpreter
+
+    _interpreter.patch()
+
+# Rows of a prefill block. At 16 (tl.dot's smallest) each program had too little work to hide its
+# latency: in stage 1's profile (batch 8 x 2K, 9,216 programs a layer) the kernel ran at ~1/5 of the
+# bandwidth its bytes need. `lizard_features(block=...)` takes another power of two >= 16 (A/B timings).
+TOKENS_PER_PROGRAM = 64
+
+
+def tokens_per_program(block: int | None = None) -> int:
+    block = TOKENS_PER_PROGRAM if block is None else block
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"a features block must be a power of two >= 16, got {block}")
+    return block
+
+
+@triton.jit
+def _signed_softmax_store(u, out, rows, live, f, F: tl.constexpr):
+    """[softmax(u), softmax(-u)] of u [R, F], row-wise, into rows `rows` of a [., 2F] matrix."""
+    up = tl.exp(u - tl.max(u, axis=1)[:, None])
+    down = tl.exp(tl.min(u, axis=1)[:, None] - u)
+    at = out + rows[:, None] * (2 * F) + f[None, :]
+    tl.store(at, up / tl.sum(up, axis=1)[:, None], mask=live[:, None])
+    tl.store(at + F, down / tl.sum(down, axis=1)[:, None], mask=live[:, None])
+
+
+@triton.jit
+def _rotate(x, x_partner, c, s, d, D: tl.constexpr):
+    """x cos + rotate_half(x) sin, rotate_half(x) = [-x[D/2:], x[:D/2]] (HF's convention)."""
+    return x * c + tl.where(d < D // 2, -1.0, 1.0)[None, :] * x_partner * s
+
+
+@triton.jit
+def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
+                     sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
+                     H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BL: tl.constexpr,
+                     ROPE: tl.constexpr, DOT: tl.constexpr):
+    """Grid (B*H, cdiv(L, BL)). q, k with the given strides (the last one 1), read as float32; outputs
+    contiguous, in their own dtype: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W
+    on tensor cores (3xTF32, about float32 accuracy), else as a broadcast sum (one-token blocks, small F)."""
+    bh = tl.program_id(0).to(tl.int64)  # offsets such as bh * L * 2F pass 2^31 at long prefills
+    b, h = bh // H, bh % H
+    hk = h // N_REP
+    rows = tl.program_id(1) * BL + tl.arange(0, BL)
+    live = rows < L
+    d, f = tl.arange(0, D), tl.arange(0, F)
+    q_at = q + b * sq_b + h * sq_h + rows[:, None] * sq_l
+    k_at = k + b * sk_b + hk * sk_h + rows[:, None] * sk_l
+    x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    weights = h * D * F + d[:, None] * F + f[None, :]
+    W_q = tl.load(w_q + weights).to(tl.float32)
+    W_k = tl.load(w_k + weights).to(tl.float32)
+    if DOT:
+        u_q = tl.dot(x_q, W_q, input_precision="tf32x3")
+        u_k = tl.dot(x_k, W_k, input_precision="tf32x3")
+    else:
+        u_q = tl.sum(x_q[:, :, None] * W_q[None, :, :], axis=1)
+        u_k = tl.sum(x_k[:, :, None] * W_k[None, :, :], axis=1)
+    _signed_softmax_store(u_q, fq + bh * L * 2 * F, rows, live, f, F)
+    _signed_softmax_store(u_k, fk + bh * L * 2 * F, rows, live, f, F)
+    if ROPE:
+        partner = (d + D // 2) % D
+        at = b * sc_b + rows[:, None] * sc_l + d[None, :]
+        c = tl.load(cos + at, mask=live[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin + at, mask=live[:, None], other=0.0).to(tl.float32)
+        q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        out = bh * L * D + rows[:, None] * D + d[None, :]
+        tl.store(qw + out, _rotate(x_q, q_partner, c, s, d, D), mask=live[:, None])
+        if h % N_REP == 0:
+            k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            out = (b * (H // N_REP) + hk) * L * D + rows[:, None] * D + d[None, :]
+            tl.store(kw + out, _rotate(x_k, k_partner, c, s, d, D), mask=live[:, None])
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def features_unsupported(q, k, w_q) -> str | None:
+    """What keeps `lizard_features` from these inputs, or None."""
+    D, F = w_q.shape[1], w_q.shape[2]
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != q.dtype:
+        return "q and k must share a float dtype"
+    if D & (D - 1) or F & (F - 1) or D < 2:
+        return "head and feature dims must be powers of two"
+    if q.shape[2] > 1 and min(D, F) < 16:
+        return "a block of tokens needs head and feature dims >= 16 (tensor-core tiles)"
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return "q and k need unit stride in the head dim"
+    return None
+
+
+def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float32, block: int | None = None):
+    """(fq, fk, qw, kw) in `dtype` for q [B, H, L, d] and k [B, H_kv, L, d] (any strides but the last;
+    computed in float32 from any float dtype): `HedgehogFeatureMap` with weights w_q and w_k [H, d, f]
+    on q and on each query head's KV head, and, given `position_embeddings` (cos, sin) [B or 1, L, d],
+    `rotate(q, k, ...)` (else qw, kw are q, k in `dtype`). Taking the projections' bf16 q, k and giving
+    the kernels' bf16 operands saves a prefill two float32 round trips per tensor. `block`: tokens per
+    program of a prefill (default TOKENS_PER_PROGRAM)."""
+    B, H, L, D = q.shape
+    HKV, F = k.shape[1], w_q.shape[-1]
+    fq = torch.empty(B, H, L, 2 * F, device=q.device, dtype=dtype)
+    fk = torch.empty_like(fq)
+    rope = position_embeddings is not None
+    qw = torch.empty(B, H, L, D, device=q.device, dtype=dtype) if rope else q.to(dtype)
+    kw = torch.empty(B, HKV, L, D, device=q.device, dtype=dtype) if rope else k.to(dtype)
+    cos, sin = (_unit_last(t.expand(B, L, D)) for t in position_embeddings) if rope else (q[:, 0], q[:, 0])
+    BL = 1 if L == 1 else tokens_per_program(block)
+    _features_kernel[(B * H, triton.cdiv(L, BL))](
+        q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, fq, fk, qw, kw, L,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
+        H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, num_warps=4)
+    return fq, fk, qw, kw
+
+
+BWD_TOKENS_PER_PROGRAM = 64  # rows of a backward block; fewer blocks, fewer partial weight gradients
+
+
+@triton.jit
+def _signed_softmax_grad(x, W, g_at, rows, live, f, F: tl.constexpr):
+    """d u for phi = [softmax(u), softmax(-u)], u = x W, given d phi at `g_at` [., 2F] rows `rows`."""
+    u = tl.dot(x, W, input_precision="tf32x3")
+    up = tl.exp(u - tl.max(u, axis=1)[:, None])
+    up = up / tl.sum(up, axis=1)[:, None]
+    down = tl.exp(tl.min(u, axis=1)[:, None] - u)
+    down = down / tl.sum(down, axis=1)[:, None]
+    at = g_at + rows[:, None] * (2 * F) + f[None, :]
+    g_up = tl.load(at, mask=live[:, None], other=0.0).to(tl.float32)
+    g_down = tl.load(at + F, mask=live[:, None], other=0.0).to(tl.float32)
+    return (up * (g_up - tl.sum(g_up * up, axis=1)[:, None])
+            - down * (g_down - tl.sum(g_down * down, axis=1)[:, None]))
+
+
+@triton.jit
+def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
+    """d x from d (x cos + rotate_half(x) sin) at `g_at` [., D], rows `rows`."""
+    g = tl.load(g_at + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    partner = (d + D // 2) % D
+    c = tl.load(c_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    s_partner = tl.load(s_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    g_partner = tl.load(g_at + rows[:, None] * D + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    # rotate_half's transpose: x[e] gets sign(p(e)) s[p(e)] g[p(e)], p(e) = e +- D/2 and sign(p(e)) = -sign(e),
+    # which is the forward rotation of g with -s[p(e)] in place of s[e].
+    return _rotate(g, g_partner, c, -s_partner, d, D)
+
+
+@triton.jit
+def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, dw_q, dw_k, L, NB,
+                         sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
+                         H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+                         BL: tl.constexpr, ROPE: tl.constexpr, GRAD_X: tl.constexpr, GRAD_W: tl.constexpr):
+    """Grid (B*H_kv, NB = cdiv(L, BL)): `_features_kernel`'s backward for a KV head and its query heads
+    over a block of tokens. Gradients in, contiguous: dfq, dfk [B, H, L, 2F] and, with ROPE, dqw
+    [B, H, L, D], dkw [B, H_kv, L, D]. Out, float32 and contiguous: with GRAD_X, dq [B, H, L, D] and dk
+    [B, H_kv, L, D] (the group's phi_k terms summed); with GRAD_W, each block's share of the weights'
+    gradients, dw_q, dw_k [B, H, NB, D, F] (summed over batch and blocks afterwards)."""
+    bk = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b, hk = bk // (H // N_REP), bk % (H // N_REP)
+    rows = blk * BL + tl.arange(0, BL)
+    live = rows < L
+    d, f = tl.arange(0, D), tl.arange(0, F)
+    c_at, s_at = cos + b * sc_b + rows[:, None] * sc_l, sin + b * sc_b + rows[:, None] * sc_l
+    x_k = tl.load(k + b * sk_b + hk * sk_h + rows[:, None] * sk_l + d[None, :], mask=live[:, None],
+                  other=0.0).to(tl.float32)
+    d_k = tl.zeros([BL, D], dtype=tl.float32)
+    for r in tl.static_range(N_REP):
+        h = hk * N_REP + r
+        bh = b * H + h
+        weights = h * D * F + d[:, None] * F + f[None, :]
+        W_q = tl.load(w_q + weights).to(tl.float32)
+        W_k = tl.load(w_k + weights).to(tl.float32)
+        x_q = tl.load(q + b * sq_b + h * sq_h + rows[:, None] * sq_l + d[None, :], mask=live[:, None],
+                      other=0.0).to(tl.float32)
+        du_q = _signed_softmax_grad(x_q, W_q, dfq + bh * L * 2 * F, rows, live, f, F)
+        du_k = _signed_softmax_grad(x_k, W_k, dfk + bh * L * 2 * F, rows, live, f, F)
+        if GRAD_X:
+            d_q = tl.dot(du_q, tl.trans(W_q), input_precision="tf32x3")
+            if ROPE:
+                d_q += _rotation_grad(dqw + bh * L * D, c_at, s_at, rows, live, d, D)
+            tl.store(dq + bh * L * D + rows[:, None] * D + d[None, :], d_q, mask=live[:, None])
+            d_k += tl.dot(du_k, tl.trans(W_k), input_precision="tf32x3")
+        if GRAD_W:
+            part = (bh * NB + blk) * D * F + d[:, None] * F + f[None, :]
+            tl.store(dw_q + part, tl.dot(tl.trans(x_q), du_q, input_precision="tf32x3"))
+            tl.store(dw_k + part, tl.dot(tl.trans(x_k), du_k, input_precision="tf32x3"))
+    if GRAD_X:
+        if ROPE:
+            d_k += _rotation_grad(dkw + bk * L * D, c_at, s_at, rows, live, d, D)
+        tl.store(dk + bk * L * D + rows[:, None] * D + d[None, :], d_k, mask=live[:, None])
+
+
+class LizardFeaturesFunction(torch.autograd.Function):
+    """`lizard_features` with gradients for q, k and the two weights (training): the forward kernel,
+    then `_features_bwd_kernel`, which recomputes x W rather than storing phi's inputs. Returns
+    (fq, fk, qw, kw) given cos and sin, else (fq, fk): the window then takes q and k themselves."""
+
+    @staticmethod
+    def forward(ctx, q, k, w_q, w_k, cos, sin, dtype):
+        rope = cos is not None
+        fq, fk, qw, kw = lizard_features(q, k, w_q, w_k, (cos, sin) if rope else None, dtype)
+        ctx.save_for_backward(q, k, w_q, w_k, *((cos, sin) if rope else ()))
+        ctx.rope, ctx.dtype = rope, dtype
+        if rope and not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            # qw, kw depend on q and k alone: with those frozen (stage 1), the attention's backward then
+            # skips their gradients (`LizardAttentionFunction` reads needs_input_grad).
+            ctx.mark_non_differentiable(qw, kw)
+        ctx.set_materialize_grads(False)  # no zero tensors for outputs that got no gradient
+        return (fq, fk, qw, kw) if rope else (fq, fk)
+
+    @staticmethod
+    def backward(ctx, dfq, dfk, *d_rotated):
+        q, k, w_q, w_k, *position = ctx.saved_tensors
+        B, H, L, D = q.shape
+        HKV, F = k.shape[1], w_q.shape[-1]
+        grad_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+
+        def dense(grad, *shape):  # an output that got no gradient
+            return torch.zeros(shape, device=q.device, dtype=ctx.dtype) if grad is None else grad.contiguous()
+
+        dfq, dfk = dense(dfq, B, H, L, 2 * F), dense(dfk, B, H, L, 2 * F)
+        NB = triton.cdiv(L, BWD_TOKENS_PER_PROGRAM)
+        f32 = {"device": q.device, "dtype": torch.float32}
+        unused = dfq  # a placeholder where the kernel reads or writes nothing
+        dq = torch.empty(B, H, L, D, **f32) if grad_x else unused
+        dk = torch.empty(B, HKV, L, D, **f32) if grad_x else unused
+        dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
+        dw_k = torch.empty_like(dw_q) if grad_w else unused
+        cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if ctx.rope else (unused, unused)
+        # Read only with GRAD_X (through the rotation).
+        dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if ctx.rope and grad_x \
+            else (unused, unused)
+        _features_bwd_kernel[(B * HKV, NB)](
+            q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq, dfk, dqw, dkw,
+            dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=ctx.rope,
+            GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)
+        dq, dk = (dq.to(q.dtype), dk.to(k.dtype)) if grad_x else (None, None)
+        dw_q, dw_k = (dw_q.sum((0, 2)).to(w_q.dtype), dw_k.sum((0, 2)).to(w_k.dtype)) if grad_w else (None, None)
+        return dq, dk, dw_q, dw_k, None, None, None
