@@ -1,22 +1,38 @@
-"""Recipes: one JSON file per results row, run by one command, gathered into one table.
+"""Recipes: one file per results row, run by one command, gathered into one table.
 
-    linearize recipe run recipes/lizard.json [more.json ...] --out runs/ [--model SPEC]
+    linearize recipe list                                   # the shipped rows: name, file, row label
+    linearize recipe run lizard-window-256 [more ...] --out runs/ [--model SPEC] [KEY=VALUE ...]
+    linearize recipe run recipes/lizard.yaml --out runs/ distill.max_tokens=100000 eval.samples=1
     linearize recipe table runs/ [--into docs/results.md]
 
-A recipe names its row and holds the `distill` settings (`DistillConfig` fields without `out`; absent
-for the teacher's own row) and the `eval` settings (`linearize.eval.evaluate` arguments). A run keeps
-everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and `run.json`
-(the recipe, the wall times, the training tokens). Rerunning continues where it stopped: a finished
-model is not trained again, an interrupted one resumes from its checkpoint, a finished eval is kept.
+A recipe is a YAML (or JSON) mapping that names its row and holds the `distill` settings
+(`DistillConfig` fields without `out`; absent or null for the teacher's own row), the `eval` settings
+(`linearize.eval.evaluate` arguments) and the teacher `model`. `extends: PARENT` starts from another
+recipe: mappings merge key by key, any other value (a list too) replaces the parent's, and `name` and
+`row` are never inherited (they default to the file's stem). PARENT is a path relative to the file, or
+relative to the shipped `recipes/` folder, or the name of a shipped recipe (`recipes/**/NAME.yaml`).
+
+The shipped recipes: the main rows in `recipes/`, the ablations in `recipes/ablations/`, and the bases
+they extend in `recipes/base/` (`eval.yaml`, the evaluation every row runs; `distill.yaml`, the training
+every student shares), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
+name, and KEY=VALUE overrides of the resolved recipe (dotted keys, YAML values) for every recipe it runs.
+
+A run keeps everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and
+`run.json` (the resolved recipe, the file it came from and the overrides, the wall times, the training
+tokens). Rerunning continues where it stopped: a finished model is not trained again, an interrupted one
+resumes from its checkpoint, a finished eval is kept.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
 import time
 from pathlib import Path
+
+import yaml
 
 from .eval.api import RULER
 from .eval.harness import AVERAGE_METRIC, ZEROSHOT
@@ -26,6 +42,10 @@ from .eval.report import length_label
 # evaluation (`convert.set_inference_options`).
 EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "harness_batch",
              "seed", "set"}
+RECIPE_KEYS = ("name", "row", "model", "distill", "eval")
+SUFFIXES = (".yaml", ".yml", ".json")
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # the shipped recipes (a source checkout)
+BASE_DIR = "base"  # under RECIPES_DIR: what recipes extend, not rows
 TABLE_START, TABLE_END = "<!-- recipe table -->", "<!-- end of recipe table -->"
 
 
@@ -40,36 +60,228 @@ class Recipe:
     distill: dict | None  # DistillConfig fields except `out`; None: evaluate the model as it is
     eval: dict
     model: str = "smollm2"
+    # Where it came from (not settings): the file, and the command line's KEY=VALUE overrides.
+    source: Path | None = dataclasses.field(default=None, compare=False)
+    overrides: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
-    def load(cls, path: str | Path) -> Recipe:
+    def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+        """The recipe in `path` with its `extends` chain resolved and `overrides` ("a.b=value") applied."""
         path = Path(path)
-        if not path.is_file():
-            raise RecipeError(f"recipe {path} is not a file")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise RecipeError(f"recipe {path} is not valid JSON: {e}") from None
-        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if path.resolve().is_relative_to(RECIPES_DIR / BASE_DIR):
+            raise RecipeError(f"recipe {path} is a base that recipes extend, not a row")
+        raw = _resolve(path, ())
+        for item in overrides:
+            _override(raw, path, item)
+        unknown = set(raw) - set(RECIPE_KEYS)
         if unknown or "eval" not in raw:
-            raise RecipeError(f"recipe {path}: needs 'eval' and takes name/row/distill/eval/model, got {sorted(raw)}")
+            raise RecipeError(f"recipe {path}: needs 'eval' and takes {'/'.join(RECIPE_KEYS)}/extends, "
+                              f"got {sorted(raw)}")
+        if not isinstance(raw["eval"], dict):
+            raise RecipeError(f"recipe {path}: 'eval' must be a mapping, got {raw['eval']!r}")
         bad_eval = set(raw["eval"]) - EVAL_KEYS
         if bad_eval:
             raise RecipeError(f"recipe {path}: unknown eval settings {sorted(bad_eval)} (known: {sorted(EVAL_KEYS)})")
-        if raw.get("distill") is not None and "out" in raw["distill"]:
-            raise RecipeError(f"recipe {path}: 'distill' must not set 'out' (the run directory decides it)")
+        name = raw.get("name", path.stem)
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise RecipeError(f"recipe {path}: name {name!r} must be letters, digits, '.', '_' or '-'")
+        distill = raw.get("distill")
+        if isinstance(distill, dict) and type(distill.get("stage")) is int:  # YAML reads `stage: 2` as a number
+            distill["stage"] = str(distill["stage"])
+        recipe = cls(name=name, row=str(raw.get("row", name)), distill=distill, eval=raw["eval"],
+                     model=raw.get("model", "smollm2"), source=path, overrides=tuple(overrides))
+        if recipe.distill is not None:
+            _check_distill(path, recipe)
         if raw["eval"].get("set"):
             _check_inference_options(path, raw.get("distill"), raw["eval"]["set"])
-        name = raw.get("name", path.stem)
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-            raise RecipeError(f"recipe {path}: name {name!r} must be letters, digits, '.', '_' or '-'")
-        return cls(name=name, row=raw.get("row", name), distill=raw.get("distill"), eval=raw["eval"],
-                   model=raw.get("model", "smollm2"))
+        return recipe
+
+    def settings(self) -> dict:
+        """What the row runs: name, row, distill, eval and model (not where they came from)."""
+        return {key: getattr(self, key) for key in RECIPE_KEYS}
 
     def distill_config(self, out: Path, model: str | None = None):
         from .train import DistillConfig
 
         return DistillConfig(**{**self.distill, "model": model or self.model, "out": str(out)})
+
+
+def _read(path: Path) -> dict:
+    """One file's own mapping, its keys checked (`extends` unresolved)."""
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} is not a file")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe {path} is not UTF-8 text") from None
+    if path.suffix == ".json":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"recipe {path} is not valid JSON: {e}") from None
+    else:
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise RecipeError(f"recipe {path} is not valid YAML: {problem}{where}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path}: needs a mapping with 'eval', got {type(raw).__name__}")
+    unknown = sorted(str(key) for key in set(raw) - {*RECIPE_KEYS, "extends"})
+    if unknown:
+        raise RecipeError(f"recipe {path}: unknown key {unknown[0]!r}: a recipe needs 'eval' and takes "
+                          f"{'/'.join(RECIPE_KEYS)}/extends, got {sorted(str(key) for key in raw)}")
+    return raw
+
+
+def _resolve(path: Path, chain: tuple[Path, ...]) -> dict:
+    """`path`'s mapping merged over its `extends` chain's; `chain` holds the files that extend it."""
+    here = path.resolve()
+    if here in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, here)[chain.index(here):])
+        raise RecipeError(f"recipe {chain[-1]}: extends cycle {cycle}")
+    raw = _read(path)
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str) or not parent:
+        raise RecipeError(f"recipe {path}: 'extends' names one recipe (a path or a name), got {parent!r}")
+    inherited = _resolve(_find_parent(parent, path), (*chain, here))
+    for key in ("name", "row"):  # they label this file's row: a child that does not set them takes its stem
+        inherited.pop(key, None)
+    return _merge(inherited, raw)
+
+
+def _merge(base: dict, child: dict) -> dict:
+    """`child` over `base`: mappings merge key by key; anything else in `child` replaces."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _with_suffixes(path: Path) -> list[Path]:
+    return [path] if path.suffix in SUFFIXES else [path.with_name(path.name + s) for s in SUFFIXES]
+
+
+def _find_parent(parent: str, child: Path) -> Path:
+    for folder in (child.parent, RECIPES_DIR):
+        for candidate in _with_suffixes(folder / parent):
+            if candidate.is_file():
+                return candidate
+    if "/" not in parent:
+        found = _shipped_named(parent, bases=True)
+        if found:
+            return found
+    raise RecipeError(f"recipe {child}: extends {parent!r}, which is neither a file next to it or under "
+                      f"{RECIPES_DIR} nor a recipe's name")
+
+
+def _shipped(bases: bool = False) -> list[Path]:
+    """The shipped recipe files: main rows, then the ablations (and other folders), each by name."""
+    if not RECIPES_DIR.is_dir():
+        return []
+    files = [p for p in RECIPES_DIR.rglob("*") if p.suffix in SUFFIXES and p.is_file()]
+    if not bases:
+        files = [p for p in files if p.relative_to(RECIPES_DIR).parts[0] != BASE_DIR]
+    return sorted(files, key=lambda p: (len(p.relative_to(RECIPES_DIR).parts) > 1, p.parent, p.stem))
+
+
+def _shipped_named(name: str, bases: bool = False) -> Path | None:
+    found = [p for p in _shipped(bases) if p.stem == name]
+    if len(found) > 1:
+        raise RecipeError(f"recipe {name}: more than one shipped recipe has that name: {[str(p) for p in found]}")
+    return found[0] if found else None
+
+
+def find(spec: str | Path) -> Path:
+    """The recipe file `spec` names: a path, or the name of a shipped recipe (not a base)."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    if isinstance(spec, str) and "/" not in spec and path.suffix not in SUFFIXES:
+        found = _shipped_named(spec)
+        if found:
+            return found
+        raise RecipeError(f"recipe {spec} is not a file nor a shipped recipe's name (`linearize recipe list`)")
+    raise RecipeError(f"recipe {path} is not a file")
+
+
+def shipped() -> list[Recipe]:
+    """Every shipped row's recipe: main rows (recipes/*.yaml), then ablations, each group by name."""
+    return [Recipe.load(p) for p in _shipped()]
+
+
+def _override(raw: dict, path: Path, item: str) -> None:
+    """Set one dotted KEY=VALUE (the value read as YAML) in the resolved mapping `raw`."""
+    key, sep, text = item.partition("=")
+    parts = key.split(".")
+    if not sep or not all(re.fullmatch(r"[A-Za-z0-9_-]+", p) for p in parts):
+        raise RecipeError(f"recipe {path}: override {item!r} is not KEY=VALUE with a dotted KEY "
+                          "(e.g. distill.max_tokens=100000)")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path}: override {item!r}: the value is not YAML "
+                          f"({getattr(e, 'problem', None) or type(e).__name__})") from None
+    node = raw
+    for depth, part in enumerate(parts):
+        at = tuple(parts[:depth])
+        known = _known_keys(at)
+        if known is not None and part not in known and part not in node:
+            where = f"'{'.'.join(at)}'" if at else "a recipe"
+            raise RecipeError(f"recipe {path}: override {item!r}: unknown key {key!r} "
+                              f"({where} takes {', '.join(sorted(known))})")
+        if depth == len(parts) - 1:
+            node[part] = value
+            return
+        if node.get(part) is None:
+            if (*at, part) == ("distill",):
+                raise RecipeError(f"recipe {path}: override {item!r}: this recipe distils no model (no 'distill')")
+            node[part] = {}
+        elif not isinstance(node[part], dict):
+            raise RecipeError(f"recipe {path}: override {item!r}: {'.'.join((*at, part))!r} is "
+                              f"{node[part]!r}, not a mapping")
+        node = node[part]
+
+
+def _known_keys(at: tuple[str, ...]) -> set[str] | None:
+    """The keys a recipe's mapping at `at` takes (None: any)."""
+    if at == ():
+        return set(RECIPE_KEYS)
+    if at == ("eval",):
+        return EVAL_KEYS
+    if at == ("distill",):
+        from .train import DistillConfig
+
+        return {f.name for f in dataclasses.fields(DistillConfig)} - {"out"}
+    return None
+
+
+def _check_distill(path: Path, recipe: Recipe) -> None:
+    """`distill` must make a valid DistillConfig and method config."""
+    from .config import ConfigError, make_method_config
+    from .train import DistillConfig
+
+    if not isinstance(recipe.distill, dict):
+        raise RecipeError(f"recipe {path}: 'distill' must be a mapping (or null), got {recipe.distill!r}")
+    if "out" in recipe.distill:
+        raise RecipeError(f"recipe {path}: 'distill' must not set 'out' (the run directory decides it)")
+    unknown = set(recipe.distill) - {f.name for f in dataclasses.fields(DistillConfig)}
+    if unknown:
+        raise RecipeError(f"recipe {path}: unknown distill settings {sorted(unknown)} (DistillConfig's fields)")
+    if "method" not in recipe.distill:
+        raise RecipeError(f"recipe {path}: 'distill' needs a 'method'")
+    try:
+        cfg = recipe.distill_config(Path("model"))
+        make_method_config(cfg.method, **cfg.options)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise RecipeError(f"recipe {path}: distill: {e}") from None
 
 
 def _check_inference_options(path: Path, distill: dict | None, options: dict) -> None:
@@ -78,6 +290,8 @@ def _check_inference_options(path: Path, distill: dict | None, options: dict) ->
 
     if distill is None:
         raise RecipeError(f"recipe {path}: eval 'set' changes a distilled model; this recipe distils none")
+    if not isinstance(options, dict):
+        raise RecipeError(f"recipe {path}: eval 'set' must be a mapping of inference options, got {options!r}")
     try:
         with_inference_options(distill.get("method"), distill.get("options", {}), options)
     except ConfigError as e:
@@ -99,7 +313,9 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     out.mkdir(parents=True, exist_ok=True)
     record_path = out / "run.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    record["recipe"] = dataclasses.asdict(recipe)
+    record["recipe"] = recipe.settings()
+    record["source"] = _display(recipe.source) if recipe.source is not None else None
+    record["overrides"] = list(recipe.overrides)
     teacher = model or recipe.model
 
     def add_time(key: str, started: float) -> None:
@@ -144,6 +360,25 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     return out
 
 
+def _display(path: Path) -> str:
+    """How a run's record names its recipe file: under `recipes/` for a shipped one, else as found."""
+    path = Path(path).resolve()
+    for root in (RECIPES_DIR.parent, Path.cwd()):
+        if path.is_relative_to(root):
+            return path.relative_to(root).as_posix()
+    return str(path)
+
+
+def _command_cell(record: dict) -> str:
+    """The table's `recipe` cell: the file the row ran (a record without one: the shipped recipe of its
+    name), then any command-line overrides."""
+    source = record.get("source")
+    if source is None:
+        shipped_file = _shipped_named(record["recipe"]["name"])
+        source = _display(shipped_file) if shipped_file else record["recipe"]["name"]
+    return " ".join([f"`{source}`", *(f"`{o}`" for o in record.get("overrides", []))])
+
+
 def _percent(value) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
@@ -154,7 +389,7 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     results = json.loads((run_dir / "eval.json").read_text())
     tasks = results["tasks"]
     recipe = record["recipe"]
-    cells = {"row": recipe["row"], "recipe": f"`recipes/{recipe['name']}.json`"}
+    cells = {"row": recipe["row"], "recipe": _command_cell(record)}
     tokens = record.get("training_tokens")
     cells["train tokens"] = "–" if tokens is None else f"{tokens / 1e6:g}M" if tokens >= 100_000 else f"{tokens:,}"
     wall = record.get("distill_wall_s")
@@ -256,14 +491,24 @@ def write_into(markdown_path: Path, text: str) -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser("recipe", help="run results recipes and tabulate them")
     sub = p.add_subparsers(dest="recipe_command", required=True)
-    r = sub.add_parser("run", help="distil and evaluate each recipe into OUT/<name>")
-    r.add_argument("recipes", nargs="+", help="recipe JSON files")
-    r.add_argument("--out", required=True, help="folder of run directories")
-    r.add_argument("--model", help="teacher to use instead of each recipe's own (e.g. a local copy)")
-    r.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    r = sub.add_parser("run", help="distil and evaluate each recipe into OUT/<name>",
+                       usage="linearize recipe run RECIPE [RECIPE ...] [KEY=VALUE ...] --out OUT [--model SPEC] "
+                             "[--device DEVICE] [--no-eval]",
+                       description="KEY=VALUE words override the resolved recipes' settings, e.g. "
+                                   "distill.max_tokens=100000 eval.samples=1 (dotted keys, YAML values).")
+    r.add_argument("recipes", nargs="*", metavar="RECIPE|KEY=VALUE",
+                   help="recipe files (YAML or JSON) or shipped recipes' names, and overrides")
+    r.add_argument("--out", required=True, action=_ThenWords, nargs="+", metavar=("OUT", "RECIPE|KEY=VALUE"),
+                   help="folder of run directories")
+    r.add_argument("--model", action=_ThenWords, nargs="+", metavar=("SPEC", "RECIPE|KEY=VALUE"),
+                   help="teacher to use instead of each recipe's own (e.g. a local copy)")
+    r.add_argument("--device", action=_ThenWords, nargs="+", metavar=("DEVICE", "RECIPE|KEY=VALUE"),
+                   help="cuda or cpu (default: cuda if available)")
     r.add_argument("--no-eval", dest="evaluate", action="store_false",
                    help="distil only; a later run without it evaluates the models it finds")
-    r.set_defaults(func=_run_command)
+    r.set_defaults(func=_run_command, words_after=[])
+    ls = sub.add_parser("list", help="the shipped recipes: name, file and row label, main rows then ablations")
+    ls.set_defaults(func=_list_command)
     t = sub.add_parser("table", help="a Markdown table of finished runs")
     t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
@@ -275,17 +520,45 @@ def register(subparsers) -> None:
     g.set_defaults(func=_plot_command)
 
 
+class _ThenWords(argparse.Action):
+    """An option's value, then the recipes and overrides written after it: argparse takes a command's
+    positionals in one run, so `run lizard --out runs/ eval.samples=1` would otherwise refuse the override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0])
+        namespace.words_after = [*namespace.words_after, *values[1:]]
+
+
+def _is_override(word: str) -> bool:
+    # A KEY=VALUE word; a file whose name holds "=" is still a file.
+    return "=" in word and not Path(word).is_file()
+
+
 def _run_command(args) -> int:
-    recipes = [Recipe.load(path) for path in args.recipes]  # every file checked before any work starts
+    words = [*args.recipes, *args.words_after]
+    overrides = [w for w in words if _is_override(w)]
+    specs = [w for w in words if not _is_override(w)]
+    if not specs:
+        raise RecipeError("recipe run: no recipe named (a file, or a shipped recipe's name from `linearize recipe list`)")
+    recipes = [Recipe.load(find(spec), overrides) for spec in specs]  # every file checked before any work starts
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
         raise RecipeError(f"two recipes share a name: {names}")
+    outs = []
     for recipe in recipes:
-        out = run(recipe, args.out, model=args.model, device=args.device, evaluate_model=args.evaluate)
-        print(f"recipe {recipe.name}: {out}")
+        outs.append(run(recipe, args.out, model=args.model, device=args.device, evaluate_model=args.evaluate))
+        print(f"recipe {recipe.name}: {outs[-1]}")
+    if args.evaluate:
+        print(table(outs), end="")  # the rows as `recipe table` shows them
     return 0
 
 
+def _list_command(args) -> int:
+    lines = [("name", "file", "row")] + [(r.name, _display(r.source), r.row) for r in shipped()]
+    widths = [max(len(line[i]) for line in lines) for i in range(2)]
+    for name, file, row in lines:
+        print(f"{name:<{widths[0]}}  {file:<{widths[1]}}  {row}")
+    return 0
 def _finished_runs_of(paths: list[Path]) -> list[Path]:
     for path in paths:
         if not path.is_dir():

@@ -10,6 +10,7 @@ from tiny_models import save_tiny_teacher
 from linearize.cli import main
 from linearize.config import make_method_config
 from linearize.recipes import (
+    RECIPES_DIR,
     TABLE_END,
     TABLE_START,
     Recipe,
@@ -17,12 +18,17 @@ from linearize.recipes import (
     finished_runs,
     plot_rows,
     run,
+    shipped,
     table,
     write_into,
 )
 from linearize.train import DistillConfig
 
-SHIPPED = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.json"))
+SHIPPED = [recipe.source for recipe in shipped()]
+
+
+def test_every_recipe_is_shipped():
+    assert len(SHIPPED) >= 36 and all(p.is_relative_to(RECIPES_DIR) for p in SHIPPED)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -86,7 +92,7 @@ def tiny_recipe(tmp_path, name, distill):
     return path
 
 
-def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspace_text):
+def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspace_text, capsys):
     runs = tmp_path / "runs"
     path = tiny_recipe(tmp_path, "student", str(workspace_text))
     student = Recipe.load(path)
@@ -123,6 +129,8 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     run(grown, runs, model=teacher, device="cpu", progress=False)  # a task added: only it runs
     extended = json.loads((out / "eval.json").read_text())
     assert extended["tasks"]["passkey"]["kept"] is True and "variable_tracking" in extended["tasks"]
+    run(student, runs, model=teacher, device="cpu", progress=False)  # back to the file's tasks: only passkey
+    extended_at = (out / "eval.json").stat().st_mtime_ns
 
     run(Recipe.load(tiny_recipe(tmp_path, "teacher", None)), runs, model=teacher, device="cpu", progress=False)
     text = table(finished_runs([runs]))
@@ -133,6 +141,20 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     assert [row.split(" | ")[0] for row in rows] == ["| STUDENT", "| TEACHER"]
     assert rows[0].split(" | ")[2] == "512"
     assert rows[1].split(" | ")[2:4] == ["–", "–"]
+    # The recipe cell names the file the row came from, not recipes/<name>.json.
+    assert rows[0].split(" | ")[1] == f"`{path.resolve()}`"
+    assert rows[1].split(" | ")[1] == f"`{(tmp_path / 'teacher.json').resolve()}`"
+
+    # Through the CLI, with an override (the value it already has: nothing is redone), `run` ends with the
+    # row as the table shows it, and the table records the override beside the file.
+    capsys.readouterr()
+    assert main(["recipe", "run", str(path), "eval.samples=1", "--out", str(runs), "--model", teacher,
+                 "--device", "cpu"]) == 0
+    assert (out / "eval.json").stat().st_mtime_ns == extended_at
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-3].startswith("| row | recipe | train tokens | train min | passkey 1K |")
+    assert printed[-1].startswith(f"| STUDENT | `{path.resolve()}` `eval.samples=1` | 512 |")
+    assert json.loads((out / "run.json").read_text())["overrides"] == ["eval.samples=1"]
 
 
 def test_run_evaluates_with_the_recipes_inference_options(teacher, tmp_path, workspace_text):

@@ -1,0 +1,223 @@
+"""Recipe files: the shipped layout (main rows, ablations, one shared evaluation), `extends`, command-line
+overrides, lookup by name, `recipe list`, and one-line errors for every bad file."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from linearize.cli import main
+from linearize.recipes import RECIPES_DIR, Recipe, RecipeError, find, shipped
+
+# The rows the README and the results table lead with; everything else is an ablation.
+MAIN_ROWS = {"teacher", "lizard", "lizard-window-256", "lizard-window-256-10m", "lizard-hybrid-50-error", "still",
+             "still-uncapped-seq4096-10m", "lolcats", "liger"}
+BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
+
+
+def chain(path: Path) -> list[Path]:
+    """The files a shipped recipe resolves through, itself first (read here, independently of the loader)."""
+    files = [path]
+    while "extends" in (raw := yaml.safe_load(files[-1].read_text())):
+        files.append(find_parent(raw["extends"], files[-1]))
+    return files
+
+
+def find_parent(parent: str, child: Path) -> Path:
+    for candidate in (child.parent / parent, child.parent / f"{parent}.yaml", RECIPES_DIR / parent,
+                      RECIPES_DIR / f"{parent}.yaml"):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise AssertionError(f"{child}: no {parent}")
+
+
+def write(path: Path, content) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
+    return path
+
+
+def test_main_rows_sit_in_recipes_and_ablations_in_their_folder():
+    recipes = shipped()
+    names = [r.name for r in recipes]
+    assert len(names) == len(set(names)) == 36
+    main_rows = {r.name for r in recipes if r.source.parent == RECIPES_DIR}
+    assert main_rows == MAIN_ROWS
+    assert {r.source.parent for r in recipes if r.name not in MAIN_ROWS} == {RECIPES_DIR / "ablations"}
+    assert names[:len(MAIN_ROWS)] == sorted(MAIN_ROWS)  # main rows first
+    assert all(r.source.suffix == ".yaml" for r in recipes)
+    assert not list(RECIPES_DIR.rglob("*.json"))
+    assert "base" not in {p for r in recipes for p in r.source.relative_to(RECIPES_DIR).parts}
+
+
+@pytest.mark.parametrize("recipe", shipped(), ids=lambda r: r.name)
+def test_every_row_shares_the_one_evaluation_block(recipe):
+    files = chain(recipe.source)
+    assert files[-1] == BASE_EVAL.resolve()
+    base = yaml.safe_load(BASE_EVAL.read_text())["eval"]
+    # A row may change only how many prompts go through at once, never what is measured.
+    for path in files[:-1]:
+        assert set(yaml.safe_load(path.read_text()).get("eval", {})) <= {"batch", "harness_batch"}, path
+    assert recipe.eval == {**base, **{k: v for k, v in recipe.eval.items() if k in ("batch", "harness_batch")}}
+    assert recipe.eval["tasks"].split(",")[0] == "zeroshot" and "32k" in recipe.eval["lengths"]
+
+
+def test_rows_set_only_what_they_change():
+    # Every student extends the shared training base; no file repeats a value its parent already has.
+    for recipe in shipped():
+        files = chain(recipe.source)
+        if recipe.distill is not None:
+            assert RECIPES_DIR / "base" / "distill.yaml" in files
+        inherited = {}
+        for path in reversed(files):
+            own = yaml.safe_load(path.read_text())
+            for section in ("distill", "eval"):
+                for key, value in (own.get(section) or {}).items():
+                    if key == "options":
+                        for option, setting in value.items():
+                            assert inherited.get(("options", option)) != setting, (path, option)
+                            inherited["options", option] = setting
+                    else:
+                        assert inherited.get((section, key)) != value, (path, key)
+                        inherited[section, key] = value
+
+
+def test_extends_merges_mappings_replaces_the_rest_and_never_inherits_name_or_row(tmp_path):
+    write(tmp_path / "parent.yaml", {"name": "parent", "row": "Parent", "model": "m",
+                                     "eval": {"tasks": "ppl", "task_limits": {"mmlu": 5, "ppl": 2}},
+                                     "distill": {"method": "lizard", "softmax_layers": [1, 2, 3], "batch": 8,
+                                                 "options": {"window": 64, "num_sinks": 2}}})
+    write(tmp_path / "sub" / "child.yaml", {"extends": "../parent.yaml", "eval": {"task_limits": {"mmlu": 7}},
+                                            "distill": {"softmax_layers": [4], "options": {"window": 32}}})
+    child = Recipe.load(tmp_path / "sub" / "child.yaml")
+    assert (child.name, child.row, child.model) == ("child", "child", "m")
+    assert child.eval == {"tasks": "ppl", "task_limits": {"mmlu": 7, "ppl": 2}}
+    assert child.distill == {"method": "lizard", "softmax_layers": [4], "batch": 8,
+                             "options": {"window": 32, "num_sinks": 2}}
+    # A JSON recipe extends a YAML one (and the other way round), and null removes the parent's distill.
+    write(tmp_path / "sub" / "teacher.json", json.dumps({"extends": "child", "row": "T", "distill": None}))
+    write(tmp_path / "grandchild.yml", "extends: sub/teacher.json\nmodel: other\n")
+    teacher = Recipe.load(tmp_path / "sub" / "teacher.json")
+    assert (teacher.name, teacher.row, teacher.distill, teacher.eval) == ("teacher", "T", None, child.eval)
+    assert Recipe.load(tmp_path / "grandchild.yml").settings() == {
+        "name": "grandchild", "row": "grandchild", "distill": None, "eval": child.eval, "model": "other"}
+
+
+def test_a_users_recipe_extends_a_shipped_one_by_name(tmp_path):
+    path = write(tmp_path / "mine.yaml", "extends: lizard-window-256\ndistill:\n  options:\n    window: 512\n")
+    mine, theirs = Recipe.load(path), Recipe.load(find("lizard-window-256"))
+    assert mine.distill == {**theirs.distill, "options": {**theirs.distill["options"], "window": 512}}
+    assert mine.eval == theirs.eval and mine.name == "mine"
+
+
+def test_recipes_are_found_by_name(tmp_path, monkeypatch):
+    assert find("lizard-window-256") == RECIPES_DIR / "lizard-window-256.yaml"
+    assert find("still-hedgehog") == RECIPES_DIR / "ablations" / "still-hedgehog.yaml"
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "lizard", "not the recipe")  # a file of that name in the working directory wins
+    assert find("lizard") == Path("lizard")
+    for spec in ("eval", "distill"):  # bases are not rows
+        with pytest.raises(RecipeError, match=f"recipe {spec} is not a file nor a shipped recipe's name"):
+            find(spec)
+    with pytest.raises(RecipeError, match="recipe nested/none.yaml is not a file"):
+        find("nested/none.yaml")
+    with pytest.raises(RecipeError, match="eval.yaml is a base that recipes extend, not a row"):
+        Recipe.load(BASE_EVAL)
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"a.yaml": "extends: a\neval: {}\n"}, r"recipe .*a.yaml: extends cycle .*a.yaml -> .*a.yaml$"),
+    ({"a.yaml": "extends: b.yaml\neval: {}\n", "b.yaml": "extends: c\n", "c.yaml": "extends: a.yaml\n"},
+     r"extends cycle .*a.yaml -> .*b.yaml -> .*c.yaml -> .*a.yaml$"),
+    ({"a.yaml": "extends: nowhere\neval: {}\n"}, r"recipe .*a.yaml: extends 'nowhere', which is neither a file"),
+    ({"a.yaml": "extends: [b, c]\neval: {}\n"}, r"recipe .*a.yaml: 'extends' names one recipe"),
+    ({"a.yaml": "extends: b\n", "b.yaml": "eval: {}\ncolour: red\n"}, r"recipe .*b.yaml: unknown key 'colour'"),
+    ({"a.yaml": "extends: b\n", "b.yaml": "eval: [1\n"}, r"recipe .*b.yaml is not valid YAML: .*\(line 2, column 1\)"),
+    ({"a.yaml": "- eval\n"}, r"recipe .*a.yaml: needs a mapping with 'eval', got list"),
+    ({"a.yaml": ""}, r"recipe .*a.yaml: needs a mapping with 'eval', got NoneType"),
+    ({"a.yaml": "eval: {}\ndistill: {method: lizard, max_token: 5}\n"}, r"unknown distill settings \['max_token'\]"),
+    ({"a.yaml": "eval: {}\ndistill: {method: lizard, stage: 3}\n"}, r"recipe .*a.yaml: distill: --stage must be"),
+    ({"a.yaml": "eval: {set: 5}\ndistill: {method: lizard}\n"}, r"eval 'set' must be a mapping"),
+    ({"a.yaml": "eval: {}\n3: x\n"}, r"unknown key '3'"),
+    ({"a.yaml": "eval: {}\ndistill: {method: lizard, options: {windw: 3}}\n"}, r"recipe .*a.yaml: distill: .*windw"),
+    ({"a.yaml": "eval: {}\ndistill: {stage: both}\n"}, r"'distill' needs a 'method'"),
+    ({"a.yaml": "eval: 5\n"}, r"'eval' must be a mapping"),
+])
+def test_bad_recipe_files_are_one_line_errors_naming_the_file(files, message, tmp_path):
+    for name, text in files.items():
+        write(tmp_path / name, text)
+    with pytest.raises(RecipeError, match=message) as error:
+        Recipe.load(tmp_path / "a.yaml")
+    assert "\n" not in str(error.value) and str(tmp_path) in str(error.value)
+
+
+def test_overrides_set_dotted_keys_as_yaml_values():
+    path = RECIPES_DIR / "lizard.yaml"
+    plain = Recipe.load(path)
+    recipe = Recipe.load(path, ["distill.max_tokens=100000", "eval.samples=1", "eval.tasks=passkey,ppl",
+                                "distill.options.window=64", "distill.cuda_graph=true", "eval.set.window=32",
+                                "distill.softmax_layers=[0, 29]", "row=Smoke test", "name=smoke",
+                                "eval.task_limits.mmlu=3", "distill.stage=1"])
+    assert recipe.distill == {**plain.distill, "max_tokens": 100000, "options": {"window": 64}, "cuda_graph": True,
+                              "softmax_layers": [0, 29], "stage": "1"}  # stage=1, a YAML number, is the string "1"
+    assert recipe.eval == {**plain.eval, "samples": 1, "tasks": "passkey,ppl", "set": {"window": 32},
+                           "task_limits": {"mmlu": 3}}
+    assert (recipe.name, recipe.row, recipe.source, recipe.overrides[0]) == (
+        "smoke", "Smoke test", path, "distill.max_tokens=100000")
+    assert Recipe.load(path) == plain  # the file is untouched
+    teacher = Recipe.load(RECIPES_DIR / "teacher.yaml", ["eval.batch=4", "model=/models/smollm2"])
+    assert teacher.eval["batch"] == 4 and teacher.model == "/models/smollm2"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("distill.max_token=5", r"override 'distill.max_token=5': unknown key 'distill.max_token' \('distill' takes "),
+    ("eval.sample=1", r"unknown key 'eval.sample' \('eval' takes batch, depths, "),
+    ("colour=red", r"unknown key 'colour' \(a recipe takes distill, eval, model, name, row\)"),
+    ("distill.max_tokens", r"override 'distill.max_tokens' is not KEY=VALUE"),
+    ("=3", r"is not KEY=VALUE"),
+    ("distill..seed=3", r"is not KEY=VALUE"),
+    ("eval.samples=[1", r"override 'eval.samples=\[1': the value is not YAML"),
+    ("row.x=1", r"'row' is .*, not a mapping"),
+    ("distill.stage=3", r"distill: --stage must be 1, 2 or both"),
+    ("eval.set.window=x", r"eval 'set': "),
+])
+def test_bad_overrides_are_one_line_errors_naming_the_key_and_file(override, message):
+    path = RECIPES_DIR / "lizard.yaml"
+    with pytest.raises(RecipeError, match=message) as error:
+        Recipe.load(path, [override])
+    assert str(error.value).startswith(f"recipe {path}") and "\n" not in str(error.value)
+
+
+def test_an_override_cannot_give_the_teacher_a_distillation():
+    with pytest.raises(RecipeError, match="override 'distill.max_tokens=5': this recipe distils no model"):
+        Recipe.load(RECIPES_DIR / "teacher.yaml", ["distill.max_tokens=5"])
+
+
+def test_recipe_list_shows_main_rows_then_ablations(capsys):
+    assert main(["recipe", "list"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.split() == ["name", "file", "row"] and len(lines) == 36
+    rows = [line.split(None, 2) for line in lines]
+    assert rows[0] == ["liger", "recipes/liger.yaml", "Liger-GLA (stage 2 only)"]
+    files = [file for _, file, _ in rows]
+    assert files.index("recipes/teacher.yaml") < files.index("recipes/ablations/lizard-alpha1.yaml")
+    assert [f.startswith("recipes/ablations/") for f in files] == [False] * 9 + [True] * 27
+    assert all(Path(RECIPES_DIR.parent / f).stem == name for name, f, _ in rows)
+
+
+def test_cli_refuses_bad_names_and_overrides_before_any_work(tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert main(["recipe", "run", "lizzard", "--out", str(out)]) == 2
+    assert "recipe lizzard is not a file nor a shipped recipe's name" in capsys.readouterr().err
+    assert main(["recipe", "run", "lizard", "still", "distill.max_token=5", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'distill.max_token'" in err and "recipes/lizard.yaml" in err
+    # Overrides (and recipes) may follow the options too.
+    assert main(["recipe", "run", "--out", str(out), "still", "--device", "cpu", "eval.sampls=1"]) == 2
+    assert "recipes/still.yaml: override 'eval.sampls=1': unknown key 'eval.sampls'" in capsys.readouterr().err
+    assert main(["recipe", "run", "eval.samples=1", "--out", str(out)]) == 2
+    assert "no recipe named" in capsys.readouterr().err
+    assert main(["recipe", "run", "lizard", str(RECIPES_DIR / "lizard.yaml"), "--out", str(out)]) == 2
+    assert "two recipes share a name" in capsys.readouterr().err
+    assert not out.exists()
