@@ -160,7 +160,7 @@ def _text_files(folder: Path) -> list[Path]:
 
 def stats(mix: list[Source], tokenizer) -> list[dict]:
     """Documents, characters and tokens (one EOS per document included) of each source."""
-    from linearize.data.packing import tokenize_documents
+    from linearize.data.tokenize import tokenize_documents
 
     docs = {source.name: [] for source in mix}
     for name, doc in _deduplicated(mix):

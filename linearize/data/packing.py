@@ -10,24 +10,21 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterable
-from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from tqdm import tqdm
 
 from linearize.data.errors import DataError
 from linearize.data.shuffle import permutation
 from linearize.data.sources import data_fingerprint, load_documents
 from linearize.data.token_cache import cached_array, default_cache_dir
+from linearize.data.tokenize import tokenize_documents
 
 log = logging.getLogger(__name__)
 
 PACKING_VERSION = 1  # bump when the layout of the token stream changes, so old caches are not reused
-TOKENIZE_BATCH = 1000  # documents per tokenizer call: large enough for the Rust tokenizer to use every core
 
 
 class TokenBlocks(Dataset):
@@ -94,29 +91,6 @@ def build_token_blocks(
     log.info("Data %s: %d blocks of %d tokens, %d for training, %d for validation.",
              spec, len(blocks), seq_len, len(train), len(val))
     return TokenBlocks(blocks, train), TokenBlocks(blocks, val)
-
-
-def tokenize_documents(documents: Iterable[str], tokenizer) -> tuple[np.ndarray, int]:
-    """The token stream of `documents` (each one's ids, then EOS) as int32, and the number of documents."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError("The tokenizer has no EOS token, which the packer needs to separate documents.")
-    pieces, num_docs = [], 0
-    for batch in tqdm(_batches(documents, TOKENIZE_BATCH), desc="tokenizing", unit="batch", disable=None):
-        # split_special_tokens: a literal "</s>" in the text stays text and can't fake a document boundary.
-        ids = tokenizer(batch, add_special_tokens=False, split_special_tokens=True,
-                        return_attention_mask=False, verbose=False)["input_ids"]
-        count = sum(len(doc) + 1 for doc in ids)
-        pieces.append(np.fromiter(chain.from_iterable(doc + [eos] for doc in ids), dtype=np.int32, count=count))
-        num_docs += len(ids)
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-    return stream, num_docs
-
-
-def _batches(items: Iterable[str], size: int):
-    iterator = iter(items)
-    while batch := list(islice(iterator, size)):
-        yield batch
 
 
 def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
