@@ -90,12 +90,15 @@ def smollm2_hf() -> Path:
     dest = cache_dir() / "smollm2" / "hf-float32"
     if dest.is_dir():
         return dest
-    from .loading import load_model, load_tokenizer  # transformers is heavy; only this asset needs it
+    import torch  # torch and transformers are heavy; only this asset needs them
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_files import from_gguf
 
     gguf = smollm2_gguf()
     with _staging("smollm2-hf") as tmp:
-        load_model(gguf).save_pretrained(tmp / "hf")
-        load_tokenizer(gguf).save_pretrained(tmp / "hf")
+        from_gguf(AutoModelForCausalLM, gguf, dtype=torch.float32).save_pretrained(tmp / "hf")
+        from_gguf(AutoTokenizer, gguf).save_pretrained(tmp / "hf")
         _publish_dir(tmp / "hf", dest)
     return dest
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
-from gguf import GGUFReader
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
+from .gguf_files import from_gguf
 
 ALIASES = {"smollm2": assets.smollm2_hf}
 # "name" or "org/name"; anything else that does not exist on disk is a missing path.
@@ -53,10 +53,7 @@ def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
     if kind == "dir" and not any((where / name).is_file() for name in TOKENIZER_FILES):
         raise ModelSpecError(f"{where} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                              "save the tokenizer into that folder too")
-    tokenizer = _from_pretrained(AutoTokenizer, kind, where)
-    if kind == "gguf":
-        _set_gguf_special_tokens(tokenizer, where)
-    return tokenizer
+    return _from_pretrained(AutoTokenizer, kind, where)
 
 
 def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
@@ -79,10 +76,7 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
 
 def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
     if kind == "gguf":
-        if auto_class is AutoModelForCausalLM:
-            # Dense weights, and no GGUF-quantized tag that would make save_pretrained refuse the model.
-            kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
+        return from_gguf(auto_class, where, **kwargs)
     if kind == "dir":
         return auto_class.from_pretrained(where, **kwargs)
     if not _hub_reachable():
@@ -119,12 +113,3 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
     if isinstance(getattr(torch, str(dtype), None), torch.dtype):
         return getattr(torch, dtype)
     raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as float32 or bfloat16, or 'auto'")
-
-
-def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    # transformers' GGUF converter for Llama vocabularies makes the BOS token the EOS token too and
-    # drops the pad token; the file's own metadata has the right ids.
-    fields = GGUFReader(path).fields
-    for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id")):
-        if key in fields:
-            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key].contents())))
