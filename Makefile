@@ -34,3 +34,4 @@ demo: setup
 
 lint: $(INSTALLED)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
