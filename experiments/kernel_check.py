@@ -187,10 +187,9 @@ def sweep_configs():
     order, where the window's neighbouring tiles miss L2; then kernel families' blocks at their
     previous or next size: the forward's value columns, which at 64 double its programs and its score
     GEMMs; the backward window passes'; the state passes' rows, forward and backward; no software
-    pipelining). `stages=3` needs more shared memory than an H200 has, and 8 warps were ~1.7x slower
-    (the thirteenth and twenty-second sessions' sweeps; the fused chunk kernel alone at 8 warps, 2.18
-    ms against 1.47 at 4, the twenty-third's). The earlier sweeps and what they chose are in
-    docs/kernels.md."""
+    pipelining). `stages=3` needs more shared memory than an H200 has, and 8 warps are ~1.7x slower
+    in the H200 sweeps (the fused chunk kernel alone at 8 warps: 2.18 ms against 1.47 at 4). The
+    sweeps and what they chose are in docs/kernels.md."""
     from linearize.ops.gla_window.triton import Config
 
     default = Config.default(torch.bfloat16)

@@ -24,7 +24,7 @@ class LizardConfig:
     and its bias at `gate_bias_init` (6.0: gamma = 0.9975, a ~280-token half-life), so the state
     starts close to plain linear attention and stage 1 learns how fast to forget. alpha starts at 0:
     both branches are normalised averages of values, so at alpha = 1 their sum is about twice the
-    teacher's output (stage-1 MSE at init 13.1 vs 3.2 on SmolLM2, scripts/stage1_init_error.py), and
+    teacher's output (stage-1 MSE at init 13.1 vs 3.2 on SmolLM2, experiments/scripts/stage1_init_error.py), and
     at lr 1e-3 alpha barely moves in a 2M-token stage. The window enters as stage 1 raises alpha.
     """
 

@@ -2,15 +2,15 @@
 `torch.compile` (inductor) for the wavelet search `_kth_ranked_above` alone and for the whole
 `fresh_routing`, on random inputs at STILL's default shape (3 KV heads of 64, 896-token budget):
 
-    python scripts/check_compiled_routing.py [--lengths 1024,4096] [--device cpu|cuda] [--kth-eager]
+    python experiments/scripts/check_compiled_routing.py [--lengths 1024,4096] [--device cpu|cuda] [--kth-eager]
 
 With --kth-eager the search runs uncompiled (a graph break) and one `fresh_routing` compiled with
 dynamic shapes serves every length, as it would serve a prefill's prompts.
 
 Compiling the routing would cut a prefill's ~100 small ops a layer (the eager pass is bound by their
-dispatch); it is only worth trying where this prints no mismatch. On the project's CPU (torch 2.13,
-twentieth session) `_kth_ranked_above` came out wrong at 4,096 tokens: every intermediate of its
-loop matches eager, the final gather does not; and the compiled `fresh_routing` aborted the
+dispatch); it is only worth trying where this prints no mismatch. On the project's CPU (torch 2.13)
+`_kth_ranked_above` comes out wrong at 4,096 tokens: every intermediate of its
+loop matches eager, the final gather does not; and the compiled `fresh_routing` aborts the
 process ("index out of bounds" from inductor's generated C++, which no `except` catches), so the
 lengths run in order and each prints as it ends (docs/kernels.md).
 """

@@ -1,6 +1,6 @@
 """Side by side, the question's attention on the passkey in several models (`still_routing.py --parts mass`).
 
-    python scripts/compare_mass.py LABEL=DIR [LABEL=DIR ...] --out PNG
+    python -m experiments.scripts.compare_mass LABEL=DIR [LABEL=DIR ...] --out PNG
 
 Each DIR holds a mass.json. Prints a Markdown table (per model and length: the key's share of the best
 head's normaliser, and the linear terms' mean share) and draws both against the prompt length.
@@ -26,7 +26,7 @@ def load(pairs: list[str]) -> dict[str, dict]:
             raise SystemExit(f"expected LABEL=DIR, got {pair!r}")
         path = Path(folder) / "mass.json"
         if not path.is_file():
-            raise SystemExit(f"{path} not found: run scripts/still_routing.py --parts mass --out {folder}")
+            raise SystemExit(f"{path} not found: run python -m experiments.scripts.still_routing --parts mass --out {folder}")
         runs[label] = json.loads(path.read_text())
     return runs
 

@@ -1,7 +1,7 @@
 """Counts the PyTorch ops one decoder layer dispatches, in a prompt's prefill and in one decode step,
 at SmolLM2's shape with random weights, on this machine (the count does not depend on the device).
 
-    python scripts/count_ops.py [--methods softmax,lizard,still] [--tokens 4096]
+    python experiments/scripts/count_ops.py [--methods softmax,lizard,still] [--tokens 4096]
 
 An eager pass pays Python and launch overhead per op on any device; a CUDA graph replays the
 kernels without it. Views (reshape, slice, ...) are counted apart: they launch no kernel. Each

@@ -1,12 +1,12 @@
-"""Rerun the cases behind `lizard_triton.miscompiled_on_gpu`: the Lizard forward at a head dim of 16.
+"""Rerun the cases behind `linearize.ops.gla_window.triton.miscompiled_on_gpu`: the Lizard forward at a head dim of 16.
 
-    python scripts/head_dim_16.py          # on a GPU (or under TRITON_INTERPRET=1)
+    python experiments/scripts/head_dim_16.py          # on a GPU (or under TRITON_INTERPRET=1)
 
 Each case runs in its own process (an illegal address poisons the CUDA context), through the kernel
-itself: a `Config` override makes `check.compare_forward` call `lizard_attention_triton` directly,
-past `supports`, which now sends these shapes to the PyTorch op. Prints the relative error of y
+itself: a `Config` override makes `testing.compare_forward` call `lizard_attention_triton` directly,
+past `supports`, which sends these shapes to the PyTorch op. Prints the relative error of y
 against float64 and whether it is within the bf16 tolerance, or the error the process died of.
-docs/results/h200/kernels/head-dim-16-27/forward-cases.log has the H200's answers.
+docs/kernels.md ("Known limitations") has the H200's answers.
 """
 
 import subprocess

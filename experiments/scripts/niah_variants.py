@@ -1,6 +1,6 @@
 """niah_single by variant, length and depth for results rows, from their committed eval.json files.
 
-    python scripts/niah_variants.py docs/results/h200/runs/teacher docs/results/h200/runs/still ...
+    python experiments/scripts/niah_variants.py docs/results/h200/runs/teacher docs/results/h200/runs/still ...
                                     [--max-length 4096]
 
 Variant 1 hides a 7-digit number in noise, 2 a number in essays, 3 a UUID in essays (RULER's

@@ -1,7 +1,7 @@
 """What the passkey answers are, for results rows, from their committed eval.json files: per length,
 how many predictions hold a number at all (3 or more digits) and how many are the key.
 
-    python scripts/passkey_answers.py docs/results/h200/runs/teacher docs/results/h200/runs/lizard ...
+    python experiments/scripts/passkey_answers.py docs/results/h200/runs/teacher docs/results/h200/runs/lizard ...
 
 A row that answers with numbers that are not the key retrieves something and copies it badly; a row
 that answers without one ("a key that is used to open a door") never found the key. Also prints

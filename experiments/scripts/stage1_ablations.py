@@ -1,6 +1,6 @@
 """Short CPU stage-1 runs of Lizard variants on the real teacher: the validation MSE each reaches.
 
-    python scripts/stage1_ablations.py [--steps 48] [--seq-len 256] [--out runs/stage1-ablations] [NAME ...]
+    python experiments/scripts/stage1_ablations.py [--steps 48] [--seq-len 256] [--out runs/stage1-ablations] [NAME ...]
 
 Every variant trains stage 1 alone for `--steps` steps of 4 x `--seq-len` tokens at the papers' lr 1e-3 (the
 per-head scalars at 30x), on top of the Lizard form that learns fastest from SmolLM2 (RoPE in the

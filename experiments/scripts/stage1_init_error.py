@@ -1,6 +1,6 @@
 """Stage-1 loss of each method at its initialisation, before any training, on the real teacher.
 
-    python scripts/stage1_init_error.py [--model smollm2] [--tokens 2048] [--set lizard:alpha_init=1.0 ...]
+    python experiments/scripts/stage1_init_error.py [--model smollm2] [--tokens 2048] [--set lizard:alpha_init=1.0 ...]
 
 The MSE between each layer's output and the teacher's (the stage-1 loss, averaged over layers) on
 2 x 1024 tokens of the public-domain essays, one forward per variant. A start far from the teacher

@@ -1,8 +1,8 @@
 """Where STILL's routing variants leave a needle (passkey, niah_single), replayed on a model's q and k (CPU will do).
 
-    python scripts/still_routing.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100]
-                                    [--task passkey | --task niah_single [--variant 1|2|3]]
-                                    [--configs 0,2] [--parts routing,mass] [--out DIR]
+    python -m experiments.scripts.still_routing [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,25,50,75,100]
+                                               [--task passkey | --task niah_single [--variant 1|2|3]]
+                                               [--configs 0,2] [--parts routing,mass] [--out DIR]
 
 For each prompt of the task (passkey by default; the evaluation's first sample at each depth) and
 each routing variant below (`--configs`: their indices, all by default): the share of (prompt,

@@ -1,7 +1,7 @@
 """How long torch.compile takes on a decode step (`StaticDecoder(compile_backend=...)`), by layer count,
 at SmolLM2's shape with random weights, on this machine's CPU (eager steps, no CUDA graph).
 
-    python scripts/time_decode_compile.py [--methods lizard,still] [--layers 1,2,4] [--backend inductor]
+    python experiments/scripts/time_decode_compile.py [--methods lizard,still] [--layers 1,2,4] [--backend inductor]
 
 Dynamo traces a whole step's layers unrolled (Lizard), so its first step's compile grows with the
 layer count; STILL compiles its attention step alone, once for every layer, so its compile should not.

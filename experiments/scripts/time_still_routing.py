@@ -1,6 +1,6 @@
 """Times STILL's routing of one fresh pass (one layer at SmolLM2's shape, random q/k/v) on this machine.
 
-    python scripts/time_still_routing.py [--shapes 8x2048,4x4096,1x32768] [--repeats 3]
+    python experiments/scripts/time_still_routing.py [--shapes 8x2048,4x4096,1x32768] [--repeats 3]
 
 The routing (`linearize.ops.still.fresh_routing`: saliency scores, chunk picks, the eviction replay)
 runs in PyTorch before the STILL kernels in every training step and prefill. Prints the best of

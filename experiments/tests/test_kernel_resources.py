@@ -59,7 +59,7 @@ def test_lizard_window_key_pass_does_not_spill_as_launched():
 def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
     """The fused chunk kernel holds a chunk's state and state gradient at once; at the default's warps
     two programs must still share an SM (an H200 SM has 64K registers and 228 KB of shared memory, 1
-    KB of it reserved per block), as when its sweep timed it (twenty-third session)."""
+    KB of it reserved per block), as when the H200 sweep timed it (docs/kernels.md)."""
     from linearize.ops.gla_window.triton import Config
 
     cfg = Config.default(torch.bfloat16)
@@ -70,9 +70,9 @@ def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
 @pytest.mark.parametrize("save", [False, True])
 def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
     """The default caps the forward chunk kernel's registers so that three of its programs share an SM
-    (twenty-fifth session: 6.05 ms against 7.5 uncapped at B=32, L=8K). What the cap spills stays
+    (on the H200: 6.05 ms against 7.5 uncapped at B=32, L=8K; docs/kernels.md). What the cap spills stays
     small (8 bytes a thread for inference, 72 saving the backward's parts, compiled here): holding
-    y_gla in registers through the window instead spilled 256 and lost."""
+    y_gla in registers through the window instead spills 256 and is slower."""
     from linearize.ops.gla_window import triton as lizard_triton
 
     cfg = lizard_triton.Config.default(torch.bfloat16)
@@ -87,8 +87,8 @@ def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
 
 def test_lizard_state_pass_fits_two_programs_an_sm_without_spilling_as_launched():
     """The forward state pass holds a 128 x 128 float32 state a program; at the default's 4 warps and 3
-    stages two programs share an SM, unspilled, as when it matched fla's state pass (twenty-eighth
-    session: 2.40 ms against fla's 2.50 at B=32, L=8K)."""
+    stages two programs share an SM, unspilled, as when it matched fla's state pass on the H200 (2.40 ms
+    against fla's 2.50 at B=32, L=8K; docs/kernels.md)."""
     from linearize.ops.gla_window.triton import Config
 
     cfg = Config.default(torch.bfloat16)

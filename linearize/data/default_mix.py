@@ -28,7 +28,7 @@ MIX_VERSION = 1  # bump when the choice or extraction of documents changes, so c
 DENY_LIST = ("piqa", "arc", "hellaswag", "winogrande", "mmlu", "lambada")  # evaluation sets
 HELD_OUT = ("moby",)  # Moby-Dick: the perplexity evaluation text
 # State of the Union addresses that MMLU's US-history questions quote at length (14 to 141 shared 13-word runs;
-# see tests/data/test_data_default_mix.py). Dropped so that the mix holds no MMLU passage.
+# see tests/data/test_data_default_mix.py). Left out so that the mix holds no MMLU passage.
 QUOTED_BY_MMLU = ("1829_andrew_jackson", "1855_franklin_pierce", "1980_jimmy_carter", "1982_ronald_reagan")
 # A deny-listed name as a whole word of a path ("ai2_arc", "ARC-Easy"), not inside another word ("search").
 DENIED = re.compile(rf"(?<![a-z])({'|'.join(DENY_LIST)})(?![a-z])")

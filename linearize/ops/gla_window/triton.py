@@ -16,7 +16,7 @@ its gradient, at every chunk, and every chunk is a program of its own) and a sca
 a chunk takes the linear part's dq, dk and dv at once (`_bwd_chunk_kernel`). The per-token d log g is a reverse cumsum of fq.dfq - fk.dfk,
 finished with the GQA and per-program sums.
 
-Importing this module needs triton; `linearize.kernels` guards that import.
+Importing this module needs triton; the dispatch in `linearize.ops.gla_window` guards that import.
 """
 
 from __future__ import annotations
@@ -115,15 +115,13 @@ class Config:
         # float32 (3xTF32) operands take twice the registers and shared memory of 16-bit ones (untimed).
         if dtype == torch.float32:
             return Config(chunk=32, window_dq_block=32, window_dkv_block=32, state_block_v=64)
-        # The fastest of the H200 sweeps at B=16, H=32, F=D=128, L=2K (docs/kernels.md, twenty-second
-        # session): 1.40 / 6.87 ms forward / forward+backward, against 1.62 / 7.25 with the heads first;
-        # then each kernel's own blocks, from that session's profiles of one change at a time; the
-        # forward state pass at 3 stages and the forward's tiles through TMA from the twenty-fourth's
-        # forward sweeps (B=32, L=8K: the state pass 2.74 ms against 2.90, the chunk kernel 6.79
-        # against 7.04); the chunk kernel at 1 stage under 168 registers, three programs an SM, from
-        # the twenty-fifth's (6.05 ms against 7.5-7.6 for the same code at two programs an SM); the state
-        # pass's blocks, warps and stages again the fastest of 63 after its loop took fla's form, the
-        # twenty-eighth's (2.37 ms at B=32, L=8K).
+        # The fastest of the H200 sweeps (docs/kernels.md): at B=16, H=32, F=D=128, L=2K, chunks first
+        # gives 1.40 / 6.87 ms forward / forward+backward against 1.62 / 7.25 with the heads first, and
+        # each kernel's blocks are the fastest of its profiles of one change at a time; at B=32, L=8K the
+        # forward state pass at 3 stages takes 2.74 ms against 2.90, the chunk kernel's tiles through TMA
+        # 6.79 against 7.04, and the chunk kernel at 1 stage under 168 registers (three programs an SM)
+        # 6.05 against 7.5-7.6 at two programs an SM; the state pass's blocks, warps and stages are the
+        # fastest of 63 (2.37 ms at B=32, L=8K).
         return Config(chunk=64, block_v=128, dv_block_v=64, window_dq_block=64, window_dkv_block=32, warps=4,
                       stages=2, split=True, state_block_k=128, dstate_block_k=64, chunks_first=True, state_warps=4,
                       state_stages=3, tma=True, forward_stages=1, forward_registers=168)
@@ -950,7 +948,7 @@ def supports(fq, fk, log_g, qw, kw, v, *, window, sinks, dtype=None) -> str | No
 
 def miscompiled_on_gpu(F: int, D: int, dtype: torch.dtype) -> bool:
     """Shapes whose forward Triton (3.6, sm_90) compiles wrongly: a head dim of 16 under more features,
-    in 16 bits. On the H200 (twenty-seventh session, docs/kernels.md "Known limitations") bf16 at D = 16
+    in 16 bits. On the H200 (docs/kernels.md "Known limitations") bf16 at D = 16
     read shared memory out of range (F = 32: an illegal address, through tensor descriptors or pointer
     loads) or gave y at 0.34 relative error (F = 32 in the one-pass kernel, F = 64); F = D = 16,
     F = D = 32 and float32 were right. The interpreter is right at all of them. float16, not measured,
@@ -1281,7 +1279,7 @@ def shared_split_reference(dy, y_gla, y_win, den, lse, row_max):
 
 def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
                             shared=False, config=None):
-    """The kernel path of `linearize.kernels.lizard_attention` (inputs already checked by `supports`)."""
+    """The kernel path of `linearize.ops.gla_window.lizard_attention` (inputs already checked by `supports`)."""
     if shared and not normalize:
         raise ValueError("shared=True needs normalize=True (one normaliser for both branches)")
     tensors = (fq, fk, log_g, qw, kw, v, sinks, alpha)

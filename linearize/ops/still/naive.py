@@ -384,7 +384,7 @@ def _route(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, s
 
 
 def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps, fk=None):
-    """The routing of a fresh pass over L tokens, for the kernels (`linearize.kernels.still_attention`)
+    """The routing of a fresh pass over L tokens, for the kernels (`linearize.ops.still.triton`)
     to take: when each token folds into the linear state, relative to the pass (query i at time i;
     [B, H_kv, L], NEVER - start for the tokens softmax-visible to its end), and, given `fk` (the
     feature map of each query head's keys, [B, H, L, F]), the state after the pass (else None).

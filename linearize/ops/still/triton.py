@@ -13,7 +13,7 @@ Reference: `ops.still.still_parallel(fresh=True, keep_state=False)`. Backward: o
 blocks of queries (dq, dfq), one over blocks of keys (dk, dv, dfk), each recomputing the tile's
 scores; the per-row terms and d gate are elementwise, in PyTorch.
 
-Importing this module needs triton; `linearize.kernels` guards that import.
+Importing this module needs triton; the dispatch in `linearize.ops.still` guards that import.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def block_size(dtype, D, F):
 def key_kernel_launch(dtype, D, F) -> dict:
     """`_bwd_dkv_kernel`'s tiles and launch options: half as many keys a program as queries, and 8 warps.
     Its three [keys, d] accumulators beside the keys' own tiles spill registers at 64 x 64 and 4 warps
-    (480 bytes a thread at bf16, d = 64), not so (`linearize.kernels.resources`)."""
+    (480 bytes a thread at bf16, d = 64), not so (`experiments/kernel_resources.py`)."""
     block = block_size(dtype, D, F)
     return {"BM": block, "BN": max(16, block // 2), "num_warps": 8, "num_stages": 2}
 
