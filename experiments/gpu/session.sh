@@ -65,7 +65,7 @@ case $part in
     while [ ! -f "$OUT/$1.tgz" ] && [ "$(date +%s)" -lt "${DEADLINE:-0}" ]; do sleep 5; done
     exit ;;
   fsdp)
-    # An optional word sets the global batch (16 by default, the fifth session's), a second the cases
+    # An optional word sets the global batch (16 by default), a second the cases
     # joined by + (all of fsdp_check.py's by default), e.g. `fsdp 16 graphed`.
     cases=${2:-fsdp+gathered+replicated+graphed}
     step fsdp 540 python experiments/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --cases "${cases//+/,}" \
