@@ -135,6 +135,8 @@ def _through_kernels(fq, fk, log_g, qw, kw, v, valid, state, *, start, caching, 
     # the new state too, instead of `state_after` computing it again over the call.
     fills_cache = caching and all_valid and can_continue and not torch.is_grad_enabled()
     if start > 0 or fills_cache:
+        if not options.pop("normalize", True):
+            return None  # the continued kernel has no unnormalised form (Liger's passes never continue)
         if start == 0:
             (B, H, _, F), HKV, D = fq.shape, kw.shape[1], qw.shape[-1]
             state = init_state(B, H, HKV, F, D, options["window"], device=fq.device)
