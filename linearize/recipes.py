@@ -347,7 +347,7 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     started = time.perf_counter()
     try:
         tokenizer = load_tokenizer(subject)
-        # bf16 on a GPU, as scripts/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
+        # bf16 on a GPU, as experiments/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
         settings = dict(recipe.eval)
         model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None,
                            inference_options=settings.pop("set", None))

@@ -3,7 +3,7 @@
 #   source experiments/gpu/env.sh && bash experiments/gpu/session.sh PART [NAME...]
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp [BATCH [CASES]] (2 GPUs)
 # | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
-# | rows NAME... (recipes/NAME.json) | distill NAME... (the rows' training alone; a later `rows` evaluates)
+# | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
@@ -71,7 +71,7 @@ case $part in
     step fsdp 540 python experiments/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --cases "${cases//+/,}" \
       --out "$res/fsdp" ;;
   model)
-    # The best Lizard (recipes/lizard-rope-shared.json), or METHOD with its defaults, prefilling in one
+    # The best Lizard (recipes/ablations/lizard-rope-shared.yaml), or METHOD with its defaults, prefilling in one
     # call as the evaluation's generation does (STILL's kernels take fresh passes only); at the 8B
     # shape the batch sweep runs at the 32K context that the decode target names.
     shape=${1:-llama3-8b}
@@ -98,7 +98,7 @@ case $part in
       --profile --time-limit 460 --out "$res/model-$shape" ;;
   rows|distill)
     recipes=()
-    for name in "$@"; do recipes+=("recipes/$name.json"); done
+    for name in "$@"; do recipes+=("$name"); done
     only=()
     [ "$part" = distill ] && only=(--no-eval)
     step "$part" 570 python -m linearize.cli recipe run "${recipes[@]}" "${only[@]}" --out /tmp/runs
