@@ -3,6 +3,10 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make test`: the fast default (one Triton-interpreter case per kernel code path); `make test-all`:
+# every test, the slow ones and all interpreter cases too (the gpu ones skip without CUDA). An `-m` in
+# PYTEST_ARGS comes last and so replaces FAST.
+FAST := not slow and not interpreter and not gpu
 # The Hugging Face hub is out of reach here: fail at once instead of retrying for a minute.
 export HF_HUB_OFFLINE ?= 1
 
@@ -10,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 INSTALLED := $(VENV)/.installed
 ASSETS := $(VENV)/.assets-fetched
 
-.PHONY: setup test demo lint
+.PHONY: setup test test-all demo lint
 
 setup: $(ASSETS)
 
@@ -27,7 +31,10 @@ $(ASSETS): $(INSTALLED) linearize/assets.py
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "$(FAST)" $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/linearize demo

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from linearize.ops.features import naive as feature_maps
 from linearize.feature_maps import per_head_projection
+from linearize.ops.features import naive as feature_maps
 
 
 @pytest.mark.parametrize("L, block", [(37, 8), (32, 8), (5, 1024)])

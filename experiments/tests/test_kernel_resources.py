@@ -1,4 +1,8 @@
-"""Register use of kernels compiled for the H200 (sm_90) on this CPU: Triton compiles without a GPU."""
+"""Register use of kernels compiled for the H200 (sm_90): Triton compiles without a GPU.
+
+The tests that pin a tuning snapshot (registers, spills, programs an SM of the launched configurations)
+are in the GPU/perf group (`gpu`): they run with `pytest -m gpu` on the machine where the kernels are
+tuned, since a compiler update may move them without any change in behaviour."""
 
 import pytest
 import torch
@@ -6,6 +10,7 @@ import torch
 from experiments import kernel_resources as res
 
 pytestmark = pytest.mark.skipif(not (res.TOOLS / "cuobjdump").exists(), reason="triton ships no cuobjdump here")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU tuning snapshot: pytest -m gpu on a GPU")
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +20,8 @@ def still_triton():
     return still_triton
 
 
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_still_key_kernel_does_not_spill_as_launched(still_triton, d):
     launch = still_triton.key_kernel_launch(torch.bfloat16, d, d)
@@ -26,14 +33,18 @@ def test_still_key_kernel_does_not_spill_as_launched(still_triton, d):
     assert 0 < found["registers"] <= 255 and 0 < found["shared"] <= 227 * 1024
 
 
+@pytest.mark.gpu
+@on_gpu
 def test_square_tiles_on_four_warps_spill(still_triton):
-    """The configuration the key kernel had before: the check sees its spills."""
+    """Square 64 x 64 tiles on four warps, the configuration the launch avoids: the check sees their spills."""
     found = res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
                           {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64, "BN": 64},
                           divisible=("L",), num_warps=4, num_stages=3)
     assert found["registers"] == 255 and found["spilled"] > 0
 
 
+@pytest.mark.gpu
+@on_gpu
 def test_alignment_hints_as_at_launch_save_registers(still_triton):
     constants = {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64, "BN": 64}
     hinted, plain = (res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"), constants,
@@ -48,6 +59,8 @@ def test_every_argument_needs_a_type_or_value(still_triton):
                       {"D": 64, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": 64})
 
 
+@pytest.mark.gpu
+@on_gpu
 def test_lizard_window_key_pass_does_not_spill_as_launched():
     from linearize.ops.gla_window.triton import Config
 
@@ -56,6 +69,8 @@ def test_lizard_window_key_pass_does_not_spill_as_launched():
     assert found["spilled"] == 0 and 0 < found["registers"] <= 255
 
 
+@pytest.mark.gpu
+@on_gpu
 def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
     """The fused chunk kernel holds a chunk's state and state gradient at once; at the default's warps
     two programs must still share an SM (an H200 SM has 64K registers and 228 KB of shared memory, 1
@@ -67,6 +82,8 @@ def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
     assert res.programs_per_sm(found, cfg.warps) >= 2
 
 
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("save", [False, True])
 def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
     """The default caps the forward chunk kernel's registers so that three of its programs share an SM
@@ -85,6 +102,8 @@ def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
     assert res.programs_per_sm(uncapped, cfg.warps) == 2 and uncapped["spilled"] == 0
 
 
+@pytest.mark.gpu
+@on_gpu
 def test_lizard_state_pass_fits_two_programs_an_sm_without_spilling_as_launched():
     """The forward state pass holds a 128 x 128 float32 state a program; at the default's 4 warps and 3
     stages two programs share an SM, unspilled, as when it matched fla's state pass on the H200 (2.40 ms

@@ -180,17 +180,23 @@ def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
 
 
 def test_code_path_switches_name_the_section_and_lead_the_command(monkeypatch):
-    """A run with LINEARIZE_FEATURES_BACKWARD=0 measures other code: its section must not replace the
-    default run's, and its command must rerun it. LINEARIZE_CACHE (where assets live) changes neither."""
-    monkeypatch.setenv("LINEARIZE_FEATURES_BACKWARD", "0")
+    """A run on the PyTorch backend (LINEARIZE_BACKEND=torch) measures other code: its section must not
+    replace the default run's, and its command must rerun it. LINEARIZE_CACHE (where assets live) changes
+    neither."""
+    monkeypatch.setenv("LINEARIZE_BACKEND", "torch")
     monkeypatch.setenv("LINEARIZE_CACHE", "/somewhere")
     results = new_results("train", "Training throughput", torch.device("cpu"), {"options": {"combine": "shared"}})
-    assert results["environment"]["switches"] == {"LINEARIZE_FEATURES_BACKWARD": "0"}
-    assert results["command"].startswith("LINEARIZE_FEATURES_BACKWARD=0 ") and "/somewhere" not in results["command"]
-    assert title(results).endswith("(combine=shared, LINEARIZE_FEATURES_BACKWARD=0)")
-    monkeypatch.delenv("LINEARIZE_FEATURES_BACKWARD")
+    assert results["environment"]["switches"] == {"LINEARIZE_BACKEND": "torch"}
+    assert results["command"].startswith("LINEARIZE_BACKEND=torch ") and "/somewhere" not in results["command"]
+    assert title(results).endswith("(combine=shared, LINEARIZE_BACKEND=torch)")
+    monkeypatch.delenv("LINEARIZE_BACKEND")
     plain = new_results("train", "Training throughput", torch.device("cpu"), {})
     assert plain["environment"]["switches"] == {} and title(plain) == plain["title"]
+    from linearize.ops.backend import use_backend
+
+    with use_backend("torch"):  # set in code rather than in the environment: the same section and command
+        chosen = new_results("train", "Training throughput", torch.device("cpu"), {})
+    assert chosen["environment"]["switches"] == {"LINEARIZE_BACKEND": "torch"}
 
 
 def test_a_model_run_of_other_methods_is_another_section():

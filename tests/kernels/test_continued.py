@@ -1,11 +1,9 @@
 """A prefill continuing from a carried state through the kernel equals the reference op."""
 
-import json
-
 import pytest
 import torch
 from continued_check import check
-from interpreted import interpreted
+from interpreted import cases
 from test_lizard_triton import HAS_TRITON
 
 CASES = {
@@ -17,13 +15,7 @@ CASES = {
     "bf16-shared": {"dtype": "torch.bfloat16", "shared": True},
 }
 TOLERANCE = {"torch.bfloat16": 2e-2}
-_SCRIPT = """
-import json, sys, torch
-from continued_check import check
-cases = json.loads(sys.argv[1])
-print(json.dumps({name: check("cpu", **{k: eval(v) if k == "dtype" else v for k, v in case.items()})
-                  for name, case in cases.items()}))
-"""
+FAST_CASES = ("scalar-w32",)
 
 
 def _assert_close(name, errors):
@@ -31,10 +23,11 @@ def _assert_close(name, errors):
     assert max(errors.values()) < tol, (name, errors)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_continued_prefill_in_the_interpreter():
-    for name, errors in interpreted(_SCRIPT, json.dumps(CASES)).items():
-        _assert_close(name, errors)
+@pytest.mark.parametrize("name", cases(CASES, FAST_CASES))
+def test_continued_prefill_in_the_interpreter(name, interpreter):
+    code = ("import torch\nfrom continued_check import check\nfrom test_continued import CASES\n"
+            f"result = check('cpu', **{{k: eval(v) if k == 'dtype' else v for k, v in CASES[{name!r}].items()}})")
+    _assert_close(name, interpreter.run(code, f"continued {name}"))
 
 
 @pytest.mark.gpu
@@ -46,7 +39,7 @@ def test_continued_prefill_on_cuda(name):
 
 
 _ROW_BLOCKS_SCRIPT = """
-import json, torch
+import torch
 from linearize.ops.gla_window.testing import Case, make_inputs
 from linearize.ops.gla_window.triton import Config, lizard_attention_parts
 case = Case(L=70, gate="vector", F=64, D=64)
@@ -57,11 +50,11 @@ runs = [lizard_attention_parts(fq, fk, log_g, qw, kw, v, window=32, scale=0.125,
                                carried=carried, config=Config(chunk=32, split=True, state_block_k=rows))
         for rows in (64, 16)]
 whole, blocks = ([*parts[:4], *parts[4]] for parts in runs)
-print(json.dumps([((a - b).norm() / a.norm()).item() for a, b in zip(whole, blocks)]))
+result = [((a - b).norm() / a.norm()).item() for a, b in zip(whole, blocks)]
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_state_row_blocks_continue_a_carried_state_as_one_block_does():
+@pytest.mark.interpreter
+def test_state_row_blocks_continue_a_carried_state_as_one_block_does(interpreter):
     """The state passes split by feature rows start from the carried rows and return them at the end."""
-    assert max(interpreted(_ROW_BLOCKS_SCRIPT)) < 1e-6
+    assert max(interpreter.run(_ROW_BLOCKS_SCRIPT, "state row blocks")) < 1e-6

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from interpreted import interpreted_cases
+from interpreted import cases
 from test_lizard_triton import HAS_TRITON
 
 from linearize.attention.base import rotate
@@ -37,17 +37,17 @@ def _inputs(device, seed, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype=torc
 
 
 def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, weight_dtype=torch.float32,
-           dtype=torch.float32, out_dtype=None) -> dict:
+           dtype=torch.float32, out_dtype=None, block=None) -> dict:
     """Max abs errors of the kernel's outputs. q and k are transposed views of [B, L, heads, D], as the
     attention module's projections give them, in `dtype`; the outputs are in `out_dtype` (default
     `dtype`), against the float32 references rounded to it. `cos_batch=1`: one row of positions for the
-    whole batch."""
+    whole batch. `block`: tokens per program of a prefill (None: the default)."""
     from linearize.ops.features.triton import lizard_features
 
     _, maps, q, k, position = _inputs(device, 0, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype, dtype)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     out_dtype = out_dtype or dtype
-    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position, out_dtype)
+    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position, out_dtype, block=block)
     q, k = q.float(), k.float()
     qw_ref, kw_ref = rotate(q, k, position) if rope else (q, k)
     pairs = {"fq": (fq, maps[0](q)), "fk": (fk, maps[1](repeat_kv(k, H // HKV))), "qw": (qw, qw_ref),
@@ -61,27 +61,34 @@ def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, we
     return out
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation():
-    for name, errs in interpreted_cases("test_features").items():
-        assert max(errs.values()) < 1e-5, (name, errs)
+FAST_CASES = ("step-gqa-rope", "prefill-L37-gqa-rope-projection-strides")  # one token, a block
+
+
+@pytest.mark.parametrize("name", cases(CASES, FAST_CASES))
+def test_interpreted_features_kernel_equals_the_feature_maps_and_rotation(name, interpreter):
+    errs = interpreter.case("test_features", name)
+    assert max(errs.values()) < 1e-5, errs
 
 
 BLOCK_CASES = {name: CASES[name] for name in ("prefill-L37-gqa-rope-projection-strides", "prefill-L150-gqa-rope-three-blocks")}
+FAST_BLOCK_CASES = ("prefill-L37-gqa-rope-projection-strides",)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_interpreted_features_kernel_at_another_block_size(monkeypatch):
-    """LINEARIZE_FEATURES_BLOCK (for A/B timings) changes how many tokens a program takes, not the results."""
-    from linearize.ops.features.triton import tokens_per_program
+@pytest.mark.parametrize("name", cases(BLOCK_CASES, FAST_BLOCK_CASES))
+def test_interpreted_features_kernel_at_another_block_size(name, interpreter):
+    """`lizard_features(block=16)` (for A/B timings) changes how many tokens a program takes, not the results."""
+    errs = interpreter.case("test_features", name, "BLOCK_CASES", block=16)
+    assert max(errs.values()) < 1e-5, errs
 
-    monkeypatch.setenv("LINEARIZE_FEATURES_BLOCK", "16")
-    assert tokens_per_program() == 16
-    for name, errs in interpreted_cases("test_features", "BLOCK_CASES").items():
-        assert max(errs.values()) < 1e-5, (name, errs)
-    monkeypatch.setenv("LINEARIZE_FEATURES_BLOCK", "24")
-    with pytest.raises(ValueError, match="power of two >= 16"):
-        tokens_per_program()
+
+def test_features_block_sizes_are_powers_of_two_from_16():
+    pytest.importorskip("triton")
+    from linearize.ops.features.triton import TOKENS_PER_PROGRAM, tokens_per_program
+
+    assert tokens_per_program() == TOKENS_PER_PROGRAM and tokens_per_program(16) == 16
+    for bad in (24, 8):
+        with pytest.raises(ValueError, match="power of two >= 16"):
+            tokens_per_program(bad)
 
 
 @pytest.mark.gpu
@@ -129,10 +136,13 @@ def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch
     return out
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_interpreted_features_gradients_equal_autograd_through_the_reference():
-    for name, errs in interpreted_cases("test_features", "GRADIENT_CASES", "gradient_errors").items():
-        assert max(errs.values()) < 1e-5, (name, errs)
+FAST_GRADIENT_CASES = ("gqa-rope-L37-inputs-and-weights",)
+
+
+@pytest.mark.parametrize("name", cases(GRADIENT_CASES, FAST_GRADIENT_CASES))
+def test_interpreted_features_gradients_equal_autograd_through_the_reference(name, interpreter):
+    errs = interpreter.case("test_features", name, "GRADIENT_CASES", "gradient_errors")
+    assert max(errs.values()) < 1e-5, errs
 
 
 # On the GPU also the shapes that train: SmolLM2's heads (9 of 64 dims over 3 KV heads, f = 32) and

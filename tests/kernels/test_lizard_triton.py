@@ -6,18 +6,17 @@ below 1e-4 (float32) / 1e-2 (bfloat16), or within 4x of the reference op run in 
 itself is ill-conditioned (at L = 1 d phi vanishes up to eps and float32 cancels).
 
 On a GPU: `pytest -m gpu tests/kernels`. Without one, the same kernels run in Triton's interpreter
-(numpy on CPU) in a subprocess, so TRITON_INTERPRET=1 never leaks into this process; those tests need
-triton installed and skip otherwise.
+(numpy on CPU) in a worker subprocess (interpreted.py), so TRITON_INTERPRET=1 never leaks into this
+process; those tests need triton installed and skip otherwise. Each case is its own test.
 """
 
 import importlib.util
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from interpreted import interpreted as run_interpreted
+from interpreted import cases
 
 from linearize.ops.gla_window.testing import CHECK_CASES, Case, compare, compare_forward, within_tolerance
 
@@ -25,7 +24,6 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 bf16 = torch.bfloat16
 
-# About 45 s in the interpreter on 2 CPU cores (the slow set: about 100 s).
 INTERPRETER_CASES = {
     "L100-gqa-w32-sinks4": Case(L=100),
     "L1": Case(L=1),
@@ -96,16 +94,21 @@ INFERENCE_CASES = {
 }
 GPU_CASES = {**INTERPRETER_CASES, **SLOW_INTERPRETER_CASES, **{f"check{i}": c for i, c in enumerate(CHECK_CASES)}}
 
-_SCRIPT = """
-import json, sys, torch
-from linearize.ops.gla_window import testing as check
-cases = [eval(c, {"Case": check.Case, "torch": torch}) for c in json.loads(sys.argv[1])]
-print(json.dumps([getattr(check, sys.argv[2])(c, "cpu") for c in cases]))
-"""
+# One case per code path runs in `make test`: the one-pass and the split kernels (the split backward
+# fused and per pass), the shared normaliser, a vector gate, stage 1's frozen inputs, a transposed dy,
+# state row blocks, the chunks-first launch order, tensor descriptors and the PyTorch fallback.
+FAST_CASES = ("one-pass-L63-w64-bf16", "split-F16-D32-L33", "shared-split-L63-nosinks-bf16",
+              "shared-split-unfused-L63-nosinks-bf16", "L20-vector-w64-bf16", "frozen-L63-w64-bf16",
+              "dy-transposed-split-L63-w64-bf16", "split-rows16-L100-gqa-w32-sinks4",
+              "chunks-first-split-L100-gqa-w32-sinks4", "tma-one-pass-L63-w64-bf16", "fallback-F48")
+FAST_INFERENCE_CASES = ("one-pass-L63-w64", "split-L100-gqa-w32-sinks4-bf16")
 
 
-def _interpret(cases: dict, how: str = "compare") -> dict:
-    return dict(zip(cases, run_interpreted(_SCRIPT, json.dumps([repr(c) for c in cases.values()]), how)))
+def _interpret(interpreter, table: str, name: str, how: str = "compare") -> dict:
+    """`testing.compare` (or `how`) of the case `name` of this module's `table`, interpreted."""
+    code = (f"from linearize.ops.gla_window import testing\nfrom test_lizard_triton import {table}\n"
+            f"result = testing.{how}({table}[{name!r}], 'cpu')")
+    return interpreter.run(code, f"{table}[{name!r}]")
 
 
 def _check(case: Case, out: dict):
@@ -113,27 +116,15 @@ def _check(case: Case, out: dict):
     assert within_tolerance(case, out["errors"]), out["errors"]
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return _interpret(INTERPRETER_CASES)
-
-
-@pytest.fixture(scope="module")
-def interpreted_slow():
-    return _interpret(SLOW_INTERPRETER_CASES)
-
-
-@needs_triton
-@pytest.mark.parametrize("name", INTERPRETER_CASES)
-def test_interpreter(name, interpreted):
-    _check(INTERPRETER_CASES[name], interpreted[name])
+@pytest.mark.parametrize("name", cases(INTERPRETER_CASES, FAST_CASES))
+def test_interpreter(name, interpreter):
+    _check(INTERPRETER_CASES[name], _interpret(interpreter, "INTERPRETER_CASES", name))
 
 
 @pytest.mark.slow
-@needs_triton
-@pytest.mark.parametrize("name", SLOW_INTERPRETER_CASES)
-def test_interpreter_slow(name, interpreted_slow):
-    _check(SLOW_INTERPRETER_CASES[name], interpreted_slow[name])
+@pytest.mark.parametrize("name", cases(SLOW_INTERPRETER_CASES))
+def test_interpreter_slow(name, interpreter):
+    _check(SLOW_INTERPRETER_CASES[name], _interpret(interpreter, "SLOW_INTERPRETER_CASES", name))
 
 
 @pytest.mark.gpu
@@ -143,15 +134,9 @@ def test_gpu(name):
     _check(GPU_CASES[name], compare(GPU_CASES[name], "cuda"))
 
 
-@pytest.fixture(scope="module")
-def interpreted_inference():
-    return _interpret(INFERENCE_CASES, "compare_forward")
-
-
-@needs_triton
-@pytest.mark.parametrize("name", INFERENCE_CASES)
-def test_inference_forward_interpreter(name, interpreted_inference):
-    _check(INFERENCE_CASES[name], interpreted_inference[name])
+@pytest.mark.parametrize("name", cases(INFERENCE_CASES, FAST_INFERENCE_CASES))
+def test_inference_forward_interpreter(name, interpreter):
+    _check(INFERENCE_CASES[name], _interpret(interpreter, "INFERENCE_CASES", name, "compare_forward"))
 
 
 @pytest.mark.gpu
@@ -162,20 +147,18 @@ def test_inference_forward_gpu(name):
 
 
 _GATE_GRAD_SCRIPT = """
-import json, torch
+import torch
 from linearize.ops.gla_window.triton import scalar_gate_grad
-errors = []
+result = []
 for NB, B, H, L in [(1, 2, 3, 5), (4, 2, 1, 2049), (1, 1, 1, 1)]:  # 2049: three blocks, the last partial
     da = torch.randn(NB, B, H, L, generator=torch.Generator().manual_seed(L))
     reference = da.sum(0).flip(-1).cumsum(-1).flip(-1)
-    errors.append(((scalar_gate_grad(da) - reference).abs().max() / reference.abs().max()).item())
-print(json.dumps(errors))
+    result.append(((scalar_gate_grad(da) - reference).abs().max() / reference.abs().max()).item())
 """
 
 
-@needs_triton
-def test_scalar_gate_grad_kernel_is_the_reverse_cumsum_of_the_summed_shares():
-    assert max(run_interpreted(_GATE_GRAD_SCRIPT)) < 1e-6
+def test_scalar_gate_grad_kernel_is_the_reverse_cumsum_of_the_summed_shares(interpreter):
+    assert max(interpreter.run(_GATE_GRAD_SCRIPT, "scalar_gate_grad")) < 1e-6
 
 
 def test_cpu_falls_back_to_the_chunked_op():

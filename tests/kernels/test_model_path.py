@@ -3,47 +3,52 @@
 import pytest
 import torch
 from attention_kernel_check import check, check_padded, check_stage1
-from interpreted import interpreted
+from interpreted import cases
 from test_lizard_triton import HAS_TRITON
 
 # Kernel passes with 2 layers: the uncached forward and the first prefill, plus (Lizard only) the
 # continued prefill; and the 3 single-token steps on the step kernels.
 CALLS = {"lizard": 6, "liger": 4, "lizard-shared": 6}
 STEP_CALLS = 2 * 3
-_SCRIPT = ("import json, attention_kernel_check as c; "
-           "print(json.dumps({m: {'plain': c.check('cpu', method=m), 'padded': c.check_padded('cpu', method=m), "
-           "'static': c.check_static_decode('cpu', method=m)} for m in ('lizard', 'liger', 'lizard-shared')}))")
+# method-form: a training pass, cached prefills and steps (plain); the same on a left-padded batch
+# (padded); greedy_decode on a frozen cache (static).
+MODEL_CASES = {f"{method}-{form}": (method, form) for method in CALLS for form in ("plain", "padded", "static")}
+FAST_MODEL_CASES = ("lizard-plain", "liger-padded", "lizard-shared-static")  # each method, each form
+STAGE1_METHODS = ("lizard", "lizard-shared")
+FAST_STAGE1 = ("lizard",)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops():
-    for method, results in interpreted(_SCRIPT).items():
-        plain, padded, static = results["plain"], results["padded"], results["static"]
+@pytest.mark.parametrize("name", cases(MODEL_CASES, FAST_MODEL_CASES))
+def test_model_through_the_interpreted_kernel_equals_the_pytorch_ops(name, interpreter):
+    method, form = MODEL_CASES[name]
+    call = {"plain": "check", "padded": "check_padded", "static": "check_static_decode"}[form]
+    errors = interpreter.run(f"import attention_kernel_check as c\nresult = c.{call}('cpu', method={method!r})", name)
+    if form == "static":
         # greedy_decode on a frozen cache: 5 steps after the prefill, 2 layers each, through the step kernels
-        assert static == {"same_tokens": True, "step_calls": 2 * 5}, (method, static)
-        assert plain.pop("kernel_calls") == CALLS[method], method
-        assert padded.pop("kernel_calls") == 4, method  # uncached forward and first prefill
-        assert plain.pop("step_calls") == padded.pop("step_calls") == STEP_CALLS, method
-        assert max(plain.values()) < 1e-4 and max(padded.values()) < 1e-4, (method, plain, padded)
+        assert errors == {"same_tokens": True, "step_calls": 2 * 5}, errors
+        return
+    # padded: the uncached forward and the first prefill
+    assert errors.pop("kernel_calls") == (CALLS[method] if form == "plain" else 4), errors
+    assert errors.pop("step_calls") == STEP_CALLS, errors
+    assert max(errors.values()) < 1e-4, errors
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_stage1_through_the_interpreted_kernels_skips_the_frozen_gradients():
+@pytest.mark.parametrize("method", cases(STAGE1_METHODS, FAST_STAGE1))
+def test_stage1_through_the_interpreted_kernels_skips_the_frozen_gradients(method, interpreter):
     """Stage 1 trains only the new modules: the kernels give their gradients as the PyTorch ops do, and
     launch none of the passes that only the frozen q, k and v's gradients need."""
-    for method in ("lizard", "lizard-shared"):
-        errors = interpreted(f"import json, attention_kernel_check as c; "
-                             f"print(json.dumps(c.check_stage1('cpu', method={method!r})))")
-        assert errors.pop("kernel_calls") == 2 and errors.pop("frozen_input_launches") == 0, (method, errors)
-        assert max(errors.values()) < 1e-4, (method, errors)
+    errors = interpreter.run(f"import attention_kernel_check as c\nresult = c.check_stage1('cpu', method={method!r})",
+                             f"stage1 {method}")
+    assert errors.pop("kernel_calls") == 2 and errors.pop("frozen_input_launches") == 0, errors
+    assert max(errors.values()) < 1e-4, errors
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_bf16_model_steps_through_the_interpreted_kernels():
+@pytest.mark.interpreter
+def test_bf16_model_steps_through_the_interpreted_kernels(interpreter):
     """A bf16 model's decode steps hand the step kernels bf16 window q, k, v, sinks and alpha, and take
     y back in bf16, with no casts around them."""
-    errors = interpreted("import json, torch, attention_kernel_check as c; "
-                         "print(json.dumps(c.check('cpu', torch.bfloat16, method='lizard-shared')))")
+    errors = interpreter.run("import torch, attention_kernel_check as c\n"
+                             "result = c.check('cpu', torch.bfloat16, method='lizard-shared')", "bf16 model")
     assert errors.pop("kernel_calls") == CALLS["lizard-shared"] and errors.pop("step_calls") == STEP_CALLS
     assert max(errors.values()) < 2e-2, errors
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from interpreted import interpreted_cases
+from interpreted import cases
 from test_lizard_triton import HAS_TRITON
 
 # (B, H, L, D, dtype of dy and the branch outputs[, dy as the model hands it: a [B, L, H, D] tensor
@@ -37,10 +37,13 @@ def errors(device, B, H, L, D, dtype, transposed_dy=False) -> list[float]:
     return out
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_interpreted_shared_split_equals_the_reference():
-    for name, errs in interpreted_cases("test_shared_split").items():
-        assert max(errs) < 1e-6, (name, errs)
+FAST_CASES = ("bf16-L37-D64-dy-BLHD",)
+
+
+@pytest.mark.parametrize("name", cases(CASES, FAST_CASES))
+def test_interpreted_shared_split_equals_the_reference(name, interpreter):
+    errs = interpreter.case("test_shared_split", name)
+    assert max(errs) < 1e-6, errs
 
 
 @pytest.mark.gpu

@@ -1,17 +1,15 @@
 """The STILL kernels equal the reference op (`still_parallel(fresh=True, keep_state=False)`), in the
 output and the gradients of q, k, v, both feature maps' outputs and the gate; and a STILL model run
-through them gives the PyTorch path's (LINEARIZE_KERNELS=0) logits, gradients, cached state and
-greedy tokens.
+through them gives the PyTorch path's (backend "torch") logits, gradients, cached state and greedy
+tokens.
 
-Without a GPU they run in Triton's interpreter, in a subprocess (`interpreted`)."""
-
-import json
+Without a GPU they run in Triton's interpreter, in a worker subprocess (interpreted.py), one test a case."""
 
 import pytest
 import torch
 from attention_kernel_check import check_still
-from interpreted import interpreted as run_interpreted
-from test_lizard_triton import HAS_TRITON, needs_triton
+from interpreted import cases
+from test_lizard_triton import HAS_TRITON
 
 from linearize.ops.gla_window.testing import within_tolerance
 from linearize.ops.still.testing import StillCase, compare_still
@@ -36,35 +34,25 @@ GPU_CASES = {
                                 dtype=bf16),
 }
 
-_SCRIPT = """
-import json, sys, torch
-from linearize.ops.still.testing import StillCase, compare_still
-cases = [eval(c, {"StillCase": StillCase, "torch": torch}) for c in json.loads(sys.argv[1])]
-print(json.dumps([compare_still(c, "cpu") for c in cases]))
-"""
+FAST_CASES = ("L100-gqa-gate",)
+
 
 def _check(case: StillCase, out: dict):
     assert out["path"] == "kernel", out["path"]
     assert within_tolerance(case, out["errors"]), out["errors"]
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    cases = INTERPRETER_CASES
-    return dict(zip(cases, run_interpreted(_SCRIPT, json.dumps([repr(c) for c in cases.values()]))))
+@pytest.mark.parametrize("name", cases(INTERPRETER_CASES, FAST_CASES))
+def test_interpreter(name, interpreter):
+    code = ("from linearize.ops.still.testing import compare_still\nfrom test_still_triton import INTERPRETER_CASES\n"
+            f"result = compare_still(INTERPRETER_CASES[{name!r}], 'cpu')")
+    _check(INTERPRETER_CASES[name], interpreter.run(code, f"still {name}"))
 
 
-@needs_triton
-@pytest.mark.parametrize("name", INTERPRETER_CASES)
-def test_interpreter(name, interpreted):
-    _check(INTERPRETER_CASES[name], interpreted[name])
-
-
-@needs_triton
-def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path():
+def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path(interpreter):
     """Training and scoring passes; then a cached prefill, whose state (slots, window, linear state)
     the routing builds beside the kernel, and greedy decoding from it."""
-    out = run_interpreted("import json, attention_kernel_check as c; print(json.dumps(c.check_still('cpu')))")
+    out = interpreter.run("import attention_kernel_check as c\nresult = c.check_still('cpu')", "still model")
     assert out["calls"] == 4 and out["same_params"], out  # one fresh pass per layer, with and without gradients
     assert out["logits"] < 1e-5 and out["scored"] < 1e-5 and out["grads"] < 1e-4, out
     assert out["prefill_calls"] == 4, out  # two prefills (a forward, then generate's), two layers
