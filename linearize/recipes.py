@@ -34,9 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from .eval.api import RULER
-from .eval.harness import AVERAGE_METRIC, ZEROSHOT
-from .eval.report import length_label
+# linearize.eval (torch, lm-eval) is imported inside the functions that use it: the parser stays fast.
 
 # `linearize.eval.evaluate`'s arguments, and "set": inference options of the distilled model for this
 # evaluation (`convert.set_inference_options`).
@@ -385,6 +383,10 @@ def _percent(value) -> str:
 
 def _row_cells(run_dir: Path) -> dict[str, str]:
     """Column name -> cell text for one finished run directory."""
+    from .eval.api import RULER
+    from .eval.harness import AVERAGE_METRIC, ZEROSHOT
+    from .eval.report import length_label
+
     record = json.loads((run_dir / "run.json").read_text())
     results = json.loads((run_dir / "eval.json").read_text())
     tasks = results["tasks"]
@@ -432,6 +434,8 @@ def table(run_dirs: list[Path]) -> str:
 def plot_rows(run_dirs: list[Path], path: Path) -> Path:
     """The rows side by side: perplexity, passkey and niah_single against context length."""
     from matplotlib.figure import Figure
+
+    from .eval.report import length_label
 
     if not run_dirs:
         raise RecipeError("no finished runs (directories with run.json and eval.json) to plot")

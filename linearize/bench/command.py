@@ -6,10 +6,11 @@ import argparse
 from pathlib import Path
 
 from ..config import METHOD_CONFIGS
-from .common import parse_sizes
 
 
 def sizes(text: str) -> list[int]:
+    from .common import parse_sizes  # here, not at the top: it imports torch, and `--help` should not
+
     try:
         return parse_sizes(text)
     except ValueError as e:

@@ -8,9 +8,10 @@ from functools import partial
 from pathlib import Path
 
 from linearize.config import inference_options_help, parse_set_options
-from linearize.eval import api
 from linearize.eval.longcontext import DEFAULT_SAMPLES
-from linearize.eval.report import write_json, write_report
+
+# api and report (torch, transformers, lm-eval, matplotlib) are imported by the functions that use them,
+# so building the parser (`linearize --help`) stays fast.
 
 TASK_HELP = (
     "comma-separated tasks: ppl, piqa, arc_easy, arc_challenge, hellaswag, winogrande, mmlu, lambada, "
@@ -59,6 +60,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from linearize.eval import api
+    from linearize.eval.report import write_json, write_report
+
     # Check every input before the (slow) model load, so a mistake fails at once.
     tasks = api.parse_tasks(args.tasks)
     lengths, depths = api.parse_lengths(args.lengths), api.parse_depths(args.depths)
@@ -96,6 +100,8 @@ def run(args) -> int:
 
 def read_previous(out: str) -> dict:
     """The results an earlier run wrote to `out`, for --resume."""
+    from linearize.eval import api
+
     path = Path(out)
     if not path.is_file():
         raise ValueError(f"--resume: {out} does not exist (nothing to resume; run without --resume).")
