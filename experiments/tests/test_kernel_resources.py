@@ -74,7 +74,7 @@ def test_lizard_window_key_pass_does_not_spill_as_launched():
 def test_lizard_fused_backward_fits_two_programs_an_sm_as_launched():
     """The fused chunk kernel holds a chunk's state and state gradient at once; at the default's warps
     two programs must still share an SM (an H200 SM has 64K registers and 228 KB of shared memory, 1
-    KB of it reserved per block), as when the H200 sweep timed it (docs/kernels.md)."""
+    KB of it reserved per block): the occupancy its timings assume (docs/kernels.md)."""
     from linearize.ops.gla_window.triton import Config
 
     cfg = Config.default(torch.bfloat16)
@@ -106,8 +106,8 @@ def test_lizard_forward_fits_three_programs_an_sm_as_launched(save):
 @on_gpu
 def test_lizard_state_pass_fits_two_programs_an_sm_without_spilling_as_launched():
     """The forward state pass holds a 128 x 128 float32 state a program; at the default's 4 warps and 3
-    stages two programs share an SM, unspilled, as when it matched fla's state pass on the H200 (2.40 ms
-    against fla's 2.50 at B=32, L=8K; docs/kernels.md)."""
+    stages two programs share an SM, unspilled: the occupancy at which it matches fla's state pass on the
+    H200 (2.40 ms against fla's 2.50 at B=32, L=8K; docs/kernels.md)."""
     from linearize.ops.gla_window.triton import Config
 
     cfg = Config.default(torch.bfloat16)

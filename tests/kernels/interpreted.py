@@ -88,7 +88,13 @@ class Interpreter:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         line = self._proc.stdout.readline() if ready else ""
         if not line:
-            why = f"ran past {timeout} s" if not ready else f"the worker died (exit status {self._proc.poll()})"
+            if ready:
+                try:
+                    why = f"the worker died (exit status {self._proc.wait(timeout=30)})"
+                except subprocess.TimeoutExpired:
+                    why = "the worker closed its output"
+            else:
+                why = f"ran past {timeout} s"
             log = self._log_since(offset)
             self.stop()
             pytest.fail(f"interpreted case {name}: {why}\n{log}", pytrace=False)
