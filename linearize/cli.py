@@ -114,7 +114,34 @@ def cmd_demo(args) -> None:
         print(f"{name} says:", answer.strip() or "(nothing: it ended its turn at once)")
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one worth saying: not None, a switch's
+    False/True or an empty list, and not one its help already states."""
+
+    def _format_action(self, action):
+        import copy
+
+        default = action.default
+        if (action.option_strings and not action.required and action.help is not argparse.SUPPRESS
+                and not any(default is skip for skip in (None, True, False, argparse.SUPPRESS)) and default != []
+                and "default" not in (action.help or "").lower()):
+            if isinstance(default, int) and abs(default) >= 10_000:
+                text = f"{default:,}"
+            elif isinstance(default, list | tuple):
+                text = ",".join(map(str, default))
+            else:
+                text = str(default)
+            text = text.replace("%", "%%")
+            action = copy.copy(action)
+            action.help = f"{action.help} (default: {text})" if action.help else f"default: {text}"
+        return super()._format_action(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpWithDefaults)  # every verb's parser is one of these
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
         # One line, not argparse's usage block: scripts read stderr.
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -122,7 +149,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import METHOD_CONFIGS
+    from .cli_args import add_method_arguments
+    from .config import METHOD_CONFIGS, PRESETS
 
     parser = _Parser(prog="linearize", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default=None,
@@ -132,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="swap a model's attention and save the result")
     p.add_argument("--model", required=True, help="smollm2, a .gguf file, a HF folder or a hub id")
-    p.add_argument("--method", required=True, choices=sorted(METHOD_CONFIGS))
+    add_method_arguments(p, METHOD_CONFIGS, PRESETS)
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--softmax-layers", type=parse_int_list, default=[], help="layers that keep softmax, e.g. 0,4")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
@@ -140,24 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from a teacher or linearized model")
-    p.add_argument("--model", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--model", required=True, help="smollm2, a .gguf file, a HF folder (a convert or distill "
+                   "output) or a hub id")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--static", action="store_true",
                    help="fully linearized models: greedy steps on the fixed-shape cache (a CUDA graph per step on a GPU)")
     p.add_argument("--compile", action="store_true",
                    help="with --static: compile the step with torch.compile first (about a minute once, faster steps)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help=inference_options_help())
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="distil the default teacher into Lizard and compare the two")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
     p.add_argument("--out", default="runs/demo-lizard", help="run directory (rerun to resume)")
     p.set_defaults(func=cmd_demo)
 

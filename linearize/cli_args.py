@@ -26,6 +26,36 @@ def parse_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+class StoreGiven(argparse.Action):
+    """Store the value and note that the user gave the flag, so a preset's default does not replace it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+def add_method_arguments(parser: argparse.ArgumentParser, methods, presets: dict) -> None:
+    """`--method NAME` or `--preset NAME` (one of the two, required). A preset (`linearize.config.Preset`)
+    sets `method`, puts its options before the user's `--set` ones, and sets its `distill_defaults` on
+    flags of this parser that the user did not give (flags given through `StoreGiven`)."""
+
+    class PresetAction(argparse.Action):
+        def __call__(self, parser, namespace, name, option_string=None):
+            preset = presets[name]
+            namespace.preset, namespace.method = name, preset.method
+            namespace.set = [*(f"{key}={value}" for key, value in preset.options.items()), *(namespace.set or [])]
+            for dest, value in preset.distill_defaults.items():
+                if hasattr(namespace, dest) and dest not in getattr(namespace, "given", ()):
+                    setattr(namespace, dest, value)
+
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--method", choices=sorted(methods), help="the attention that replaces softmax "
+                       "(lizard: the paper's Lizard); see docs/methods.md")
+    which.add_argument("--preset", choices=sorted(presets), action=PresetAction,
+                       help="a method with recommended options instead of --method: "
+                            + "; ".join(f"{name}: {p.summary}" for name, p in presets.items()))
+
+
 def _positive(kind, noun: str):
     def parse(text: str):
         try:

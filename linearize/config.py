@@ -116,6 +116,30 @@ METHOD_CONFIGS: dict[str, type] = {
 }
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A method with the options our results recommend, one flag away: `--preset NAME` on convert and
+    distill means `--method METHOD --set KEY=VALUE ...`, plus `distill_defaults` (DistillConfig fields)
+    for distill. Flags given beside it win: `--set` after the preset's options, an explicit flag over
+    its defaults. Checkpoints record the method and options, not the preset's name."""
+
+    method: str
+    options: dict[str, str]
+    distill_defaults: dict
+    summary: str
+
+
+PRESETS: dict[str, Preset] = {
+    "lizard-shared": Preset(
+        method="lizard", options={"rope_in_window": "true", "combine": "shared"},
+        distill_defaults={"head_lr_scale": 30.0},
+        summary="Lizard with RoPE in the window and one shared normaliser (--method lizard --set "
+                "rope_in_window=true --set combine=shared; distill also --head-lr-scale 30): the variant "
+                "our results recommend (docs/methods.md)",
+    ),
+}
+
+
 def _coerce(name: str, raw, hint):
     """Turn a CLI string (or a JSON value) into the field's type, or raise ConfigError."""
     if raw is None:

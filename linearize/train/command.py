@@ -16,27 +16,32 @@ def _lrs(text: str) -> tuple[float, float | None]:
 
 
 def register(subparsers) -> None:
-    from ..cli_args import parse_int_list, positive_int
+    from ..cli_args import StoreGiven, add_method_arguments, parse_int_list, positive_int
+    from ..config import PRESETS
 
     p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
     p.add_argument("--model", required=True, help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
-    p.add_argument("--method", required=True, choices=["lizard", "still", "lolcats", "liger"])
+    add_method_arguments(p, ["lizard", "still", "lolcats", "liger"], PRESETS)
     p.add_argument("--data", default="default", help="default, a HF dataset name, .jsonl/.txt files or folders")
     p.add_argument("--out", required=True, help="run directory; ends up holding the distilled model")
-    p.add_argument("--stage", default="both", choices=["1", "2", "both"])
+    p.add_argument("--stage", default="both", choices=["1", "2", "both"],
+                   help="1: attention transfer (the new attention's parameters learn the teacher's outputs), "
+                        "2: LoRA fine-tune on next-token loss, or both in turn")
     p.add_argument("--max-tokens", type=positive_int, default=20_000_000, help="training tokens per stage")
-    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per training sequence")
     p.add_argument("--batch", type=positive_int, default=8, help="sequences per optimizer step (global)")
-    p.add_argument("--grad-accum", type=positive_int, default=1)
-    p.add_argument("--lr", type=_lrs, default=None, help="stage learning rate(s): LR, or LR1,LR2 for both stages")
-    p.add_argument("--head-lr-scale", type=float, default=1.0,
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=_lrs, default=None, help="stage learning rate(s): LR, or LR1,LR2 for both stages "
+                   "(default: the papers', 1e-3 for stage 1 and 5e-4 for stage 2)")
+    p.add_argument("--head-lr-scale", type=float, default=1.0, action=StoreGiven,
                    help="stage-1 lr multiplier of the per-head scalars (Lizard: alpha, sinks, gate bias)")
-    p.add_argument("--softmax-layers", type=parse_int_list, default=[])
+    p.add_argument("--softmax-layers", type=parse_int_list, default=[],
+                   help="layers that keep softmax attention, e.g. 0,4 (default: none)")
     p.add_argument("--softmax-by-error", type=int, default=0, metavar="N",
                    help="after stage 1, keep softmax in the N layers it left with the highest error")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
-    p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--eval-every", type=positive_int, default=100, help="optimizer steps between validations")
     p.add_argument("--no-fsdp", dest="fsdp", action="store_false",
                    help="multi-GPU stage 2: a whole replica on every rank, gradients averaged in one all-reduce "
                         "a step (no FSDP2; with --cuda-graph the steps replay from graphs)")
@@ -49,8 +54,9 @@ def register(subparsers) -> None:
                    help="capture an optimizer step as a CUDA graph and replay it (fewer host launches); "
                         "under torchrun where FSDP2 does not shard (stage 1, stage 2 with --no-fsdp)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto: bf16 autocast on CUDA, float32 on a CPU")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.set_defaults(func=run)
 
