@@ -7,6 +7,7 @@ and exit status 2; set LINEARIZE_DEBUG=1 to see the traceback instead.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,9 @@ from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable
     EXIT_USAGE,
     CommandError,
     atomic_output_dir,
+    check_device,
+    describe_os_error,
+    check_writable_parent,
     parse_int_list,
     positive_float,
     positive_int,
@@ -24,10 +28,14 @@ from .config import ConfigError, inference_options_help
 
 def cmd_convert(args) -> None:
     from .config import parse_set_options
-    from .convert import convert
-    from .loading import load_model, load_tokenizer
+    from .convert import check_layer_choice, convert
+    from .loading import load_config, load_model, load_tokenizer
 
     options = parse_set_options(args.set or [], [args.method])
+    check_writable_parent(args.out)
+    layers = getattr(load_config(args.model), "num_hidden_layers", None)  # None: convert names the model type
+    if layers is not None:
+        check_layer_choice(layers, args.method, args.softmax_layers)
     with atomic_output_dir(args.out) as scratch:
         model = load_model(args.model, dtype=args.dtype)
         convert(model, args.method, softmax_layers=args.softmax_layers, **options)
@@ -43,16 +51,26 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
     `compile_step`, the step through torch.compile first), cut at the first end-of-sequence token."""
     import torch
 
+    if not math.isfinite(temperature) or temperature < 0:
+        raise CommandError(f"--temperature must be 0 (greedy) or a positive number, got {temperature}")
     if (static or compile_step) and temperature > 0:
         raise CommandError("--static decodes greedily: leave out --temperature")
     if compile_step and not static:
         raise CommandError("--compile applies to --static decoding")
+    if static:
+        from .decode import fully_linearized
+
+        if not fully_linearized(model):
+            raise CommandError("--static decodes fully linearized models only (every layer linear); "
+                               "this model has softmax layers, whose caches grow: leave out --static")
     if chat:
         messages = [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         text = prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).to(model.device)
+    if inputs["input_ids"].shape[1] == 0:
+        raise CommandError(f"--prompt {prompt!r} gives no tokens to continue from: give some text")
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
     if static:
@@ -71,7 +89,14 @@ def cmd_generate(args) -> None:
     from .config import parse_set_options
     from .loading import load_model, load_tokenizer
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device, inference_options=parse_set_options(args.set))
+    # Every flag checked before the (slow) model load.
+    if not args.prompt and not args.chat:
+        raise CommandError("--prompt is empty: give the text to continue (or --chat to answer an empty message)")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise CommandError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}")
+    check_device(args.device)
+    options = parse_set_options(args.set)
+    model = load_model(args.model, dtype=args.dtype, device=args.device, inference_options=options)
     tokenizer = load_tokenizer(args.model)
     print(generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
                         temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile))
@@ -223,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CommandError, ConfigError, FileNotFoundError, PermissionError, ValueError, OSError) as e:
         if os.environ.get("LINEARIZE_DEBUG"):
             raise
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, OSError) and e.strerror and e.filename:  # no "[Errno 17]" prefix
+            message = describe_os_error(e)
+        else:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"linearize: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     return 0

@@ -7,6 +7,8 @@ this, never `cli`, so the command's entry point sits above them all.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -62,7 +64,7 @@ def _positive(kind, noun: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if value <= 0:
+        if not math.isfinite(value) or value <= 0:  # NaN compares false with everything
             raise argparse.ArgumentTypeError(f"expected a positive {noun.split()[-1]}, got {text!r}")
         return value
 
@@ -73,27 +75,94 @@ positive_int = _positive(int, "an integer")
 positive_float = _positive(float, "a number")
 
 
+def describe_os_error(e: OSError) -> str:
+    """An OSError as one line without Python's `[Errno N]` prefix: "PATH: reason"."""
+    reason = e.strerror or str(e)
+    return f"{e.filename}: {reason}" if e.filename else reason
+
+
+def check_writable_parent(out: str | Path) -> list[Path]:
+    """Check that `out`'s missing parent folders can be made: none of its ancestors is a file.
+
+    Returns the missing ancestors, nearest to the root first (what `atomic_output_dir` creates)."""
+    if not str(out).strip():  # Path("") is ".": the current folder
+        raise CommandError("--out is empty: name the output path")
+    out = Path(out).expanduser()
+    missing = []
+    for ancestor in out.parents:
+        if ancestor.is_dir():
+            break
+        if ancestor.exists() or ancestor.is_symlink():
+            raise CommandError(f"cannot write {out}: {ancestor} is a file, not a folder")
+        missing.append(ancestor)
+    return missing[::-1]
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a --device this machine cannot use before anything is loaded or written (None: the default)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        target = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CommandError(f"--device {device}: not a device name (cpu, cuda, cuda:1, ...)") from None
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {device}: no CUDA device here")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise CommandError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif target.type == "mps" and not torch.backends.mps.is_available():
+        raise CommandError(f"--device {device}: no MPS device here")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_output_dir(out: str | Path):
     """Yield a scratch directory that becomes `out` only if the block succeeds.
 
-    It is made next to `out` first, so an unwritable destination fails before any real work, and an
-    error or Ctrl-C leaves nothing half-written behind.
+    It is made next to `out` first (with any missing parent folders), so an unwritable destination
+    fails before any real work, and an error or Ctrl-C leaves nothing half-written behind: not the
+    scratch directory, nor the parents made for it. `out` and the files in it get the permissions
+    mkdir and open give (0777 and 0666 less the umask).
     """
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CommandError(f"output {out} already exists and is not an empty directory")
+        kind = "a file" if not out.is_dir() else "a folder that is not empty"
+        raise CommandError(f"output {out} already exists and is {kind}: pick a new --out")
+    missing = check_writable_parent(out)
     parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise CommandError(f"cannot write {out}: parent directory {parent} does not exist")
+    made = []
     try:
+        for folder in missing:
+            folder.mkdir()
+            made.append(folder)
         scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
     except OSError as e:
-        raise CommandError(f"cannot write {out}: {e.strerror}") from None
+        for folder in reversed(made):
+            folder.rmdir()
+        raise CommandError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         yield scratch
+        mask = _umask()
+        scratch.chmod(0o777 & ~mask)  # mkdtemp makes it 0700
+        for path in scratch.rglob("*"):  # and safetensors writes its files 0600
+            if path.is_file() and not path.is_symlink():
+                path.chmod(0o666 & ~mask)
         if out.exists():
             out.rmdir()
         scratch.rename(out)
-    finally:
+    except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise

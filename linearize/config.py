@@ -8,6 +8,7 @@ any weight is touched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args, get_type_hints
 
@@ -173,12 +174,18 @@ def _coerce(name: str, raw, hint):
 
 
 def _validate(cfg: MethodConfig) -> None:
+    for f in dataclasses.fields(cfg):  # NaN passes every comparison below, inf most: refuse both
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be a finite number, got {value}")
+
     def positive(field):
         value = getattr(cfg, field)
         if value is not None and value <= 0:
             raise ConfigError(f"{field} must be > 0, got {value}")
 
-    for field in ("window", "feature_dim", "eps", "gate_temperature", "chunk_size", "budget", "max_chunks"):
+    for field in ("window", "feature_dim", "eps", "gate_temperature", "chunk_size", "budget", "max_chunks",
+                  "gate_normalizer"):
         if hasattr(cfg, field):
             positive(field)
     if isinstance(cfg, LizardConfig) and cfg.num_sinks < 0:

@@ -5,17 +5,20 @@ fetches), a `.gguf` file (dequantised on load), a local HF model folder (holding
 or linearized checkpoint alike), or a Hugging Face hub id, passed on as is.
 """
 
+import pickle
 import re
+import struct
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import huggingface_hub
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
-from .gguf_files import from_gguf
+from .gguf_files import from_gguf, no_bpe_cleanup
 
 ALIASES = {"smollm2": assets.smollm2_hf}
 # "name" or "org/name"; anything else that does not exist on disk is a missing path.
@@ -44,6 +47,13 @@ def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, devi
     return model.eval()
 
 
+def load_config(spec: str | Path):
+    """The model's transformers config alone (no weights): what checks of layer indices need."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, *resolve_spec(spec))
+
+
 # Any one of these makes a folder's tokenizer loadable (fast, sentencepiece, BPE or WordPiece files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
@@ -53,7 +63,7 @@ def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
     if kind == "dir" and not any((where / name).is_file() for name in TOKENIZER_FILES):
         raise ModelSpecError(f"{where} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                              "save the tokenizer into that folder too")
-    return _from_pretrained(AutoTokenizer, kind, where)
+    return no_bpe_cleanup(_from_pretrained(AutoTokenizer, kind, where))
 
 
 def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
@@ -74,11 +84,40 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
     raise ModelNotFoundError(f"no such model file or folder: {path}")
 
 
+# What reading a truncated or corrupt file raises, in transformers' GGUF parser, gguf's reader, safetensors
+# and torch.load: caught around the read so the user hears which file is broken, not a traceback.
+_CORRUPT_GGUF = (struct.error, ValueError, IndexError, KeyError, EOFError, OverflowError, MemoryError)
+_CORRUPT_WEIGHTS = (SafetensorError, EOFError, pickle.UnpicklingError)
+
+
 def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
     if kind == "gguf":
-        return from_gguf(auto_class, where, **kwargs)
+        try:
+            return from_gguf(auto_class, where, **kwargs)
+        except _CORRUPT_GGUF as e:
+            if isinstance(e, ModelSpecError):
+                raise
+            if where.stat().st_size == 0:
+                reason = "the file is empty"
+            elif isinstance(e, struct.error | IndexError | EOFError):
+                reason = "truncated or corrupt"
+            else:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSpecError(f"cannot load {where}: not a readable GGUF file ({reason})") from e
     if kind == "dir":
-        return auto_class.from_pretrained(where, **kwargs)
+        try:
+            return auto_class.from_pretrained(where, **kwargs)
+        except _CORRUPT_WEIGHTS as e:
+            files = sorted(p.name for p in where.iterdir() if p.suffix in (".safetensors", ".bin"))
+            named = where / files[0] if len(files) == 1 else f"{where} ({', '.join(files)})"
+            raise ModelSpecError(f"cannot load {named}: its weights are truncated or corrupt "
+                                 f"({str(e).strip() or type(e).__name__})") from e
+        except Exception as e:
+            # The tokenizers library raises bare Exceptions for a broken tokenizer.json.
+            if auto_class is not AutoTokenizer or isinstance(e, ModelSpecError | OSError):
+                raise
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSpecError(f"cannot load the tokenizer in {where}: {reason}") from e
     if not _hub_reachable():
         # Only the local HF cache can help now; asking transformers would retry each file for a minute.
         try:

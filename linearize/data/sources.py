@@ -100,6 +100,13 @@ def _local_documents(path: Path) -> Iterator[str]:
 
 
 def _file_documents(path: Path) -> Iterator[str]:
+    try:
+        yield from _decoded_documents(path)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded): is it a binary file?") from None
+
+
+def _decoded_documents(path: Path) -> Iterator[str]:
     if path.suffix == ".txt":
         yield path.read_text(encoding="utf-8")
     elif path.suffix == ".json":

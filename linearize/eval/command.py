@@ -7,6 +7,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from linearize.cli_args import check_device
 from linearize.config import inference_options_help, parse_set_options
 from linearize.eval.longcontext import DEFAULT_SAMPLES
 
@@ -55,6 +56,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="keep what an earlier run with the same settings saved in --out (finished tasks, "
                         "finished lengths of a long-context task) and run the rest")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results in --out from an earlier run (without it, an existing FILE.json "
+                        "is refused, never overwritten)")
     parser.set_defaults(func=run)
     return parser
 
@@ -75,6 +79,8 @@ def run(args) -> int:
     for flag in ("text", "essay"):
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag} {getattr(args, flag)} is not a file.")
+    check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    check_device(args.device)
     previous = read_previous(args.out) if args.resume else None
     options = parse_set_options(args.set)
 
@@ -96,6 +102,25 @@ def run(args) -> int:
         print(f"wrote {path}")
     print(summary_line(results))
     return 0
+
+
+def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse an --out that the results could not be written to, or that would overwrite earlier
+    results unasked: checked before the model loads, so no task runs in vain."""
+    from linearize.cli_args import CommandError, check_writable_parent
+
+    path = Path(out).expanduser()
+    if resume and overwrite:
+        raise CommandError("--resume keeps the results in --out and --overwrite replaces them: pick one")
+    check_writable_parent(out)
+    if path.is_dir():
+        raise CommandError(f"--out {out} is a folder: name the results file in it, e.g. {path / 'results.json'}")
+    if path.suffix != ".json":
+        raise CommandError(f"--out {out}: the results are JSON, so name a .json file "
+                           f"(FILE.md and the plots go next to it)")
+    if path.exists() and not resume and not overwrite:
+        raise CommandError(f"--out {out} already exists: pass --resume to continue it, --overwrite to replace it, "
+                           "or pick a new --out")
 
 
 def read_previous(out: str) -> dict:

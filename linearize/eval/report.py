@@ -16,8 +16,12 @@ def write_json(results: dict, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(out)
+    try:
+        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no NAME.tmp left behind
+        raise
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def _lrs(text: str) -> tuple[float, float | None]:
@@ -10,7 +11,7 @@ def _lrs(text: str) -> tuple[float, float | None]:
         parts = [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LR or LR1,LR2, got {text!r}") from None
-    if len(parts) not in (1, 2) or min(parts) <= 0:
+    if len(parts) not in (1, 2) or not all(math.isfinite(x) and x > 0 for x in parts):
         raise argparse.ArgumentTypeError(f"expected one or two positive learning rates, got {text!r}")
     return parts[0], parts[-1] if len(parts) == 2 else None
 
@@ -86,7 +87,15 @@ def config_from_args(args):
 
 
 def run(args) -> None:
-    from .distillation import distill
+    from ..cli_args import check_device, check_writable_parent
+    from .distillation import distill, is_finished
 
-    out = distill(config_from_args(args), resume=args.resume)
-    print(f"distilled {args.method} model written to {out}")
+    cfg = config_from_args(args)
+    check_device(args.device)
+    check_writable_parent(args.out)
+    finished = args.resume and is_finished(args.out)
+    out = distill(cfg, resume=args.resume)
+    if finished:
+        print(f"{out} already holds the finished distilled {args.method} model: nothing to resume")
+    else:
+        print(f"distilled {args.method} model written to {out}")

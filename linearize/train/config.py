@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,9 +59,13 @@ class DistillConfig:
     def __post_init__(self):
         if self.stage not in ("1", "2", "both"):
             raise ValueError(f"--stage must be 1, 2 or both, got {self.stage!r}")
-        for name in ("max_tokens", "seq_len", "batch", "grad_accum", "save_every", "eval_every", "head_lr_scale"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_tokens", "seq_len", "batch", "grad_accum", "save_every", "eval_every", "head_lr_scale",
+                     "lr_stage1", "lr_stage2", "clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:  # NaN passes `<= 0`
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.batch % self.grad_accum:
             raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
         if self.softmax_by_error < 0:
@@ -70,6 +75,9 @@ class DistillConfig:
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
             raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
                              "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")
+        if self.method == "liger" and 1 in self.stages:
+            raise ValueError("liger adds no parameters for stage 1 (attention transfer) to train: "
+                             "use --stage 2, its published recipe")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.method == "still" and 1 in self.stages:

@@ -165,6 +165,7 @@ class Run:
         micro = cfg.batch // cfg.grad_accum
         if micro % self.rt.world_size:
             raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
+        self._check_layers()
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
@@ -178,13 +179,25 @@ class Run:
     def _check_resume(self, resume: bool) -> None:
         ckpt, saved = self.out / CHECKPOINT_NAME, self.out / CONFIG_NAME
         if resume:
-            if not saved.exists():
-                raise ResumeError(f"nothing to resume in {self.out}: no {CONFIG_NAME}")
-            diff = self.cfg.same_run(DistillConfig.from_json(saved))
-            if diff:
-                raise ResumeError(f"cannot resume {self.out}: these settings differ from the saved run: {diff}")
+            check_same_run(self.cfg)
         elif ckpt.exists() or saved.exists():
             raise ResumeError(f"{self.out} already holds a run; pass --resume to continue it or pick a new --out")
+        elif self.out.exists() and not self.out.is_dir():
+            raise ResumeError(f"output {self.out} already exists and is a file: pick a new --out")
+        elif self.out.is_dir() and any(self.out.iterdir()):
+            # As convert refuses it: the run's files would land beside (and over) whatever is there.
+            raise ResumeError(f"output {self.out} already exists and is a folder that is not empty (and holds "
+                              "no run): pick a new --out")
+
+    def _check_layers(self) -> None:
+        """The softmax layers chosen leave some layer linear: checked on the teacher's config, before
+        anything is written."""
+        from ..convert import check_layer_choice
+        from ..loading import load_config
+
+        layers = getattr(load_config(self.cfg.model), "num_hidden_layers", None)
+        if layers is not None:
+            check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, self.cfg.softmax_by_error)
 
     def _save_config(self) -> None:
         # Every rank has checked before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
@@ -358,8 +371,30 @@ class Run:
         self.tokenizer.save_pretrained(self.out)
 
 
+def check_same_run(cfg: DistillConfig) -> None:
+    """Raise ResumeError unless `cfg.out` holds a run started with settings `cfg` may resume."""
+    out = Path(cfg.out).expanduser()
+    saved = out / CONFIG_NAME
+    if not saved.exists():
+        raise ResumeError(f"nothing to resume in {out}: no {CONFIG_NAME}")
+    diff = cfg.same_run(DistillConfig.from_json(saved))
+    if diff:
+        raise ResumeError(f"cannot resume {out}: these settings differ from the saved run: {diff}")
+
+
+def is_finished(out: str | Path) -> bool:
+    """Whether the run directory `out` holds its exported model (written last)."""
+    out = Path(out).expanduser()
+    return ((out / CONFIG_NAME).is_file() and (out / "config.json").is_file()
+            and any(out.glob("model*.safetensors")))
+
+
 def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) -> Path:
-    """Run the configured stages and write the final model into `cfg.out`; returns that directory."""
+    """Run the configured stages and write the final model into `cfg.out`; returns that directory.
+    Resuming a finished run (same settings) does nothing."""
+    if resume and is_finished(cfg.out):
+        check_same_run(cfg)
+        return Path(cfg.out).expanduser()
     run = Run(cfg, resume, progress)
     try:
         for stage in cfg.stages:

@@ -39,6 +39,8 @@ class Runtime:
             target = torch.device("cpu")
         else:
             target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if target.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"--device {device}: no CUDA device here")
         bf16 = precision == "bf16" or (precision == "auto" and target.type == "cuda")
         return cls(rank=rank, world_size=world_size, device=target, bf16=bf16)
 

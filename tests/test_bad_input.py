@@ -1,0 +1,241 @@
+"""The README's promise for bad input, case by case (issue 37): exit status 2, one line on stderr that
+names the input, no traceback, and nothing written, left behind or touched; paper cuts that now work."""
+
+import os
+import stat
+import struct
+
+import pytest
+import torch
+from tiny_models import save_tiny_teacher
+
+from linearize.cli import main
+from linearize.config import METHOD_CONFIGS, ConfigError, make_method_config
+
+TRAIN = ["--max-tokens", "64", "--seq-len", "32", "--batch", "2", "--save-every", "1", "--eval-every", "1"]
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """A folder of inputs, the current directory of the command: a tiny teacher, data, broken files."""
+    monkeypatch.chdir(tmp_path)
+    save_tiny_teacher(tmp_path / "teacher")
+    (tmp_path / "data.txt").write_text(" ".join(["the cat sat on the mat and ran to the sea"] * 60))
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    # A GGUF v3 header that promises 1 tensor and 5 metadata entries, then ends.
+    (tmp_path / "truncated.gguf").write_bytes(struct.pack("<4sIQQ", b"GGUF", 3, 1, 5) + b"\x09\x00")
+    for name, weights in (("cut", (tmp_path / "teacher" / "model.safetensors").read_bytes()[:100]),
+                          ("garbage", os.urandom(4000))):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text((tmp_path / "teacher" / "config.json").read_text())
+        (folder / "tokenizer.json").write_text((tmp_path / "teacher" / "tokenizer.json").read_text())
+        (folder / "model.safetensors").write_bytes(weights)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.md").write_text("my notes")
+    return tmp_path
+
+
+def listing(root):
+    """Every path under `root` with its kind, size and modification time: what a command may not change."""
+    return sorted((str(p.relative_to(root)), p.is_dir(), 0 if p.is_dir() else p.stat().st_size,
+                   0 if p.is_dir() else p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def refused(capsys, root, *argv, names):
+    """Run the command; assert the promise and that the one line names `names`; returns the line."""
+    before = listing(root)
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert names in lines[0], lines[0]
+    assert "[Errno" not in lines[0] and "StaticDecoder" not in lines[0], lines[0]
+    assert listing(root) == before
+    return lines[0]
+
+
+# Tracebacks before: corrupt model files, a CUDA device that is not there, an empty prompt.
+
+@pytest.mark.parametrize("model", ["truncated.gguf", "empty.gguf"])
+def test_a_truncated_or_empty_gguf_is_named(work, capsys, model):
+    refused(capsys, work, "convert", "--model", model, "--method", "lizard", "--out", "out", names=model)
+    refused(capsys, work, "eval", "--model", model, "--tasks", "ppl", "--out", "r.json", "--lengths", "64",
+            "--limit", "1", "--text", "data.txt", "--device", "cpu", names=model)
+    refused(capsys, work, "distill", "--model", model, "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, names=model)
+
+
+@pytest.mark.parametrize("model", ["cut", "garbage"])
+def test_truncated_or_garbage_safetensors_are_named(work, capsys, model):
+    line = refused(capsys, work, "convert", "--model", model, "--method", "lizard", "--out", "out",
+                   names=f"{model}/model.safetensors")
+    assert "truncated or corrupt" in line
+    refused(capsys, work, "generate", "--model", model, "--prompt", "hi", names=f"{model}/model.safetensors")
+
+
+@NO_CUDA
+def test_device_cuda_without_cuda_is_refused_up_front(work, capsys):
+    cuda = "--device cuda: no CUDA device here"
+    refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", "--device", "cuda", names=cuda)
+    refused(capsys, work, "eval", "--model", "teacher", "--tasks", "ppl", "--out", "r.json", "--lengths", "64",
+            "--limit", "1", "--text", "data.txt", "--device", "cuda", names=cuda)
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run",
+            "--data", "data.txt", *TRAIN, "--device", "cuda", names=cuda)
+    refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", "--device", "gpu", names="--device gpu")
+
+
+def test_an_empty_prompt_is_refused(work, capsys):
+    refused(capsys, work, "generate", "--model", "teacher", "--prompt", "", names="--prompt")
+
+
+# Nonsense accepted before.
+
+@pytest.mark.parametrize("option", ["gate_temperature=nan", "eps=nan", "eps=inf", "gate_temperature=-inf",
+                                    "gate_bias_init=inf", "alpha_init=nan"])
+def test_nan_and_inf_options_are_refused(work, capsys, option):
+    refused(capsys, work, "convert", "--model", "teacher", "--method", "lizard", "--out", "out", "--set", option,
+            names=option.partition("=")[0])
+
+
+def test_every_float_option_of_every_method_refuses_nan_and_inf():
+    for method, cls in METHOD_CONFIGS.items():
+        for name, value in vars(cls()).items():
+            if isinstance(value, float):
+                for bad in ("nan", "inf", "-inf"):
+                    with pytest.raises(ConfigError, match=name):
+                        make_method_config(method, **{name: bad})
+
+
+def test_softmax_layers_that_leave_no_linear_layer_are_refused(work, capsys):
+    # The tiny teacher has 2 layers.
+    refused(capsys, work, "convert", "--model", "teacher", "--method", "lizard", "--out", "out",
+            "--softmax-layers", "0,1", names="no layer left to linearize")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--softmax-layers", "0,1", names="no layer left to linearize")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--softmax-by-error", "2", names="--softmax-by-error 2")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--softmax-layers", "1", "--softmax-by-error", "1", names="--softmax-by-error 1")
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_negative_or_non_finite_temperature_is_refused(work, capsys, value):
+    refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", "--temperature", value,
+            names="--temperature")
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--head-lr-scale", "nan"], "head_lr_scale"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "1e-3,inf"], "--lr"),
+])
+def test_distill_refuses_non_finite_rates(work, capsys, flags, names):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, *flags, names=names)
+
+
+def test_eval_out_must_be_a_json_file(work, capsys):
+    common = ["--tasks", "ppl", "--lengths", "64", "--limit", "1", "--text", "data.txt", "--device", "cpu"]
+    refused(capsys, work, "eval", "--model", "teacher", "--out", "b.txt", *common, names="--out b.txt")
+    refused(capsys, work, "eval", "--model", "teacher", "--out", "mine", *common, names="--out mine is a folder")
+    refused(capsys, work, "eval", "--model", "teacher", "--out", "afile/r.json", *common, names="afile is a file")
+
+
+# Lost or overwritten work.
+
+def test_an_empty_out_is_refused_not_taken_for_the_current_folder(work, capsys):
+    refused(capsys, work, "convert", "--model", "teacher", "--method", "lizard", "--out", "", names="--out is empty")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "", "--data", "data.txt",
+            *TRAIN, names="--out is empty")
+    refused(capsys, work, "eval", "--model", "teacher", "--tasks", "ppl", "--out", "", "--lengths", "64",
+            "--limit", "1", "--text", "data.txt", "--device", "cpu", names="--out is empty")
+
+
+def test_distill_refuses_a_folder_that_is_not_a_run(work, capsys):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "mine", "--data", "data.txt",
+            *TRAIN, names="output mine already exists")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "afile", "--data",
+            "data.txt", *TRAIN, names="output afile already exists and is a file")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "afile/run", "--data",
+            "data.txt", *TRAIN, names="afile is a file")
+
+
+def test_eval_refuses_an_existing_results_file_before_any_task(work, capsys):
+    (work / "r.json").write_text('{"mine": true}')
+    common = ["--tasks", "ppl", "--lengths", "64", "--limit", "1", "--text", "data.txt", "--device", "cpu"]
+    line = refused(capsys, work, "eval", "--model", "teacher", "--out", "r.json", *common, names="--out r.json")
+    assert "--overwrite" in line and "--resume" in line
+    refused(capsys, work, "eval", "--model", "teacher", "--out", "r.json", "--resume", "--overwrite", *common,
+            names="pick one")
+    assert main(["eval", "--model", "teacher", "--out", "r.json", "--overwrite", *common]) == 0
+    assert '"mine"' not in (work / "r.json").read_text()
+    assert not list(work.glob("*.tmp"))
+
+
+# The trap: checks that came after distill_config.json was written.
+
+@pytest.mark.parametrize("flags,names", [
+    (["--method", "lizard", "--softmax-layers", "5"], "--softmax-layers 5"),
+    (["--method", "liger", "--stage", "1"], "liger"),
+    pytest.param(["--method", "lizard", "--device", "cuda"], "--device cuda", marks=NO_CUDA),
+])
+def test_distill_checks_everything_before_writing(work, capsys, flags, names):
+    refused(capsys, work, "distill", "--model", "teacher", "--out", "run", "--data", "data.txt", *TRAIN, *flags,
+            names=names)
+    assert not (work / "run").exists()
+
+
+def test_a_fixed_distill_reruns_and_resuming_a_finished_run_says_so(work, capsys):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--stage", "1", "--softmax-layers", "7", names="--softmax-layers 7")
+    argv = ["distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt", *TRAIN,
+            "--stage", "1"]
+    assert main(argv) == 0
+    assert "written to run" in capsys.readouterr().out
+    before = listing(work)
+    assert main([*argv, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "already holds the finished" in out and "written" not in out
+    assert listing(work) == before  # nothing re-exported
+
+
+# Paper cuts.
+
+def test_convert_makes_missing_parents_with_normal_permissions(work, capsys):
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", "--model", "teacher", "--method", "lizard", "--out", "runs/deep/lizard"]) == 0
+    finally:
+        os.umask(old)
+    out = work / "runs" / "deep" / "lizard"
+    assert (out / "config.json").is_file()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".partial")]
+
+
+def test_convert_leaves_no_parents_it_made_when_it_fails(work, capsys):
+    refused(capsys, work, "convert", "--model", "cut", "--method", "lizard", "--out", "runs/deep/lizard",
+            names="cut/model.safetensors")
+    assert not (work / "runs").exists()
+
+
+def test_an_out_under_a_file_says_the_file_is_a_file(work, capsys):
+    refused(capsys, work, "convert", "--model", "teacher", "--method", "lizard", "--out", "afile/sub",
+            names="afile is a file")
+
+
+def test_generate_static_on_a_model_with_softmax_layers_names_no_internal_class(work, capsys):
+    line = refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", "--static",
+                   names="fully linearized")
+    assert "StaticDecoder" not in line
+
+
+def test_binary_text_data_is_named(work, capsys):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run",
+            "--data", "binary.txt", *TRAIN, names="binary.txt")
