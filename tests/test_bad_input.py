@@ -236,6 +236,20 @@ def test_generate_static_on_a_model_with_softmax_layers_names_no_internal_class(
     assert "StaticDecoder" not in line
 
 
+def test_too_little_data_is_refused_before_the_run_is_written(work, capsys):
+    (work / "tiny.txt").write_text("the cat sat on the mat and ran to the sea")
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run",
+            "--data", "tiny.txt", *TRAIN, names="tiny.txt")
+
+
+@pytest.mark.parametrize("content", ["", '{"model": "teacher", "method"', '{"nonsense": 1}'])
+def test_resume_with_a_broken_run_config_names_it(work, capsys, content):
+    (work / "run").mkdir()
+    (work / "run" / "distill_config.json").write_text(content)
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--resume", names="run/distill_config.json")
+
+
 def test_binary_text_data_is_named(work, capsys):
     refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run",
             "--data", "binary.txt", *TRAIN, names="binary.txt")

@@ -86,8 +86,11 @@ def build_token_blocks(
         return blocks, info
 
     blocks = cached_array(Path(cache_dir) if cache_dir else default_cache_dir(), key, build)
-    train, val = split_indices(len(blocks), seq_len, val_size=val_size, max_val_blocks=max_val_blocks,
-                               max_tokens=max_tokens, seed=seed)
+    try:
+        train, val = split_indices(len(blocks), seq_len, val_size=val_size, max_val_blocks=max_val_blocks,
+                                   max_tokens=max_tokens, seed=seed)
+    except DataError as e:
+        raise DataError(f"The data '{spec}': {e}") from None
     log.info("Data %s: %d blocks of %d tokens, %d for training, %d for validation.",
              spec, len(blocks), seq_len, len(train), len(val))
     return TokenBlocks(blocks, train), TokenBlocks(blocks, val)

@@ -153,7 +153,11 @@ def _is_saved_dataset(path: Path) -> bool:
 def _load_saved(path: Path):
     import datasets
 
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as e:  # pyarrow's errors for a truncated or foreign .arrow file, a bad state.json, ...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path} is not a readable datasets.save_to_disk folder ({reason}).") from e
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise DataError(f"{path} is a DatasetDict without a 'train' split (splits: {sorted(loaded)}).")

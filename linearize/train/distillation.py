@@ -170,6 +170,10 @@ class Run:
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
                                                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
+        for split, blocks in (("training", self.train_blocks), ("validation", self.val_blocks)):
+            if len(blocks) < micro:
+                raise ValueError(f"--data {cfg.data}: {len(blocks)} {split} sequence(s) of {cfg.seq_len} tokens, "
+                                 f"fewer than one batch of {micro}: give more data, or a smaller --batch or --seq-len")
         # Written once the model's tokenizer and the data have loaded: a start refused for bad input
         # leaves no run behind that a corrected command would have to --resume.
         self._save_config()
@@ -377,7 +381,12 @@ def check_same_run(cfg: DistillConfig) -> None:
     saved = out / CONFIG_NAME
     if not saved.exists():
         raise ResumeError(f"nothing to resume in {out}: no {CONFIG_NAME}")
-    diff = cfg.same_run(DistillConfig.from_json(saved))
+    try:
+        previous = DistillConfig.from_json(saved)
+    except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError; TypeError: unknown or missing keys
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeError(f"cannot resume {out}: {saved} is not a readable run config ({reason})") from None
+    diff = cfg.same_run(previous)
     if diff:
         raise ResumeError(f"cannot resume {out}: these settings differ from the saved run: {diff}")
 
