@@ -204,7 +204,8 @@ def check(ws: Path, argv: list, names: set[str], label: str) -> None:
     """Run argv and hold it to the promise; `names`: words one of which the error line must contain."""
     before = _snapshot(ws)
     try:
-        code, _, err = _run(argv)
+        with contextlib.chdir(ws):  # a relative or empty path lands in the workspace, where it is seen
+            code, _, err = _run(argv)
     except BaseException as e:  # anything escaping main is the traceback a user would see
         TALLY["traceback"] += 1
         raise AssertionError(f"{label}: {type(e).__name__} escaped main: {e}") from e
