@@ -98,8 +98,13 @@ def cmd_generate(args) -> None:
     options = parse_set_options(args.set)
     model = load_model(args.model, dtype=args.dtype, device=args.device, inference_options=options)
     tokenizer = load_tokenizer(args.model)
-    print(generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                        temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile))
+    text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                         temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile)
+    from .modeling import undistilled_note  # loaded by now: load_model imported it
+
+    if note := undistilled_note(model.config):  # after the flags' checks: an error stays one line
+        print(note, file=sys.stderr)
+    print(text)
 
 
 def cmd_demo(args) -> None:

@@ -37,7 +37,8 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, **options)
     if bad:
         raise ValueError(f"softmax layer indices {bad} out of range: the model has {num_layers} layers")
 
-    spec = {"method": method, "options": dataclasses.asdict(cfg), "softmax_layers": softmax_layers}
+    # distilled: false until distill exports the trained model (`modeling.undistilled_note`)
+    spec = {"method": method, "options": dataclasses.asdict(cfg), "softmax_layers": softmax_layers, "distilled": False}
     config_class, model_class = LINEARIZED_CLASSES[model_type]
     teacher_config = model.config
     fields = {k: v for k, v in teacher_config.to_dict().items() if k != "model_type"}

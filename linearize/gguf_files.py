@@ -18,7 +18,20 @@ def from_gguf(auto_class, path: Path, **kwargs):
     loaded = auto_class.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
     if auto_class is AutoTokenizer:
         _set_special_tokens(loaded, path)
+        no_bpe_cleanup(loaded)
     return loaded
+
+
+def no_bpe_cleanup(tokenizer):
+    """`clean_up_tokenization_spaces` False where transformers ignores True anyway (a BPE vocabulary:
+    the clean-up would strip real spaces), so that every decode does not warn about it and the
+    tokenizer_config.json we save says what decoding does. SmolLM2's own config says True."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (getattr(tokenizer, "clean_up_tokenization_spaces", False) and backend is not None
+            and type(backend.model).__name__ == "BPE"
+            and not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)):
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def _set_special_tokens(tokenizer, path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Each supported architecture gets a config subclass with its own `model_type` (so AutoConfig can
 tell a linearized checkpoint from its teacher) carrying one extra field, `linearize`:
-{"method": ..., "options": {...}, "softmax_layers": [...]}. The model subclass builds the teacher
+{"method": ..., "options": {...}, "softmax_layers": [...], "distilled": bool} (`distilled`: false from
+`convert`, true from distill's export; absent in checkpoints from before it). The model subclass builds the teacher
 architecture, then swaps the attention of every non-softmax layer, so the checkpoint's keys (teacher
 projections + the new modules) load with no missing or unexpected entries. Importing this module
 registers them with AutoConfig and AutoModelForCausalLM.
@@ -83,6 +84,16 @@ class LinearizedQwen2ForCausalLM(Qwen2ForCausalLM):
 
 
 # teacher model_type -> (linearized config class, linearized model class)
+def undistilled_note(config) -> str | None:
+    """A one-line note for a linearized model that no distillation has trained (its new attention
+    starts from scratch: it writes garbage); None otherwise, and for checkpoints without the field."""
+    spec = getattr(config, "linearize", None)
+    if isinstance(spec, dict) and spec.get("distilled") is False:
+        return (f"linearize: note: this {spec.get('method', 'linearized')} model was converted but not distilled, so "
+                "its new attention is untrained and its text will be garbage; `linearize distill` trains it")
+    return None
+
+
 LINEARIZED_CLASSES = {
     "llama": (LinearizedLlamaConfig, LinearizedLlamaForCausalLM),
     "mistral": (LinearizedMistralConfig, LinearizedMistralForCausalLM),

@@ -93,6 +93,13 @@ def wrote(paths) -> None:
 
 
 def run_kernels(args) -> None:
+    import torch
+
+    from ..cli_args import CommandError
+
+    if not args.quick and not torch.cuda.is_available():
+        raise CommandError("bench kernels times the Lizard paper's GPU shapes (bf16, batch 16-32 at 2K-8K tokens), "
+                           "hours on a CPU, and there is no CUDA device here: pass --quick for the tiny shapes")
     from . import kernels
 
     wrote(kernels.bench(args.out, quick=args.quick, ops=args.ops))

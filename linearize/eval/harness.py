@@ -79,6 +79,45 @@ def is_lm_eval_task(name: str) -> bool:
 
 
 @contextmanager
+def quiet_lm_eval():
+    """While lm-eval runs, what it prints that is no news to us goes unsaid; its progress bars stay.
+
+    - its loggers' warnings about being handed a model object rather than a name (we mean to) and
+      about task metadata: lm-eval's errors still show;
+    - datasets' `Map:` bars (our local task data is loaded in memory, so every run maps it afresh);
+    - git's "fatal: not a git repository": lm-eval records the working folder's commit with `git
+      describe`, which writes that line to our stderr outside a checkout. The same call, its stderr
+      to /dev/null.
+    """
+    import logging
+    import os
+    import subprocess
+
+    import datasets
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_commit_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    logger, bars = logging.getLogger("lm_eval"), datasets.is_progress_bar_enabled()
+    level, git_hash = logger.level, lm_eval.evaluator.get_git_commit_hash
+    logger.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+    lm_eval.evaluator.get_git_commit_hash = git_commit_hash
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+        lm_eval.evaluator.get_git_commit_hash = git_hash
+
+
+@contextmanager
 def building_no_cache(model):
     """lm-eval calls model(ids) for loglikelihoods, which would build a cache it never reads (for a
     linearized model, each layer's state after every batch): off for the duration."""
@@ -134,11 +173,11 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
     manager = task_manager(full_index=any(task not in HARNESS_TASKS for task in tasks))
     root = local_tasks.olmo_root(data_dir)
     sources = local_tasks.redirect_to_local(manager, list(lm_names.values()), root)
-    lm = budgeted_lm(model, tokenizer, batch)
     cache_lm_eval_templates()
 
     results = {}
-    with building_no_cache(model):
+    with quiet_lm_eval(), building_no_cache(model):
+        lm = budgeted_lm(model, tokenizer, batch)
         for task, lm_name in lm_names.items():
             start = time.perf_counter()
             out = simple_evaluate(
