@@ -179,7 +179,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_args import add_method_arguments
+    from .cli_args import add_method_arguments, seed
     from .config import METHOD_CONFIGS, PRESETS
 
     parser = _Parser(prog="linearize", description=__doc__.splitlines()[0])
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed")
     p.add_argument("--static", action="store_true",
                    help="fully linearized models: greedy steps on the fixed-shape cache (a CUDA graph per step on a GPU)")
     p.add_argument("--compile", action="store_true",

@@ -75,6 +75,17 @@ positive_int = _positive(int, "an integer")
 positive_float = _positive(float, "a number")
 
 
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**63), what torch's generators take."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63 - 1, got {text!r}")
+    return value
+
+
 def describe_os_error(e: OSError) -> str:
     """An OSError as one line without Python's `[Errno N]` prefix: "PATH: reason"."""
     reason = e.strerror or str(e)

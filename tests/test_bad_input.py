@@ -129,6 +129,13 @@ def test_a_negative_or_non_finite_temperature_is_refused(work, capsys, value):
             names="--temperature")
 
 
+@pytest.mark.parametrize("verb", [["generate", "--prompt", "hi"], ["eval", "--tasks", "ppl", "--out", "e.json"],
+                                  ["distill", "--method", "lizard", "--out", "run"]])
+def test_a_seed_out_of_range_is_refused_by_flag(work, capsys, verb):
+    """Found by the fuzzer: a seed past 2**63 reached torch ("Overflow when unpacking long long")."""
+    refused(capsys, work, verb[0], "--model", "teacher", *verb[1:], "--seed", "99999999999999999999", names="--seed")
+
+
 @pytest.mark.parametrize("flags,names", [
     (["--head-lr-scale", "nan"], "head_lr_scale"),
     (["--lr", "nan"], "--lr"),

@@ -24,6 +24,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -102,6 +103,24 @@ def _run(argv) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in argv])
     return code, out.getvalue(), err.getvalue()
+
+
+class Hang(BaseException):
+    """An example ran past its deadline (BaseException: the command's own handlers must not swallow it)."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int, label: str):
+    def expire(*_):
+        raise Hang(f"{label}: still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -204,8 +223,11 @@ def check(ws: Path, argv: list, names: set[str], label: str) -> None:
     """Run argv and hold it to the promise; `names`: words one of which the error line must contain."""
     before = _snapshot(ws)
     try:
-        with contextlib.chdir(ws):  # a relative or empty path lands in the workspace, where it is seen
+        with contextlib.chdir(ws), _deadline(EXAMPLE_SECONDS, label):  # relative or empty paths land in ws
             code, _, err = _run(argv)
+    except Hang:
+        TALLY["hang"] += 1
+        raise
     except BaseException as e:  # anything escaping main is the traceback a user would see
         TALLY["traceback"] += 1
         raise AssertionError(f"{label}: {type(e).__name__} escaped main: {e}") from e
@@ -230,6 +252,10 @@ def check(ws: Path, argv: list, names: set[str], label: str) -> None:
 # Hostile flag values.
 
 HOSTILE = ["nan", "inf", "-inf", "-1", "0", "1e400", "", "abc", "1.5", "99999999999999999999", "-0"]
+# Flags whose large values are valid requests for more work (tokens, steps, samples): no huge values there.
+SIZES = {"--max-tokens", "--max-new-tokens", "--seq-len", "--batch", "--grad-accum", "--save-every", "--eval-every",
+         "--limit", "--samples", "--lengths"}
+EXAMPLE_SECONDS = 120  # a valid input on the tiny workspace finishes in seconds; longer is a hang
 # verb: flags that take a number
 NUMERIC = {
     "convert": [],
@@ -330,7 +356,8 @@ def test_fuzz_broken_files(template, data):
 def test_fuzz_hostile_flags(template, data):
     verb = data.draw(st.sampled_from(["generate", "eval", "distill"]), "verb")
     flag = data.draw(st.sampled_from(NUMERIC[verb] + ["--set"]), "flag")
-    value = data.draw(st.sampled_from(HOSTILE) | st.text(max_size=12), "value")
+    hostile = [v for v in HOSTILE if not (flag in SIZES and v == "99999999999999999999")]
+    value = data.draw(st.sampled_from(hostile) | st.text(max_size=12), "value")
     if flag == "--set":
         value = f"{data.draw(st.sampled_from(SET_KEYS), 'key')}={value}"
     check_flag_example(template, verb, flag, value)
@@ -341,5 +368,5 @@ def test_fuzz_tally_has_no_traceback_and_no_leftover():
     """Runs after the fuzz tests above (file order): prints the tally docs/setup.md quotes."""
     tried = TALLY["accepted"] + TALLY["refused"]
     print(f"\nbad-input fuzzer: {tried} inputs tried, {TALLY['refused']} refused with exit 2, "
-          f"{TALLY['accepted']} still valid, {TALLY['traceback']} tracebacks, {TALLY['leftover']} leftovers")
-    assert TALLY["traceback"] == 0 and TALLY["leftover"] == 0
+          f"{TALLY['accepted']} still valid, {TALLY['traceback']} tracebacks, {TALLY['leftover']} leftovers, {TALLY['hang']} hangs")
+    assert TALLY["traceback"] == 0 and TALLY["leftover"] == 0 and TALLY["hang"] == 0

@@ -7,7 +7,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from linearize.cli_args import check_device
+from linearize.cli_args import check_device, seed
 from linearize.config import inference_options_help, parse_set_options
 from linearize.eval.longcontext import DEFAULT_SAMPLES
 
@@ -48,7 +48,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         help="default float32; auto keeps the checkpoint's dtype")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the synthetic tasks and lm-eval's samplers")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=inference_options_help())
     parser.add_argument("--text", help="perplexity text (.txt); default Moby-Dick from the public-domain texts")

@@ -17,7 +17,7 @@ def _lrs(text: str) -> tuple[float, float | None]:
 
 
 def register(subparsers) -> None:
-    from ..cli_args import StoreGiven, add_method_arguments, parse_int_list, positive_int
+    from ..cli_args import StoreGiven, add_method_arguments, parse_int_list, positive_int, seed
     from ..config import PRESETS
 
     p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture an optimizer step as a CUDA graph and replay it (fewer host launches); "
                         "under torchrun where FSDP2 does not shard (stage 1, stage 2 with --no-fsdp)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: bf16 autocast on CUDA, float32 on a CPU")
