@@ -63,16 +63,26 @@ def register(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _flag(flag: str, parse, *values):
+    """parse(*values), its ValueError prefixed with the flag the values came from (the line names it)."""
+    try:
+        return parse(*values)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def run(args) -> int:
     from linearize.eval import api
     from linearize.eval.report import write_json, write_report
 
     # Check every input before the (slow) model load, so a mistake fails at once.
-    tasks = api.parse_tasks(args.tasks)
-    lengths, depths = api.parse_lengths(args.lengths), api.parse_depths(args.depths)
-    task_limits = parse_task_limits(args.task_limit)
-    api.check_task_limits(tasks, task_limits)
-    task_lengths = api.parse_task_lengths(tasks, dict(item.partition("=")[::2] for item in args.task_lengths))
+    tasks = _flag("--tasks", api.parse_tasks, args.tasks)
+    lengths = _flag("--lengths", api.parse_lengths, args.lengths)
+    depths = _flag("--depths", api.parse_depths, args.depths)
+    task_limits = _flag("--task-limit", parse_task_limits, args.task_limit)
+    _flag("--task-limit", api.check_task_limits, tasks, task_limits)
+    task_lengths = _flag("--task-lengths", api.parse_task_lengths, tasks,
+                         dict(item.partition("=")[::2] for item in args.task_lengths))
     for flag in ("limit", "samples", "batch", "harness_batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}.")
