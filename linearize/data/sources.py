@@ -155,6 +155,10 @@ def _load_saved(path: Path):
 
     try:
         loaded = datasets.load_from_disk(str(path))
+        # Arrow trusts the offsets stored in the file: a corrupt one is read as it stands, past the end
+        # of its buffer, and can crash the process. A full validation checks them all first.
+        for split in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
+            split.data.table.validate(full=True)
     except Exception as e:  # pyarrow's errors for a truncated or foreign .arrow file, a bad state.json, ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"{path} is not a readable datasets.save_to_disk folder ({reason}).") from e
