@@ -191,6 +191,8 @@ class Run:
             print(note, file=sys.stderr, flush=True)  # before the data and model loads: minutes on a CPU
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"{cfg.model}: its tokenizer has no EOS token, which packing needs between documents")
         self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
                                                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
         for split, blocks in (("training", self.train_blocks), ("validation", self.val_blocks)):
