@@ -178,6 +178,9 @@ def _validate(cfg: MethodConfig) -> None:
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        # Sizes become tensor shapes and kernel arguments: beyond int32 they overflow there, unnamed.
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**31:
+            raise ConfigError(f"{f.name} must be below 2**31, got {value}")
 
     def positive(field):
         value = getattr(cfg, field)

@@ -5,6 +5,7 @@ fetches), a `.gguf` file (dequantised on load), a local HF model folder (holding
 or linearized checkpoint alike), or a Hugging Face hub id, passed on as is.
 """
 
+import json
 import pickle
 import re
 import struct
@@ -74,6 +75,7 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelSpecError(f"{path} holds no config.json, so it is not a Hugging Face model folder")
+        _check_config_file(path / "config.json")
         return "dir", path
     if path.is_file():
         if path.suffix != ".gguf":
@@ -82,6 +84,16 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path | str]:
     if isinstance(spec, str) and path.suffix != ".gguf" and _HUB_ID.fullmatch(spec):
         return "hub", spec
     raise ModelNotFoundError(f"no such model file or folder: {path}")
+
+
+def _check_config_file(path: Path) -> None:
+    """A model folder's config.json must hold one JSON object: transformers indexes whatever it finds."""
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ModelSpecError(f"{path} is not valid JSON ({str(e).strip() or type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"{path} must hold a JSON object, not {type(config).__name__}")
 
 
 # What reading a truncated or corrupt file raises, in transformers' GGUF parser, gguf's reader, safetensors

@@ -260,3 +260,18 @@ def test_resume_with_a_broken_run_config_names_it(work, capsys, content):
 def test_binary_text_data_is_named(work, capsys):
     refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run",
             "--data", "binary.txt", *TRAIN, names="binary.txt")
+
+
+@pytest.mark.parametrize("content", [b"[]", b"null", b"\xff\xfe not json"])
+def test_a_model_config_that_is_not_a_json_object_is_named(work, capsys, content):
+    """Found by the fuzzer: a config.json holding a list reached transformers, which indexed it."""
+    (work / "teacher" / "config.json").write_bytes(content)
+    refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", names="config.json")
+
+
+def test_a_size_option_past_int32_is_refused(work, capsys):
+    """Found by the fuzzer: window=1e20 reached torch.zeros as a shape."""
+    assert main(["convert", "--model", "teacher", "--method", "lizard", "--out", "student"]) == 0
+    capsys.readouterr()
+    refused(capsys, work, "generate", "--model", "student", "--prompt", "hi", "--set", "window=99999999999999999999",
+            names="window")
