@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -300,6 +301,21 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
         progress: bool = True, evaluate_model: bool = True) -> Path:
     """Distil (unless the recipe is a teacher row) and evaluate, or only distil (`evaluate_model=False`:
     a later run evaluates the model it finds); returns OUT/<name>."""
+    out = Path(out_root) / recipe.name
+    created = [d for d in (Path(out_root), out) if not d.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_in(out, recipe, model=model, device=device, progress=progress, evaluate_model=evaluate_model)
+    except Exception:
+        # A run refused before any work (bad input) leaves nothing behind; one that trained keeps its
+        # checkpoint, so that rerunning resumes it.
+        for folder in reversed(created):
+            if all(p.name == "run.json" for p in folder.rglob("*") if p.is_file()):
+                shutil.rmtree(folder)
+        raise
+
+
+def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_model) -> Path:
     import torch
 
     from .eval.api import evaluate
@@ -307,8 +323,6 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     from .loading import load_model, load_tokenizer
     from .train import ensure_distilled
 
-    out = Path(out_root) / recipe.name
-    out.mkdir(parents=True, exist_ok=True)
     record_path = out / "run.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     record["recipe"] = recipe.settings()

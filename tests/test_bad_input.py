@@ -275,3 +275,10 @@ def test_a_size_option_past_int32_is_refused(work, capsys):
     capsys.readouterr()
     refused(capsys, work, "generate", "--model", "student", "--prompt", "hi", "--set", "window=99999999999999999999",
             names="window")
+
+
+def test_a_recipe_refused_at_its_start_leaves_no_run_folder(work, capsys):
+    """Found by the fuzzer: a recipe whose data path is wrong left OUT/<name>/run.json behind."""
+    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
+                                 "  seq_len: 32\n  batch: 2\n  data: nowhere.txt\neval:\n  tasks: ppl\n")
+    refused(capsys, work, "recipe", "run", "r.yaml", "--out", "runs", "--device", "cpu", names="nowhere.txt")

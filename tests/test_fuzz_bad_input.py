@@ -10,7 +10,8 @@ README's promise:
   - on 2, nothing is left behind, and on either, no file of the user's is changed.
 
 `make test` runs a fixed, derandomized set of examples (seconds); `pytest -m slow -s
-tests/test_fuzz_bad_input.py` runs FUZZ_EXAMPLES (default 1000) random ones for files and for flags and prints the
+tests/test_fuzz_bad_input.py` runs FUZZ_EXAMPLES (default 1000) drawn ones for files and for flags
+(the same ones every run; FUZZ_RANDOM=1 draws new ones) and prints the
 tally that docs/setup.md quotes.
 """
 
@@ -216,6 +217,8 @@ def check_file_example(template: Path, kind: str, how: str, verb: str, seed: int
         data = target if kind in ("txt", "jsonl", "json") else ws / "data.arrow" if kind == "arrow" else None
         argv = command(verb, ws, model, data)
         names = {target.name, target.parent.name, Path(rel).parts[0]}
+        if kind == "recipe":  # a garbled value inside it is named as the value it became (a path, a model)
+            names |= {"Data path", "data", "model"}
         check(ws, argv, names, f"{kind}/{how}/{verb}")
 
 
@@ -336,7 +339,9 @@ def test_bad_output_or_model_path_is_refused_cleanly(template, verb, how):
     check_path_example(template, verb, how)
 
 
+# The same examples every run (CI must not flake on a draw); FUZZ_RANDOM=1 explores new ones.
 SLOW = settings(max_examples=SLOW_EXAMPLES, deadline=None, database=None,
+                derandomize=not os.environ.get("FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
