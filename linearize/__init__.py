@@ -16,6 +16,8 @@ import importlib
 import sys
 import types
 
+from ._lazy import lazy_exports
+
 # Public name -> the submodule that defines it.
 _EXPORTS = {
     "METHOD_CONFIGS": "config", "ConfigError": "config", "make_method_config": "config",
@@ -29,17 +31,7 @@ __all__ = ["METHOD_CONFIGS", "ConfigError", "DistillConfig", "LinearizeCacheLaye
            "cache_nbytes", "convert", "distill", "load_model", "load_tokenizer", "make_method_config",
            "set_inference_options"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 class _Package(types.ModuleType):
