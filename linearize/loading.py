@@ -124,6 +124,11 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
             named = where / files[0] if len(files) == 1 else f"{where} ({', '.join(files)})"
             raise ModelSpecError(f"cannot load {named}: its weights are truncated or corrupt "
                                  f"({str(e).strip() or type(e).__name__})") from e
+        except RuntimeError as e:
+            # transformers' "ignore_mismatched_sizes" report: the weights' shapes are not the config's.
+            if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+                raise
+            raise ModelSpecError(f"cannot load {where}: its weights' shapes do not match its config.json") from e
         except Exception as e:
             # The tokenizers library raises bare Exceptions for a broken tokenizer.json.
             if auto_class is not AutoTokenizer or isinstance(e, ModelSpecError | OSError):

@@ -1,6 +1,7 @@
 """The README's promise for bad input, case by case (issue 37): exit status 2, one line on stderr that
 names the input, no traceback, and nothing written, left behind or touched; paper cuts that now work."""
 
+import json
 import os
 import stat
 import struct
@@ -282,3 +283,12 @@ def test_a_recipe_refused_at_its_start_leaves_no_run_folder(work, capsys):
     (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
                                  "  seq_len: 32\n  batch: 2\n  data: nowhere.txt\neval:\n  tasks: ppl\n")
     refused(capsys, work, "recipe", "run", "r.yaml", "--out", "runs", "--device", "cpu", names="nowhere.txt")
+
+
+def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
+    """Found by the fuzzer: a bit flipped in config.json's sizes made transformers raise its mismatch report."""
+    config = json.loads((work / "teacher" / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (work / "teacher" / "config.json").write_text(json.dumps(config))
+    refused(capsys, work, "convert", "--model", "teacher", "--method", "lizard", "--out", "student",
+            names="config.json")
