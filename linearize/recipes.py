@@ -99,6 +99,22 @@ class Recipe:
         """What the row runs: name, row, distill, eval and model (not where they came from)."""
         return {key: getattr(self, key) for key in RECIPE_KEYS}
 
+    def check_eval(self) -> None:
+        """Parse the eval settings as the evaluation will (task names, lengths, depths), so that a bad
+        one fails before a row trains, not after. Imports the evaluation (torch): run, not list."""
+        from .eval import api
+
+        where = _display(self.source) if self.source is not None else self.name
+        try:
+            tasks = api.parse_tasks(self.eval["tasks"])
+            for key, parse in (("lengths", api.parse_lengths), ("depths", api.parse_depths)):
+                if key in self.eval:
+                    parse(self.eval[key])
+            api.parse_task_lengths(tasks, self.eval.get("task_lengths") or {})
+            api.check_task_limits(tasks, self.eval.get("task_limits") or {})
+        except (ValueError, TypeError, AttributeError) as e:
+            raise RecipeError(f"recipe {where}: eval: {e}") from None
+
     def distill_config(self, out: Path, model: str | None = None):
         from .train import DistillConfig
 
@@ -562,6 +578,9 @@ def _run_command(args) -> int:
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
         raise RecipeError(f"two recipes share a name: {names}")
+    if args.evaluate:
+        for recipe in recipes:
+            recipe.check_eval()
     outs = []
     for recipe in recipes:
         outs.append(run(recipe, args.out, model=args.model, device=args.device, evaluate_model=args.evaluate))

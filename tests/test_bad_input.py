@@ -292,3 +292,10 @@ def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
     (work / "teacher" / "config.json").write_text(json.dumps(config))
     refused(capsys, work, "convert", "--model", "teacher", "--method", "lizard", "--out", "student",
             names="config.json")
+
+
+def test_a_recipe_with_a_bad_eval_task_is_refused_before_it_trains(work, capsys):
+    """Found by the fuzzer: a truncated task name failed only after the row had trained."""
+    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
+                                 "  seq_len: 32\n  batch: 2\n  data: data.txt\neval:\n  tasks: pp\n")
+    refused(capsys, work, "recipe", "run", "r.yaml", "--out", "runs", "--device", "cpu", names="r.yaml")
