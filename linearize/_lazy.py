@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
 
@@ -12,6 +13,9 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable, Calla
 
     def __getattr__(name: str):
         if name not in exports:
+            # A submodule not imported yet (`linearize.decode.greedy_decode` after `import linearize`).
+            if not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+                return importlib.import_module(f"{package}.{name}")
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
         vars(sys.modules[package])[name] = value  # later lookups find it without this hook

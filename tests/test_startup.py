@@ -45,6 +45,13 @@ def test_public_names_load_on_first_use():
     assert out.split() == ["[]", "True", "True"]
 
 
+def test_submodules_load_on_first_use():
+    """`import linearize` then `linearize.decode.greedy_decode` (the README's quickstart) works."""
+    out = python("import linearize\nprint(linearize.decode.greedy_decode.__name__, linearize.ops.backend.get_backend(),"
+                 " hasattr(linearize, 'no_such_name'))")
+    assert out.split() == ["greedy_decode", "auto", "False"]
+
+
 FROM_PRETRAINED = f"\nm = AutoModelForCausalLM.from_pretrained({str(LIZARD)!r})\nprint(type(m).__name__)"
 
 
