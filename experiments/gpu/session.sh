@@ -48,7 +48,7 @@ case $part in
     esac ;;
   train)
     # KEY=VALUE words set method options; LINEARIZE_*=VALUE words set that environment variable for
-    # this part alone (e.g. LINEARIZE_FEATURES_BACKWARD=0 for an A/B timing).
+    # this part alone (e.g. LINEARIZE_BACKEND=torch for an A/B timing).
     # The word "graph" replays each step from a CUDA graph (--cuda-graph).
     sets=()
     envs=()
@@ -92,7 +92,7 @@ case $part in
       extra+=(--contexts "${contexts//+/,}" --batches "${batches//+/,}")
     fi
     # Further LINEARIZE_*=VALUE words set that environment variable for this part alone, e.g.
-    # LINEARIZE_STILL_KERNEL=0 to time STILL's blocked PyTorch prefill against its kernels.
+    # LINEARIZE_BACKEND=torch to time the PyTorch forms (STILL's blocked prefill) against the kernels.
     envs=("${@:5}")
     step "model_$shape" 500 env "${envs[@]}" python -m linearize.cli bench model --shape "$shape" "${extra[@]}" \
       --profile --time-limit 460 --out "$res/model-$shape" ;;
