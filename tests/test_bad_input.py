@@ -278,11 +278,16 @@ def test_a_size_option_past_int32_is_refused(work, capsys):
             names="window")
 
 
+def refused_recipe(capsys, work, *, data: str, tasks: str, names: str):
+    """`refused` for `recipe run` of a tiny one-stage row of the teacher on `data`, evaluated on `tasks`."""
+    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
+                                 f"  seq_len: 32\n  batch: 2\n  data: {data}\neval:\n  tasks: {tasks}\n")
+    refused(capsys, work, "recipe", "run", "r.yaml", "--out", "runs", "--device", "cpu", names=names)
+
+
 def test_a_recipe_refused_at_its_start_leaves_no_run_folder(work, capsys):
     """Found by the fuzzer: a recipe whose data path is wrong left OUT/<name>/run.json behind."""
-    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
-                                 "  seq_len: 32\n  batch: 2\n  data: nowhere.txt\neval:\n  tasks: ppl\n")
-    refused(capsys, work, "recipe", "run", "r.yaml", "--out", "runs", "--device", "cpu", names="nowhere.txt")
+    refused_recipe(capsys, work, data="nowhere.txt", tasks="ppl", names="nowhere.txt")
 
 
 def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
@@ -296,6 +301,4 @@ def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
 
 def test_a_recipe_with_a_bad_eval_task_is_refused_before_it_trains(work, capsys):
     """Found by the fuzzer: a truncated task name failed only after the row had trained."""
-    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
-                                 "  seq_len: 32\n  batch: 2\n  data: data.txt\neval:\n  tasks: pp\n")
-    refused(capsys, work, "recipe", "run", "r.yaml", "--out", "runs", "--device", "cpu", names="r.yaml")
+    refused_recipe(capsys, work, data="data.txt", tasks="pp", names="r.yaml")

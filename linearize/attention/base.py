@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..cache import claim_cache_layer
 from ..ops.common import repeat_kv
+from ..ops.features.naive import rotate
 
 
 def token_validity(attention_mask, batch: int, length: int, device) -> torch.Tensor:
@@ -32,11 +32,6 @@ def token_validity(attention_mask, batch: int, length: int, device) -> torch.Ten
         keep = last if last.dtype == torch.bool else last == 0
         return keep.to(device).expand(batch, length).contiguous()
     raise TypeError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
-
-
-def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = position_embeddings
-    return apply_rotary_pos_emb(q, k, cos.to(q.dtype), sin.to(q.dtype))
 
 
 class LinearizedAttention(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..common import repeat_kv
 
@@ -61,15 +62,10 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return signed_softmax(per_head_projection(x, weight.to(x.dtype)))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE as Llama applies it: cos, sin [B or 1, L, d], broadcast over the heads."""
-    cos, sin = (t.to(q.dtype)[:, None] for t in position_embeddings)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """RoPE as Llama applies it (transformers' own function): cos, sin [B or 1, L, d] in q's dtype."""
+    cos, sin = position_embeddings
+    return apply_rotary_pos_emb(q, k, cos.to(q.dtype), sin.to(q.dtype))
 
 
 def lizard_features_naive(q, k, w_q, w_k, position_embeddings=None):
