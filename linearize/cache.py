@@ -31,8 +31,13 @@ class LinearizeCacheLayer(CacheLayerMixin):
     is_compileable = False
     supports_early_init = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, mask_window: int | None = None, **kwargs):
         super().__init__()
+        # HF sizes a mask off the first cache layer of its type: this one too, so where the teacher has
+        # sliding-window layers (`mask_window`, their window) this layer answers as HF's sliding layer
+        # would, and a mask made off it fits a softmax sliding layer of a hybrid as well. The
+        # linearized layers read only the mask's last columns, the current tokens.
+        self.mask_window = mask_window
         self.state: dict[str, torch.Tensor] | None = None
         self.seen = 0
         self.frozen = False
@@ -64,7 +69,10 @@ class LinearizeCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, self.seen
+        if self.mask_window is None:
+            return query_length, self.seen
+        kept = min(self.seen, self.mask_window - 1)  # the keys HF's sliding layer keeps
+        return kept + query_length, self.seen - kept
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -104,8 +112,9 @@ class LinearizeCacheLayer(CacheLayerMixin):
         raise NotImplementedError("a linear-attention state cannot be rolled back (no assisted/speculative decoding)")
 
 
-def claim_cache_layer(cache: Cache, layer_idx: int) -> LinearizeCacheLayer:
-    """This layer's `LinearizeCacheLayer` in `cache`, replacing the empty placeholder HF put there."""
+def claim_cache_layer(cache: Cache, layer_idx: int, mask_window: int | None = None) -> LinearizeCacheLayer:
+    """This layer's `LinearizeCacheLayer` in `cache`, replacing the empty placeholder HF put there
+    (`mask_window`: see `LinearizeCacheLayer`)."""
     layers = cache.layers
     if layer_idx < len(layers) and isinstance(layers[layer_idx], LinearizeCacheLayer):
         return layers[layer_idx]
@@ -116,7 +125,7 @@ def claim_cache_layer(cache: Cache, layer_idx: int) -> LinearizeCacheLayer:
         while len(layers) < layer_idx:
             layers.append(cache.layer_class_to_replicate())
         layers.append(None)
-    layers[layer_idx] = LinearizeCacheLayer()
+    layers[layer_idx] = LinearizeCacheLayer(mask_window)
     return layers[layer_idx]
 
 

@@ -7,6 +7,7 @@ import dataclasses
 
 from transformers import PreTrainedModel
 
+from .architectures import architecture_of, layers_kept_softmax
 from .attention import LinearizedAttention
 from .config import ConfigError, make_method_config, with_inference_options
 from .modeling import LINEARIZED_CLASSES, swap_attention
@@ -16,29 +17,36 @@ class UnsupportedModelError(ValueError):
     """The model's architecture has no linearized counterpart."""
 
 
-def convert(model: PreTrainedModel, method: str, softmax_layers=None, **options) -> PreTrainedModel:
+def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: str = "all",
+            **options) -> PreTrainedModel:
     """Linearize `model` in place and return it.
 
     Every decoder layer not listed in `softmax_layers` gets `method`'s attention, built around the
     teacher's q/k/v/o projections; `options` override the method's defaults (see `linearize.config`).
-    The model becomes the matching `Linearized*ForCausalLM`, so it saves and loads as one.
+    `layers="full"` keeps the teacher's sliding-window layers (Gemma's five in six) as they are, also
+    in constant memory, and linearizes its full-attention layers only. The model becomes the matching
+    `Linearized*ForCausalLM`, so it saves and loads as one.
     """
     model_type = model.config.model_type
     if getattr(model.config, "linearize", None):
         raise UnsupportedModelError(f"the model is already linearized ({model.config.linearize['method']}); "
                                     "convert its teacher instead")
-    if model_type not in LINEARIZED_CLASSES:
-        supported = ", ".join(sorted(LINEARIZED_CLASSES))
-        raise UnsupportedModelError(f"cannot linearize model type {model_type!r}; supported: {supported}")
+    try:
+        architecture_of(model.config)
+        kept = layers_kept_softmax(model.config, layers)
+    except ValueError as e:
+        raise UnsupportedModelError(str(e)) from None
     cfg = make_method_config(method, **options)
     num_layers = model.config.num_hidden_layers
     softmax_layers = sorted({int(i) for i in (softmax_layers or [])})
     bad = [i for i in softmax_layers if not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"softmax layer indices {bad} out of range: the model has {num_layers} layers")
+    softmax_layers = sorted(set(softmax_layers) | set(kept))
 
     # distilled: false until distill exports the trained model (`modeling.undistilled_note`)
-    spec = {"method": method, "options": dataclasses.asdict(cfg), "softmax_layers": softmax_layers, "distilled": False}
+    spec = {"method": method, "options": dataclasses.asdict(cfg), "softmax_layers": softmax_layers, "layers": layers,
+            "distilled": False}
     config_class, model_class = LINEARIZED_CLASSES[model_type]
     teacher_config = model.config
     fields = {k: v for k, v in teacher_config.to_dict().items() if k != "model_type"}

@@ -13,17 +13,9 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from .architectures import ARCHITECTURES
 from .attention import ATTENTION_CLASSES, LinearizedAttention
 from .config import make_method_config
 from .norms import fuse_norms
@@ -41,49 +33,25 @@ def swap_attention(model: nn.Module, spec: dict) -> None:
             layer.self_attn = attention_class(layer.self_attn, cfg, model.config)
 
 
-@strict
-class LinearizedLlamaConfig(LlamaConfig):
-    model_type = "linearized_llama"
-    linearize: dict | None = None
-
-
-@strict
-class LinearizedMistralConfig(MistralConfig):
-    model_type = "linearized_mistral"
-    linearize: dict | None = None
-
-
-@strict
-class LinearizedQwen2Config(Qwen2Config):
-    model_type = "linearized_qwen2"
-    linearize: dict | None = None
-
-
-class LinearizedLlamaForCausalLM(LlamaForCausalLM):
-    config_class = LinearizedLlamaConfig
+def _linearized_classes(model_type: str, config_class: type, model_class: type) -> tuple[type, type]:
+    """`Linearized<Teacher>Config` (model_type `linearized_<teacher's>`, one more field, `linearize`) and
+    `Linearized<Teacher>ForCausalLM` (the teacher's model with its attention swapped on construction)."""
+    config_name, model_name = f"Linearized{config_class.__name__}", f"Linearized{model_class.__name__}"
+    linearized_config = strict(type(config_name, (config_class,), {
+        "__module__": __name__, "__qualname__": config_name, "__annotations__": {"linearize": dict | None},
+        "model_type": f"linearized_{model_type}", "linearize": None,
+    }))
 
     def __init__(self, config):
-        super().__init__(config)
+        model_class.__init__(self, config)
         swap_attention(self, config.linearize)
 
-
-class LinearizedMistralForCausalLM(MistralForCausalLM):
-    config_class = LinearizedMistralConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        swap_attention(self, config.linearize)
+    linearized_model = type(model_name, (model_class,), {
+        "__module__": __name__, "__qualname__": model_name, "config_class": linearized_config, "__init__": __init__,
+    })
+    return linearized_config, linearized_model
 
 
-class LinearizedQwen2ForCausalLM(Qwen2ForCausalLM):
-    config_class = LinearizedQwen2Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        swap_attention(self, config.linearize)
-
-
-# teacher model_type -> (linearized config class, linearized model class)
 def undistilled_note(config) -> str | None:
     """A one-line note for a linearized model that no distillation has trained (its new attention
     starts from scratch: it writes garbage); None otherwise, and for checkpoints without the field."""
@@ -94,11 +62,11 @@ def undistilled_note(config) -> str | None:
     return None
 
 
-LINEARIZED_CLASSES = {
-    "llama": (LinearizedLlamaConfig, LinearizedLlamaForCausalLM),
-    "mistral": (LinearizedMistralConfig, LinearizedMistralForCausalLM),
-    "qwen2": (LinearizedQwen2Config, LinearizedQwen2ForCausalLM),
-}
+# teacher model_type -> (linearized config class, linearized model class)
+LINEARIZED_CLASSES = {model_type: _linearized_classes(model_type, arch.config_class, arch.model_class)
+                      for model_type, arch in ARCHITECTURES.items()}
+# Module-level names, so that pickling and `transformers`' dynamic lookups find each class.
+globals().update({cls.__name__: cls for pair in LINEARIZED_CLASSES.values() for cls in pair})
 
 for _config_class, _model_class in LINEARIZED_CLASSES.values():
     AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# The teachers' norms: weight * x / rms(x), weight initialised to ones (Gemma's 1 + weight is not one).
-RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+# The teachers' norms: weight * x / rms(x), weight initialised to ones, rounded to x's dtype before the
+# weight (Gemma's 1 + weight is not one, OLMo-2's rounds after the weight).
+RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
 
 
 class FusedRMSNorm(nn.Module):

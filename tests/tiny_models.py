@@ -1,14 +1,25 @@
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from linearize.architectures import ARCHITECTURES as SUPPORTED
 
 TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "max_position_embeddings": 4096, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+ARCHITECTURES = {name: (arch.config_class, arch.model_class) for name, arch in SUPPORTED.items()}
+# What each family needs beyond TINY to be small and to show its traits in short sequences: Gemma's
+# sliding layers (a window of 6 beside a full layer), Gemma 2's logit cap (small enough to bind on tiny
+# logits; HF's SDPA attention ignores it, its eager one applies it), explicit head sizes where the
+# family's default is 256.
+_SLIDING = {"num_hidden_layers": 3, "sliding_window": 6,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+ARCHITECTURE_OVERRIDES = {
+    "qwen3": {"head_dim": 16},
+    "gemma2": {**_SLIDING, "head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.02,
+               "attn_implementation": "eager"},
+    "gemma3_text": {**_SLIDING, "head_dim": 16, "query_pre_attn_scalar": 24},
+    "olmo2": {},
+    "phi3": {},
 }
 
 # Small windows/chunks so that short test sequences cross several of them.
@@ -24,7 +35,7 @@ METHODS = list(TINY_OPTIONS)
 def tiny_teacher(arch: str = "llama", seed: int = 0, **overrides):
     config_class, model_class = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    return model_class(config_class(**{**TINY, **overrides})).eval()
+    return model_class(config_class(**{**TINY, **ARCHITECTURE_OVERRIDES.get(arch, {}), **overrides})).eval()
 
 
 def perturb_new_parameters(model, scale: float = 0.3, seed: int = 1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..architectures import architecture_of, sliding_window_of
 from ..cache import claim_cache_layer
 from ..ops.common import repeat_kv
 from ..ops.features.naive import rotate
@@ -18,9 +19,9 @@ from ..ops.features.naive import rotate
 def token_validity(attention_mask, batch: int, length: int, device) -> torch.Tensor:
     """[B, L] bool, False for padding, read off whatever mask HF built for this layer.
 
-    A 4D mask's last row belongs to the last query, which may attend to every non-padding key up to
-    itself, so its last L columns are the validity of the current tokens (left or right padding).
-    Always contiguous: HF hands some calls a mask expanded over the batch, others not, and a compiled
+    A 4D mask's last L columns are the current tokens, and each of them sees itself unless it is padding
+    (left or right), in a causal mask and a sliding-window one alike: the diagonal of that block is the
+    validity. Always contiguous: HF hands some calls a mask expanded over the batch, others not, and a compiled
     consumer (STILL's decode step) would recompile on the stride, inside a CUDA graph's capture too.
     """
     if attention_mask is None:
@@ -28,14 +29,15 @@ def token_validity(attention_mask, batch: int, length: int, device) -> torch.Ten
     if attention_mask.dim() == 2:
         return attention_mask[:, -length:].to(device=device, dtype=torch.bool)
     if attention_mask.dim() == 4:
-        last = attention_mask[:, 0, -1, -length:]
-        keep = last if last.dtype == torch.bool else last == 0
+        own = torch.diagonal(attention_mask[:, 0, -length:, -length:], dim1=-2, dim2=-1)
+        keep = own if own.dtype == torch.bool else own == 0
         return keep.to(device).expand(batch, length).contiguous()
     raise TypeError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
 
 
 class LinearizedAttention(nn.Module):
-    """Drop-in replacement for a Llama/Mistral/Qwen2 attention module (same call signature)."""
+    """Drop-in replacement for the attention module of any `linearize.architectures` teacher (same call
+    signature), forming q, k and v as the teacher does: its projections, q/k norms and query scaling."""
 
     # True: `attend` takes q, k, v as the projections give them (bf16 under autocast) and casts what
     # its own PyTorch path needs; its kernels then read them without a float32 copy in between.
@@ -48,8 +50,22 @@ class LinearizedAttention(nn.Module):
         self.head_dim = teacher.head_dim
         self.num_heads = model_config.num_attention_heads
         self.num_kv_heads = model_config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
+        arch = architecture_of(model_config)
+        self.scaling = teacher.scaling
+        # Gemma 2 caps the teacher's logits at +-softcap (tanh); the stage-1 target keeps that.
+        self.softcap = getattr(teacher, "attn_logit_softcapping", None)
+        # The teacher's sliding window, where it has sliding layers: this layer's cache sizes the masks
+        # HF builds off it for them (`cache.LinearizeCacheLayer.mask_window`).
+        self.mask_window = sliding_window_of(model_config)
+        if arch.fused_qkv:
+            self.q_proj, self.k_proj, self.v_proj = split_linear(
+                teacher.qkv_proj, [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj
+        self.o_proj = teacher.o_proj
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm != "none":
+            self.q_norm, self.k_norm = teacher.q_norm, teacher.k_norm
         # Stage 1: return the teacher's softmax output (so the next layer sees teacher hidden states)
         # and keep the MSE of our own output against it.
         self.attention_transfer = False
@@ -72,8 +88,13 @@ class LinearizedAttention(nn.Module):
 
     def new_parameters(self) -> list[nn.Parameter]:
         """Parameters this method adds on top of the teacher's projections."""
-        inherited = {id(p) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj) for p in m.parameters()}
+        inherited = {id(p) for m in self.teacher_modules() for p in m.parameters()}
         return [p for p in self.parameters() if id(p) not in inherited]
+
+    def teacher_modules(self) -> list[nn.Module]:
+        """The teacher's modules this attention keeps: projections and, where it has them, q/k norms."""
+        norms = [self.q_norm, self.k_norm] if self.qk_norm != "none" else []
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj, *norms]
 
     def input_projections(self) -> list[nn.Linear]:
         """The method's own Linear layers on the attention input (a gate's): computed beside q, k and v,
@@ -112,12 +133,17 @@ class LinearizedAttention(nn.Module):
             projected, fused = (self.q_proj(x), self.k_proj(x), self.v_proj(x)), ()
         # Under autocast a Linear casts for itself; else an odd dtype (a gate kept in float32) gets its own.
         self.projected = fused + tuple(m(x if autocast else x.to(m.weight.dtype)) for m in extra)
+        if self.qk_norm == "projection":
+            projected = (self.q_norm(projected[0]), self.k_norm(projected[1]), projected[2])
         q, k, v = (t.view(shape).transpose(1, 2) for t in projected)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype
         self.unpadded = attention_mask is None
 
-        cache = claim_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
+        cache = (claim_cache_layer(past_key_values, self.layer_idx, self.mask_window)
+                 if past_key_values is not None else None)
         state = cache.state if cache is not None else None
         self.caching = cache is not None
         self.frozen_cache = cache is not None and cache.frozen
@@ -160,7 +186,9 @@ class LinearizedAttention(nn.Module):
             self.rotated = None
         else:
             q, k = rotate(q, k, position_embeddings)
-        if attention_mask is None:
+        if self.softcap is not None:
+            y = softcapped_attention(q, k, v, attention_mask, self.scaling, self.softcap)
+        elif attention_mask is None:
             # As HF's SDPA attention runs the teacher without a mask: the KV heads shared in the kernel,
             # not repeated in memory first (two [B, H, L, d] copies a layer).
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
@@ -176,3 +204,34 @@ class LinearizedAttention(nn.Module):
 
     def attend(self, q, k, v, position_embeddings, valid, state, start):
         raise NotImplementedError
+
+
+def split_linear(fused: nn.Linear, sizes: list[int]) -> tuple[nn.Linear, ...]:
+    """Separate Linear layers holding (copies of) consecutive row blocks of `fused`."""
+    biases = fused.bias.split(sizes) if fused.bias is not None else [None] * len(sizes)
+    parts = []
+    for weight, bias in zip(fused.weight.split(sizes), biases, strict=True):
+        part = nn.Linear(fused.in_features, weight.shape[0], bias=bias is not None, device=weight.device,
+                         dtype=weight.dtype)
+        with torch.no_grad():
+            part.weight.copy_(weight)
+            if bias is not None:
+                part.bias.copy_(bias)
+        parts.append(part)
+    return tuple(parts)
+
+
+def softcapped_attention(q, k, v, attention_mask, scale: float, softcap: float) -> torch.Tensor:
+    """Causal softmax attention over logits capped as Gemma 2 caps them, softcap * tanh(s / softcap):
+    [B, H, L, d] queries, [B, H_kv, L, d] keys and values. SDPA has no cap, so this is the eager form."""
+    L = q.shape[2]
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    logits = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
+    if attention_mask is None:
+        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    else:
+        mask = attention_mask[..., -L:].to(q.device)
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+    weights = torch.softmax(logits.float().masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return weights.to(v.dtype) @ v
