@@ -33,6 +33,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from .config import LAYER_CHOICES
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -112,7 +114,6 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
     return config.sliding_window if SLIDING in layer_types(config) else None
 
 
-LAYER_CHOICES = ("all", "full")
 
 
 def layers_kept_softmax(config: PretrainedConfig, layers: str) -> list[int]:

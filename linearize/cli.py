@@ -28,17 +28,18 @@ from .config import ConfigError, inference_options_help
 
 def cmd_convert(args) -> None:
     from .config import parse_set_options
-    from .convert import check_layer_choice, convert
+    from .convert import check_layer_choice, convert, layers_to_keep
     from .loading import load_config, load_model, load_tokenizer
 
     options = parse_set_options(args.set or [], [args.method])
     check_writable_parent(args.out)
-    layers = getattr(load_config(args.model), "num_hidden_layers", None)  # None: convert names the model type
+    config = load_config(args.model)
+    layers = getattr(config, "num_hidden_layers", None)  # None: convert names the model type
     if layers is not None:
-        check_layer_choice(layers, args.method, args.softmax_layers)
+        check_layer_choice(layers, args.method, args.softmax_layers, kept=layers_to_keep(config, args.layers))
     with atomic_output_dir(args.out) as scratch:
         model = load_model(args.model, dtype=args.dtype)
-        convert(model, args.method, softmax_layers=args.softmax_layers, **options)
+        convert(model, args.method, softmax_layers=args.softmax_layers, layers=args.layers, **options)
         model.save_pretrained(scratch)
         load_tokenizer(args.model).save_pretrained(scratch)
     print(f"wrote {args.method} model to {args.out}")
@@ -180,7 +181,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .cli_args import add_method_arguments, seed
-    from .config import METHOD_CONFIGS, PRESETS
+    from .config import LAYER_CHOICES, LAYERS_HELP, METHOD_CONFIGS, PRESETS
 
     parser = _Parser(prog="linearize", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default=None,
@@ -193,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_arguments(p, METHOD_CONFIGS, PRESETS)
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--softmax-layers", type=parse_int_list, default=[], help="layers that keep softmax, e.g. 0,4")
+    p.add_argument("--layers", choices=LAYER_CHOICES, default="all", help=LAYERS_HELP)
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto")
     p.set_defaults(func=cmd_convert)

@@ -202,6 +202,13 @@ def _validate(cfg: MethodConfig) -> None:
         raise ConfigError(f"mix must be in [0, 1], got {cfg.mix}")
 
 
+# `convert(layers=...)`, `--layers`: which of the teacher's layers to linearize
+# (`linearize.architectures.layers_kept_softmax`).
+LAYER_CHOICES = ("all", "full")
+LAYERS_HELP = ("which layers to linearize: all, or full (only the full-attention layers; the teacher's "
+               "sliding-window layers, Gemma's five in six, stay as they are, also constant in memory)")
+
+
 # Options that shape a trained model's forward pass but none of its weights, so `set_inference_options`
 # may change them after training: what STILL keeps softmax-visible (its budget, T_max and routing),
 # Lizard's window and how fast its state forgets (the gate's temperature).

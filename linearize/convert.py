@@ -60,22 +60,37 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
     return model
 
 
-def check_layer_choice(num_layers: int, method: str, softmax_layers=(), softmax_by_error: int = 0) -> None:
+def check_layer_choice(num_layers: int, method: str, softmax_layers=(), softmax_by_error: int = 0,
+                       kept=()) -> None:
     """Refuse a command's choice of softmax layers that leaves no layer for `method` (ConfigError):
-    `softmax_layers` naming every layer, or `softmax_by_error` more layers back to softmax than stay
-    linear. Indices out of range are refused too. (`convert` itself accepts an all-softmax model.)"""
+    `softmax_layers` naming every layer, `kept` (the sliding layers `--layers full` keeps) all of them,
+    or `softmax_by_error` more layers back to softmax than stay linear. Indices out of range are
+    refused too. (`convert` itself accepts an all-softmax model.)"""
     chosen = sorted({int(i) for i in softmax_layers or ()})
     bad = [i for i in chosen if not 0 <= i < num_layers]
     if bad:
         raise ConfigError(f"--softmax-layers {','.join(map(str, bad))}: out of range, the model has {num_layers} "
                           f"layers (0 to {num_layers - 1})")
-    linear = num_layers - len(chosen)
+    if kept and len(kept) == num_layers:
+        raise ConfigError(f"--layers full: every one of the model's {num_layers} layers is a sliding-window layer, "
+                          "so none is left to linearize; use --layers all")
+    linear = num_layers - len(set(chosen) | set(kept))
     if linear == 0:
         raise ConfigError(f"--softmax-layers names all {num_layers} of the model's layers: no layer left to "
                           f"linearize with {method}")
     if softmax_by_error >= linear:
         raise ConfigError(f"--softmax-by-error {softmax_by_error}: the model has {linear} linearized layer(s), "
                           f"so it would leave no layer to {method}; pick fewer than {linear}")
+
+
+def layers_to_keep(config, layers: str) -> list[int]:
+    """The sliding layers `layers` ("all" or "full") keeps softmax, for `check_layer_choice`; none for a
+    model type `convert` does not take (it names the type itself)."""
+    try:
+        architecture_of(config)
+    except ValueError:
+        return []
+    return layers_kept_softmax(config, layers)
 
 
 def set_inference_options(model: PreTrainedModel, **options) -> PreTrainedModel:

@@ -147,3 +147,36 @@ def test_unsupported_models_get_one_line_reasons():
         linearize.convert(partial, "lizard")
     with pytest.raises(linearize.UnsupportedModelError, match="layers must be one of all, full"):
         linearize.convert(tiny_teacher(), "lizard", layers="sliding")
+
+
+def test_convert_and_distill_take_layers_full_on_the_command_line(tmp_path, capsys):
+    from tiny_models import save_tiny_teacher
+
+    from linearize.cli import main
+    from linearize.loading import load_model
+
+    teacher = save_tiny_teacher(tmp_path / "teacher", arch="gemma3_text")
+    out = tmp_path / "student"
+    assert main(["convert", "--model", str(teacher), "--method", "still", "--layers", "full", "--out", str(out),
+                 *[f"--set={k}={v}" for k, v in TINY_OPTIONS["still"].items()]]) == 0
+    model = load_model(out)
+    assert model.config.linearize["softmax_layers"] == [0, 1]
+    assert [type(layer.self_attn).__name__ for layer in model.model.layers] == [
+        "Gemma3Attention", "Gemma3Attention", "StillAttention"]
+
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(["the cat sat on the mat"] * 20) for _ in range(40)))
+    run = tmp_path / "run"
+    assert main(["distill", "--model", str(teacher), "--method", "lizard", "--layers", "full", "--out", str(run),
+                 "--data", str(tmp_path / "data.txt"), "--max-tokens", "256", "--seq-len", "32", "--batch", "4",
+                 "--set", "window=8", "--device", "cpu"]) == 0
+    distilled = load_model(run)
+    assert distilled.config.linearize["layers"] == "full" and distilled.config.linearize["softmax_layers"] == [0, 1]
+
+    # Every layer of a Mistral with a window slides: --layers full would leave none to linearize.
+    mistral = save_tiny_teacher(tmp_path / "mistral", arch="mistral")
+    capsys.readouterr()
+    assert main(["convert", "--model", str(mistral), "--method", "lizard", "--layers", "full",
+                 "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "every one of the model's 2 layers is a sliding-window layer" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "none").exists()

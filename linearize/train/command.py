@@ -18,7 +18,7 @@ def _lrs(text: str) -> tuple[float, float | None]:
 
 def register(subparsers) -> None:
     from ..cli_args import StoreGiven, add_method_arguments, parse_int_list, positive_int, seed
-    from ..config import PRESETS
+    from ..config import LAYER_CHOICES, LAYERS_HELP, PRESETS
 
     p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
     p.add_argument("--model", required=True, help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
@@ -38,6 +38,7 @@ def register(subparsers) -> None:
                    help="stage-1 lr multiplier of the per-head scalars (Lizard: alpha, sinks, gate bias)")
     p.add_argument("--softmax-layers", type=parse_int_list, default=[],
                    help="layers that keep softmax attention, e.g. 0,4 (default: none)")
+    p.add_argument("--layers", choices=LAYER_CHOICES, default="all", help=LAYERS_HELP)
     p.add_argument("--softmax-by-error", type=int, default=0, metavar="N",
                    help="after stage 1, keep softmax in the N layers it left with the highest error")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
@@ -79,7 +80,7 @@ def config_from_args(args):
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
-                         softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error,
+                         softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error, layers=args.layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
                          fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,

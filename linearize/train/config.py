@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import make_method_config
+from ..config import LAYER_CHOICES, make_method_config
 
 
 @dataclass
@@ -37,6 +37,9 @@ class DistillConfig:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     options: dict = field(default_factory=dict)  # method options (see linearize.config)
     softmax_layers: list[int] = field(default_factory=list)
+    # "full": linearize the teacher's full-attention layers only, keeping its sliding-window layers
+    # (`linearize.architectures.layers_kept_softmax`); "all": every layer.
+    layers: str = "all"
     # After stage 1, this many more layers — those it left with the highest error — go back to
     # softmax for stage 2 and the final model (the hybrid selection rule; see docs/training.md).
     softmax_by_error: int = 0
@@ -68,6 +71,8 @@ class DistillConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.batch % self.grad_accum:
             raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
+        if self.layers not in LAYER_CHOICES:
+            raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
         if self.softmax_by_error < 0:
             raise ValueError(f"softmax_by_error must be >= 0, got {self.softmax_by_error}")
         if self.softmax_by_error and self.stage != "both":

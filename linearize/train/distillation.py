@@ -54,7 +54,7 @@ def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: 
     from ..loading import load_model
 
     softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
-    model = convert(load_model(cfg.model), cfg.method, softmax_layers=softmax_layers, **cfg.options)
+    model = convert(load_model(cfg.model), cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
     if stage1_path is not None and stage1_path.exists():
         reverted = tuple(f".layers.{i}." for i in set(softmax_layers) - set(cfg.softmax_layers))
         tensors = {name: t for name, t in torch.load(stage1_path, map_location="cpu").items()
@@ -221,12 +221,14 @@ class Run:
     def _check_layers(self) -> None:
         """The softmax layers chosen leave some layer linear: checked on the teacher's config, before
         anything is written."""
-        from ..convert import check_layer_choice
+        from ..convert import check_layer_choice, layers_to_keep
         from ..loading import load_config
 
-        layers = getattr(load_config(self.cfg.model), "num_hidden_layers", None)
+        config = load_config(self.cfg.model)
+        layers = getattr(config, "num_hidden_layers", None)
         if layers is not None:
-            check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, self.cfg.softmax_by_error)
+            check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, self.cfg.softmax_by_error,
+                               kept=layers_to_keep(config, self.cfg.layers))
 
     def _save_config(self) -> None:
         # Every rank has checked before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
