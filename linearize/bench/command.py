@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import METHOD_CONFIGS
+from ..config import LAYER_CHOICES, LAYERS_HELP, METHOD_CONFIGS
 
 
 def sizes(text: str) -> list[int]:
@@ -60,6 +60,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-context", type=size, help="context of the batch sweep (default 4k)")
     p.add_argument("--methods", type=methods, help="linear methods to compare with softmax (default lizard)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
+    p.add_argument("--layers", choices=LAYER_CHOICES, help=f"{LAYERS_HELP.removesuffix(')')}; default all)")
     p.add_argument("--decode-steps", type=positive_int, help="timed decode steps per point (default 32)")
     p.add_argument("--prefill-chunk", type=size, help="tokens per prefill call of a linear model (default 16k)")
     p.add_argument("--teacher-max", type=size, help="longest context for softmax attention (default 128k)")
@@ -115,7 +116,7 @@ def run_model(args) -> None:
                       options=options, quick=args.quick, profile=args.profile,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
-                      time_limit=args.time_limit, compile_decode=args.compile_decode))
+                      time_limit=args.time_limit, compile_decode=args.compile_decode, layers=args.layers))
 
 
 def run_train(args) -> None:

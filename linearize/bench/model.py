@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..cache import cache_nbytes
 from ..convert import convert
-from ..decode import StaticDecoder
+from ..decode import StaticDecoder, fully_linearized
 from ..fused_projections import fuse_projections
 from .common import (
     GIB,
@@ -91,7 +91,7 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
     else:
         model = random_model(settings["shape"], device=device, dtype=dtype)
     if variant != SOFTMAX:
-        convert(model, variant, **settings.get("options", {}))
+        convert(model, variant, layers=settings.get("layers") or "all", **settings.get("options", {}))
         # Once for the whole sweep, prefill and decode alike: fused anew per decoder, every point's new fused
         # weights could fail the compiled step's guards and compile it again (~1 min each at the 8B shape).
         fuse_projections(model)
@@ -143,8 +143,9 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
         write_profile(prefill, device, Path(f"{profile_to}-prefill.txt"))
 
     decoder = None
-    if getattr(model.config, "linearize", None):
+    if fully_linearized(model):
         # A linear model decodes on its fixed-shape cache: a CUDA graph per step where the method allows.
+        # (One that keeps softmax sliding layers steps as HF does: their caches are HF's.)
         decoder = StaticDecoder(model, last["cache"], batch=batch, compile_backend=settings["compile_decode"])
 
         def step():

@@ -248,3 +248,20 @@ def test_parse_sizes():
     for bad in ("", "k", "0", "1.5k", "-1"):
         with pytest.raises(ValueError):
             parse_sizes(bad)
+
+
+def test_model_with_full_layers_only_keeps_a_constant_cache_beside_the_sliding_layers(tmp_path):
+    """`--layers full` on a teacher with sliding layers: its softmax sliding layers keep their window and
+    the linearized full layer its state, so the cache is the same size at every context; it steps as HF
+    does (the static decoder takes fully linearized models only)."""
+    from tiny_models import save_tiny_teacher
+
+    teacher = save_tiny_teacher(tmp_path / "gemma", arch="gemma3_text")
+    model_bench.bench(tmp_path / "out", model=str(teacher), methods=["lizard"], quick=True, layers="full",
+                      contexts=[64, 256], batches=[1], options={"window": 8})
+    results = json.loads((tmp_path / "out" / "model.json").read_text())
+    assert results["models"][1]["linearize"]["softmax_layers"] == [0, 1]
+    lizard = {p["context"]: p for p in results["points"] if p["model"] == "lizard" and p["sweep"] == "context"}
+    assert lizard[64]["status"] == lizard[256]["status"] == "ok"
+    assert lizard[64]["cache_bytes"] == lizard[256]["cache_bytes"] > 0
+    assert lizard[256]["decode_path"] == "eager"
