@@ -2,14 +2,14 @@
 
 import pytest
 import torch
-from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
 import linearize
 from linearize.decode import StaticDecoder, fully_linearized, greedy_decode, until_end
 
 
-def student(method, **extra):
-    model = tiny_teacher()
+def student(method, arch="llama", **extra):
+    model = tiny_teacher(arch)
     linearize.convert(model, method, **TINY_OPTIONS[method], **extra)
     perturb_new_parameters(model)
     return model
@@ -28,6 +28,15 @@ def test_greedy_decode_equals_the_uncached_model(method):
     model = student(method)
     ids = torch.randint(3, 128, (2, 19), generator=torch.Generator().manual_seed(0))
     assert torch.equal(greedy_decode(model, ids, 14, cuda_graph=False), uncached_greedy(model, ids, 14))
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
+def test_every_family_decodes_with_fused_projections_as_uncached(arch):
+    """The static decoder fuses q/k/v (and the MLP's gate and up) into one GEMM each: with q/k norms,
+    Phi-3's split qkv and Gemma's GELU MLP it still writes the uncached model's tokens."""
+    model = student("lizard", arch)
+    ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy_decode(model, ids, 10, cuda_graph=False), uncached_greedy(model, ids, 10))
 
 
 def test_decoding_stops_once_every_row_has_ended_and_until_end_cuts_each_row():
