@@ -212,16 +212,22 @@ def fully_linearized(model) -> bool:
     return linear > 0 and linear == model.config.num_hidden_layers
 
 
+# Tokens (over the batch) per prefill call. The state carries everything between calls, so the result is
+# the one-call prefill's; what one call builds stays bounded: HF's [B, 1, L, L] masks alone are 32 GiB
+# for two rows of 128K tokens.
+PREFILL_TOKENS = 32768
+
+
 @torch.no_grad()
 def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
                   eos_token_id: int | list[int] | None = None, cuda_graph: bool | None = None,
-                  compile_backend: str | None = None):
+                  compile_backend: str | None = None, prefill_tokens: int = PREFILL_TOKENS):
     """Greedy continuation of `input_ids` [B, L] by a fully linearized model: [B, n] new tokens.
 
     `attention_mask` marks left padding, positions counting from each row's first real token (as
     HF's generate does). n is `max_new_tokens`, or fewer once every row has produced one of
-    `eos_token_id`; a row that ended earlier goes on past its end (`until_end` cuts it).
-    `compile_backend`: see StaticDecoder."""
+    `eos_token_id`; a row that ended earlier goes on past its end (`until_end` cuts it). The prompt
+    goes in calls of `prefill_tokens` tokens across the batch. `compile_backend`: see StaticDecoder."""
     from transformers import DynamicCache
 
     if max_new_tokens < 1:
@@ -231,8 +237,14 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, attent
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         padding = attention_mask.shape[1] - attention_mask.long().sum(-1)
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits
+    length = input_ids.shape[1]
+    step = max(1, prefill_tokens // input_ids.shape[0])
+    for start in range(0, length, step):
+        end = min(length, start + step)
+        logits = model(input_ids=input_ids[:, start:end],
+                       attention_mask=None if attention_mask is None else attention_mask[:, :end],
+                       position_ids=None if positions is None else positions[:, start:end],
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1:].argmax(-1)
     generated = [token]
     ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=token.device).view(-1)

@@ -30,6 +30,19 @@ def test_greedy_decode_equals_the_uncached_model(method):
     assert torch.equal(greedy_decode(model, ids, 14, cuda_graph=False), uncached_greedy(model, ids, 14))
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_prompt_prefilled_in_pieces_decodes_as_in_one_call(method, arch):
+    """Prefill calls of a few tokens (left padding in the first ones, Gemma's sliding masks across
+    them) continue one state: the tokens are the one-call prefill's."""
+    model = student(method, arch)
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    one_call = greedy_decode(model, ids, 8, attention_mask=mask, cuda_graph=False)
+    assert torch.equal(greedy_decode(model, ids, 8, attention_mask=mask, cuda_graph=False, prefill_tokens=10), one_call)
+
+
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
 def test_every_family_decodes_with_fused_projections_as_uncached(arch):
     """The static decoder fuses q/k/v (and the MLP's gate and up) into one GEMM each: with q/k norms,
