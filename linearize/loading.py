@@ -1,8 +1,8 @@
 """Load a causal LM and its tokenizer from one spec.
 
-A spec is the alias `smollm2` (the default teacher: a dense copy of the GGUF that `linearize.assets`
-fetches), a `.gguf` file (dequantised on load), a local HF model folder (holding config.json, teacher
-or linearized checkpoint alike), or a Hugging Face hub id, passed on as is.
+A spec is an alias, `smollm2` (the default teacher) or `gemma3` (Gemma-3-270M, fetched on first use): a
+dense copy of a GGUF that `linearize.assets` fetches; a `.gguf` file (dequantised on load), a local HF model
+folder (holding config.json, teacher or linearized checkpoint alike), or a Hugging Face hub id, passed on as is.
 """
 
 import json
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
 from .gguf_files import from_gguf, no_bpe_cleanup
 
-ALIASES = {"smollm2": assets.smollm2_hf}
+ALIASES = {"smollm2": assets.smollm2_hf, "gemma3": assets.gemma3_hf}
 # "name" or "org/name"; anything else that does not exist on disk is a missing path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 

