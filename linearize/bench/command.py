@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     # No default here, or argparse could not tell `--shape smollm2 --model X` from `--model X`.
     which.add_argument("--shape", choices=["smollm2", "llama3-8b"],
                        help="random bf16 weights of this shape (default smollm2)")
-    which.add_argument("--model", help="load this model instead: smollm2, a .gguf file, a HF folder or a hub id")
+    which.add_argument("--model", help="load this model instead: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
     p.add_argument("--contexts", type=sizes, help="batch-1 context sweep, e.g. 1k,4k,1m (default 1k..1m, doubling)")
     p.add_argument("--batches", type=sizes, help="batch sweep, e.g. 1,4,16,64 (default)")
     p.add_argument("--batch-context", type=size, help="context of the batch sweep (default 4k)")
@@ -75,7 +75,7 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("train", help="tokens/s of distillation stages 1 and 2 vs a full fine-tune")
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--model", default="smollm2", help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--model", default="smollm2", help="teacher: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
     p.add_argument("--method", default="lizard", choices=sorted(METHOD_CONFIGS))
     p.add_argument("--seq-len", type=positive_int, help="default 2048")
     p.add_argument("--batch", type=positive_int, help="sequences per optimizer step (default 8)")

@@ -1,8 +1,10 @@
 """Tokenize documents, pack them into fixed-length blocks, and split the blocks into train and validation.
 
-Every document becomes its token ids followed by the tokenizer's EOS id (no BOS is inserted); the documents are
-concatenated in order and cut into blocks of `seq_len` tokens, dropping the remainder. So a block is an exact slice
-of that stream and may span document boundaries, as in GPT-style pre-training. The blocks are cached on disk; the
+Every document becomes its token ids followed by the tokenizer's EOS id; the documents are concatenated in order and
+cut into blocks of `seq_len` tokens, dropping the remainder. So a block is an exact slice of that stream and may span
+document boundaries, as in GPT-style pre-training. A tokenizer that starts every text with special ids
+(`tokenize.text_prefix`: Gemma's <bos>) has them start every block too, before a slice of `seq_len` minus their
+number. The blocks are cached on disk; the
 seeded shuffle, validation hold-out and `max_tokens` cap are applied on load, so they cost nothing to change.
 """
 
@@ -20,7 +22,7 @@ from linearize.data.errors import DataError
 from linearize.data.shuffle import permutation
 from linearize.data.sources import data_fingerprint, load_documents
 from linearize.data.token_cache import cached_array, default_cache_dir
-from linearize.data.tokenize import tokenize_documents
+from linearize.data.tokenize import text_prefix, tokenize_documents
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +72,19 @@ def build_token_blocks(
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
+    prefix = text_prefix(tokenizer)
+    if len(prefix) >= seq_len:
+        raise ValueError(f"seq_len must be longer than the {len(prefix)} special token(s) starting every block, got {seq_len}.")
+    marked = f"|prefix{prefix}" if prefix else ""  # none: the key of the layout before prefixes existed
     key = hashlib.sha256(
-        f"v{PACKING_VERSION}|{data_fingerprint(spec)}|{tokenizer_fingerprint(tokenizer)}|{seq_len}".encode()
+        f"v{PACKING_VERSION}|{data_fingerprint(spec)}|{tokenizer_fingerprint(tokenizer)}|{seq_len}{marked}".encode()
     ).hexdigest()[:24]
 
     def build() -> tuple[np.ndarray, dict]:
         stream, num_docs = tokenize_documents(load_documents(spec), tokenizer)
         if num_docs == 0:
             raise DataError(f"The data '{spec}' holds no documents.")
-        blocks = pack(stream, seq_len)
+        blocks = pack(stream, seq_len, prefix)
         if len(blocks) == 0:
             raise DataError(f"The data '{spec}' has {len(stream)} tokens, fewer than one block of {seq_len}.")
         info = {"spec": str(spec), "tokenizer": tokenizer.name_or_path, "seq_len": seq_len,
@@ -96,10 +102,15 @@ def build_token_blocks(
     return TokenBlocks(blocks, train), TokenBlocks(blocks, val)
 
 
-def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
-    """Consecutive blocks [num_blocks, seq_len] of `stream`; the tokens left over after the last block are dropped."""
-    num_blocks = len(stream) // seq_len
-    return stream[: num_blocks * seq_len].reshape(num_blocks, seq_len)
+def pack(stream: np.ndarray, seq_len: int, prefix: list[int] | tuple[int, ...] = ()) -> np.ndarray:
+    """Blocks [num_blocks, seq_len]: `prefix`, then the next seq_len - len(prefix) tokens of `stream`; the
+    tokens left over after the last block are dropped."""
+    body = seq_len - len(prefix)
+    num_blocks = len(stream) // body
+    blocks = stream[: num_blocks * body].reshape(num_blocks, body)
+    if not prefix:
+        return blocks
+    return np.concatenate([np.broadcast_to(np.asarray(prefix, dtype=stream.dtype), (num_blocks, len(prefix))), blocks], 1)
 
 
 def split_indices(

@@ -3,6 +3,8 @@
 The text's tokens are cut into non-overlapping windows of each length (the same leading
 `max_tokens` tokens for every length, so lengths are compared on the same text). Each window is
 scored on its own: loss over its tokens 2..L, predicted from the tokens before them in the window.
+A tokenizer that starts every text with special ids (Gemma's <bos>) has them start every window,
+as the model saw in training; the text then fills the other L - 1 positions.
 The windows of the longest length also give the mean loss at each position, bucketed on a log scale:
 a model that extrapolates keeps that curve flat or falling past its training length.
 """
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from linearize.data.tokenize import text_prefix
 from linearize.eval.generation import rows_per_batch
 
 DEFAULT_MAX_TOKENS = 65536
@@ -73,16 +76,18 @@ def perplexity(
 
         text = default_ppl_text()
     tokens = text_tokens(tokenizer, text)
+    prefix = torch.tensor(text_prefix(tokenizer), dtype=torch.long)
     longest = max(lengths)
     budget = min(len(tokens), max(max_tokens, longest))
-    if budget < longest:
+    if budget < longest - len(prefix):
         raise ValueError(f"{text} has {len(tokens)} tokens, fewer than the context length {longest}.")
 
     by_length = []
     position_sum = torch.zeros(longest - 1, dtype=torch.float64)
     for length in sorted(lengths):
-        count = budget // length if limit is None else min(budget // length, limit)
-        windows = tokens[: count * length].view(count, length)
+        body = length - len(prefix)
+        count = budget // body if limit is None else min(budget // body, limit)
+        windows = torch.cat([prefix.expand(count, -1), tokens[: count * body].view(count, body)], 1)
         step = rows_per_batch(length, batch, max_batch_tokens)
         total = 0.0
         for start in tqdm(range(0, count, step), desc=f"ppl@{length}", leave=False):

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     from ..config import LAYER_CHOICES, LAYERS_HELP, PRESETS
 
     p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
-    p.add_argument("--model", required=True, help="teacher: smollm2, a .gguf file, a HF folder or a hub id")
+    p.add_argument("--model", required=True, help="teacher: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
     add_method_arguments(p, ["lizard", "still", "lolcats", "liger"], PRESETS)
     p.add_argument("--data", default="default", help="default, a HF dataset name, .jsonl/.txt files or folders")
     p.add_argument("--out", required=True, help="run directory; ends up holding the distilled model")

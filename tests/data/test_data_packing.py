@@ -159,3 +159,33 @@ def test_too_few_blocks_to_hold_out_validation(tmp_path, tokenizer):
 def test_tokenizer_without_eos():
     with pytest.raises(DataError, match="no EOS token"):
         tokenize_documents(["w1"], make_tokenizer(eos_token=None))
+
+
+def bos_first(tokenizer):
+    """`tokenizer`, made to start every text with its BOS token, as Gemma's does."""
+    from tokenizers import processors
+
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tokenizer
+
+
+def test_a_tokenizer_that_starts_texts_with_bos_starts_every_block_with_it(tmp_path, tokenizer):
+    from linearize.data.tokenize import text_prefix
+
+    assert text_prefix(tokenizer) == []
+    docs = random_docs(200)
+    path = write_docs(tmp_path / "d.jsonl", docs)
+    plain, _ = build_token_blocks(path, tokenizer, seq_len=16, val_size=2, seed=0)
+    tokenizer = bos_first(tokenizer)
+    bos = tokenizer.bos_token_id
+    assert text_prefix(tokenizer) == [bos]
+    train, val = build_token_blocks(path, tokenizer, seq_len=16, val_size=2, seed=0)
+    stream = expected_stream(docs, tokenizer)
+    slices = {(bos, *stream[i : i + 15]) for i in range(0, len(stream) - 14, 15)}
+    rows = {tuple(r) for r in all_rows(train) + all_rows(val)}
+    assert rows == slices and train.seq_len == 16
+    assert {tuple(r) for r in all_rows(plain)}.isdisjoint(rows)  # a cache of its own, not the plain blocks
+    with pytest.raises(ValueError, match="longer than the 1 special token"):
+        build_token_blocks(path, tokenizer, seq_len=1)

@@ -72,3 +72,21 @@ def test_the_head_over_slices_that_straddle_rows_gives_each_tokens_nll(model, to
     windows = text_tokens(tokenizer, ppl_text)[: 5 * 64].view(5, 64)
     torch.testing.assert_close(module.token_nll(model, windows).double(), hand_nll(model, windows), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_a_tokenizer_that_starts_texts_with_bos_starts_every_window_with_it(model, ppl_text):
+    """Gemma's tokenizer puts <bos> before every text, and the model expects it at position 0: each
+    window is <bos> and L - 1 tokens of text, scored on its positions 2..L as any window."""
+    from conftest import make_byte_tokenizer
+    from tokenizers import processors
+
+    tokenizer = make_byte_tokenizer()
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    result = perplexity(model, tokenizer, [64], text=ppl_text, max_tokens=630, batch=4)
+    text = text_tokens(tokenizer, ppl_text)
+    assert text[0] != bos
+    windows = torch.cat([torch.full((10, 1), bos), text[:630].view(10, 63)], 1)
+    row = result["by_length"][0]
+    assert row["windows"] == 10
+    assert row["nll"] == pytest.approx(hand_nll(model, windows).mean().item(), rel=1e-5)
