@@ -91,6 +91,25 @@ def test_features_block_sizes_are_powers_of_two_from_16():
             tokens_per_program(bad)
 
 
+def test_gemma_head_dim_256_is_left_to_the_reference(monkeypatch):
+    """A [256, 128] weight per map does not fit one program's shared memory (the H200 refused the
+    kernel): the dispatch says so and the PyTorch reference answers, with the same features."""
+    pytest.importorskip("triton")
+    from linearize.ops import backend
+    from linearize.ops.features import features_without_grad, lizard_features
+    from linearize.ops.features.naive import lizard_features_naive
+    from linearize.ops.features.triton import features_unsupported
+
+    q, k = torch.randn(1, 4, 16, 256), torch.randn(1, 1, 16, 256)
+    w = torch.randn(4, 256, 128) * 0.05
+    assert "head dim 256 x feature dim 128" in features_unsupported(q, k, w)
+    assert features_unsupported(q[..., :128], k[..., :128], w[:, :128]) is None
+    monkeypatch.setattr(backend, "use_kernels", lambda: True)
+    assert features_without_grad(q, k, w, w, None, torch.float32) is None
+    for got, expected in zip(lizard_features(q, k, w, w), lizard_features_naive(q, k, w, w, None), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 @pytest.mark.parametrize("name", list(CASES))

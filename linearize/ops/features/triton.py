@@ -98,6 +98,11 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# Elements of one [d, f] weight a program may hold: 128 x 128 (two float32 maps, 128 KiB); at 256 x 128 the
+# kernel asked an H200 for 256 KiB of shared memory, above its 227 KiB.
+MAX_WEIGHT_ELEMENTS = 128 * 128
+
+
 def features_unsupported(q, k, w_q) -> str | None:
     """What keeps `lizard_features` from these inputs, or None."""
     D, F = w_q.shape[1], w_q.shape[2]
@@ -107,6 +112,9 @@ def features_unsupported(q, k, w_q) -> str | None:
         return "head and feature dims must be powers of two"
     if q.shape[2] > 1 and min(D, F) < 16:
         return "a block of tokens needs head and feature dims >= 16 (tensor-core tiles)"
+    if D * F > MAX_WEIGHT_ELEMENTS:
+        return (f"head dim {D} x feature dim {F}: a program holds both maps' [d, f] weights, above the GPU's "
+                f"shared memory past {MAX_WEIGHT_ELEMENTS} elements each (Gemma 3's head dim 256 at f = 128)")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         return "q and k need unit stride in the head dim"
     return None
