@@ -108,6 +108,22 @@ class StaticDecoder:
     def seen(self) -> int:
         return self.layers[0].seen
 
+    @torch.no_grad()
+    def load_row(self, row: int, cache, position: int) -> None:
+        """Make row `row` continue another sequence: the state of `cache` (a batch-1 prefill of the same
+        model, fully linearized) goes into the row, whose next token then sits at `position` (the
+        prefill's length). The other rows go on as they were; a captured graph reads the same tensors."""
+        sources = list(getattr(cache, "layers", []))
+        if len(sources) != len(self.layers) or not all(isinstance(s, LinearizeCacheLayer) and s.state is not None
+                                                       for s in sources):
+            raise ValueError("load_row needs the prefilled cache of a fully linearized model, layer for layer")
+        for layer, source in zip(self.layers, sources, strict=True):
+            for name, tensor in layer.state.items():
+                tensor[row].copy_(source.state[name][0])
+        # Positions are the shared step count minus the row's start, which may go below 0 for a row
+        # whose sequence is longer than the decoder's own.
+        self.row_start[row] = self.seen - position
+
     def _run(self) -> torch.Tensor:
         """One step, compiled where asked and possible."""
         if self._compiled is None:

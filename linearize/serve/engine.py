@@ -1,0 +1,325 @@
+"""The serving engine: one scheduler thread owns the model; each running request holds one state slot.
+
+A fully linearized model's decode state has one fixed shape per request, so a batch of requests is a
+fixed set of slots (`max_batch` rows of one frozen cache) stepped together by `StaticDecoder` (a
+CUDA graph per step on a GPU). Each scheduler turn:
+
+1. admits waiting requests into free slots, prefilling a new prompt alone, one `prefill_chunk` of
+   tokens per turn, so that long prompts interleave with the running requests' steps;
+2. copies a finished prefill's state into its slot (`StaticDecoder.load_row`);
+3. steps every slot once, and hands each running request its next token.
+
+A finished, cancelled or failed request frees its slot on the next turn. Idle slots step too, on
+whatever they hold: the step's shape never changes, and their tokens are dropped.
+
+A model with softmax layers (the teacher, hybrids) has no fixed-shape state: it serves each request
+on its own cache, one step per running request a turn, with no batching across requests.
+
+The web layer (`linearize.serve.app`) talks to the engine from its event loop: `submit` queues a
+request (or raises `QueueFull`), `Request.tokens()` yields its token ids as the thread makes them,
+`Request.cancel()` frees it, `Engine.stop()` drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+from transformers import DynamicCache
+
+from ..decode import StaticDecoder, fully_linearized
+
+
+class QueueFull(RuntimeError):
+    """Every slot is busy and the waiting queue is full: the caller should answer 429."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is draining or stopped and takes no new requests: the caller should answer 503."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence tokens (benchmarks)
+
+
+_DONE = object()
+
+
+class Request:
+    """One submitted prompt: its generated token ids arrive through `tokens()`."""
+
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+        self.id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None  # "stop" (an end-of-sequence token), "length", "cancelled", "error"
+        self.error: str | None = None
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(params.seed if params.seed is not None else request_id)
+        self.generator = generator
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away, or a stop string matched): the slot frees next turn."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """The generated token ids, as they come; ends when the request finishes. Raises RuntimeError
+        if the engine failed on this request."""
+        while True:
+            item = await self._queue.get()
+            if item is _DONE:
+                if self.finish_reason == "error":
+                    raise RuntimeError(self.error or "the engine failed on this request")
+                return
+            yield item
+
+    # Called from the engine thread.
+    def _emit(self, token: int) -> None:
+        self.generated.append(token)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, token)
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
+
+
+@dataclasses.dataclass
+class _Active:
+    """A request the scheduler works on: prefilling (its own cache, `done` prompt tokens in) or in a slot."""
+
+    request: Request
+    cache: DynamicCache
+    done: int = 0
+    slot: int | None = None
+    last: int | None = None  # the token the next step feeds
+
+
+class Engine:
+    """The scheduler thread and its slots (see the module's docstring)."""
+
+    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
+                 eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.cuda_graph = cuda_graph
+        self.slotted = fully_linearized(model)
+        self._ids = itertools.count(1)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefilling: list[_Active] = []
+        self._running: list[_Active] = []
+        self._free_slots = list(range(max_batch)) if self.slotted else []
+        self._decoder: StaticDecoder | None = None
+        self._wake = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def mode(self) -> str:
+        return "slots" if self.slotted else "serial"
+
+    def stats(self) -> dict:
+        with self._wake:
+            return {"running": len(self._running) + len(self._prefilling), "waiting": len(self._waiting),
+                    "slots": self.max_batch, "mode": self.mode}
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="linearize-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a prompt (call from the event loop that will read its tokens)."""
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        request = Request(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
+        with self._wake:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            # Capacity is the slots plus the queue, whether or not the thread has admitted the latest yet.
+            held = len(self._running) + len(self._prefilling) + len(self._waiting)
+            if held >= self.max_batch + self.max_queue:
+                raise QueueFull(f"all {self.max_batch} slots are busy and {self.max_queue} requests wait already")
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def stop(self, drain: bool = True) -> None:
+        """Take no new requests; with `drain` let the running and waiting ones finish, else cancel them;
+        then end the thread."""
+        with self._wake:
+            self._accepting = False
+            if not drain:
+                for request in [*self._waiting, *(a.request for a in self._prefilling + self._running)]:
+                    request.cancel()
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
+
+    # The scheduler thread.
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._admit()
+                idle = not (self._prefilling or self._running or self._waiting)
+                if idle and self._stopping:
+                    return
+                if idle:
+                    self._wake.wait()
+                    continue
+            try:
+                with torch.inference_mode():
+                    self._turn()
+            except Exception as e:  # noqa: BLE001 (a failed step fails its requests, not the server)
+                self._fail_active(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def _admit(self) -> None:
+        """Waiting requests into free places (under the lock); cancelled ones leave at once."""
+        for request in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(request)
+            request._finish("cancelled")
+        while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch:
+            request = self._waiting.popleft()
+            self._prefilling.append(_Active(request, DynamicCache(config=self.model.config)))
+
+    def _turn(self) -> None:
+        self._drop_cancelled()
+        if self._prefilling:
+            self._prefill_chunk(self._prefilling[0])
+        if self._running:
+            if self.slotted:
+                self._step_slots()
+            else:
+                for active in list(self._running):
+                    self._step_alone(active)
+
+    def _drop_cancelled(self) -> None:
+        for group in (self._prefilling, self._running):
+            for active in [a for a in group if a.request.cancelled]:
+                self._release(active, "cancelled")
+
+    def _prefill_chunk(self, active: _Active) -> None:
+        prompt = active.request.prompt_ids
+        end = min(len(prompt), active.done + self.prefill_chunk)
+        ids = torch.tensor([prompt[active.done:end]], device=self.device)
+        logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
+        active.done = end
+        if end < len(prompt):
+            return
+        self._prefilling.remove(active)
+        if not self._take(active, logits[0, -1]):
+            return
+        if self.slotted:
+            decoder = self._slot_decoder()
+            active.slot = self._free_slots.pop(0)
+            decoder.load_row(active.slot, active.cache, len(prompt))
+            active.cache = None  # the slot holds the state now
+        self._running.append(active)
+
+    def _slot_decoder(self) -> StaticDecoder:
+        """The decoder over `max_batch` slots, made at the first admission from a one-token prefill of
+        every row (their states are replaced as requests take the slots)."""
+        if self._decoder is None:
+            cache = DynamicCache(config=self.model.config)
+            start = torch.zeros(self.max_batch, 1, dtype=torch.long, device=self.device)
+            self.model(input_ids=start, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self._decoder = StaticDecoder(self.model, cache, batch=self.max_batch, cuda_graph=self.cuda_graph)
+        return self._decoder
+
+    def _step_slots(self) -> None:
+        decoder = self._decoder
+        tokens = torch.zeros(self.max_batch, 1, dtype=torch.long, device=self.device)
+        for active in self._running:
+            tokens[active.slot, 0] = active.last
+        logits = decoder.step(tokens)[:, -1]
+        for active in list(self._running):
+            self._take(active, logits[active.slot])
+
+    def _step_alone(self, active: _Active) -> None:
+        ids = torch.tensor([[active.last]], device=self.device)
+        logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
+        self._take(active, logits[0, -1])
+
+    def _take(self, active: _Active, logits: torch.Tensor) -> bool:
+        """Choose and hand on the next token from `logits` [vocab]; False once the request has ended
+        (its place is released)."""
+        request = active.request
+        token = _sample(logits, request.params, request.generator)
+        if token in self.eos_token_ids and not request.params.ignore_eos:
+            self._release(active, "stop")
+            return False
+        request._emit(token)
+        if len(request.generated) >= request.params.max_tokens:
+            self._release(active, "length")
+            return False
+        active.last = token
+        return True
+
+    def _release(self, active: _Active, reason: str, error: str | None = None) -> None:
+        for group in (self._prefilling, self._running):
+            if active in group:
+                group.remove(active)
+        if active.slot is not None:
+            self._free_slots.append(active.slot)
+            active.slot = None
+        active.cache = None
+        active.request._finish(reason, error)
+        with self._wake:
+            self._wake.notify()
+
+    def _fail_active(self, error: str) -> None:
+        for active in list(self._prefilling) + list(self._running):
+            self._release(active, "error", error)
+        if self._decoder is not None:  # its state may be half-written: start the slots afresh
+            self._decoder.close()
+            self._decoder = None
+            self._free_slots = list(range(self.max_batch))
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0; else a draw from softmax(logits / T), restricted to the top-p mass."""
+    if params.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
