@@ -73,6 +73,27 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_model)
 
+    p = sub.add_parser("serve", help="the serving engine under concurrent clients: tokens/s, latency, memory, "
+                                     "linearized vs the softmax teacher")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--shape", choices=["smollm2", "llama3-8b"],
+                       help="random bf16 weights of this shape (default smollm2)")
+    which.add_argument("--model", help="load this teacher instead: smollm2 or gemma3 (aliases), a .gguf file, a HF "
+                                       "folder or a hub id")
+    p.add_argument("--methods", type=methods, help="linear methods to serve beside softmax (default lizard)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
+    p.add_argument("--layers", choices=LAYER_CHOICES, help=f"{LAYERS_HELP.removesuffix(')')}; default all)")
+    p.add_argument("--clients", type=sizes, help="concurrent clients per point, e.g. 16,64,256 (default)")
+    p.add_argument("--prompt-lengths", type=sizes, help="prompt tokens per request, e.g. 4k,32k (default)")
+    p.add_argument("--max-tokens", type=positive_int, help="tokens generated per request (default 256)")
+    p.add_argument("--max-batch", type=positive_int, help="the engine's slots, at most (default 256)")
+    p.add_argument("--prefill-chunk", type=size, help="prompt tokens per prefill call (default 16k)")
+    p.add_argument("--time-limit", type=positive_float,
+                   help="seconds for the whole run; points that would end later are skipped (default 540)")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.set_defaults(func=run_serve)
+
     p = sub.add_parser("train", help="tokens/s of distillation stages 1 and 2 vs a full fine-tune")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--model", default="smollm2", help="teacher: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
@@ -117,6 +138,24 @@ def run_model(args) -> None:
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
                       time_limit=args.time_limit, compile_decode=args.compile_decode, layers=args.layers))
+
+
+def run_serve(args) -> None:
+    import torch
+
+    from ..cli_args import CommandError
+    from ..config import parse_set_options
+    from . import model, serve
+
+    if not args.quick and not torch.cuda.is_available():
+        raise CommandError("bench serve serves thousands of long prompts, hours on a CPU, and there is no CUDA device "
+                           "here: pass --quick for tiny sizes")
+    methods = args.methods or list(model.DEFAULT_METHODS)
+    options = parse_set_options(args.set or [], methods)
+    wrote(serve.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods, options=options,
+                      quick=args.quick, clients=args.clients, prompt_lengths=args.prompt_lengths,
+                      max_tokens=args.max_tokens, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                      time_limit=args.time_limit, layers=args.layers))
 
 
 def run_train(args) -> None:

@@ -235,6 +235,9 @@ def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_p
     ["model", "--methods", "mamba"],
     ["model", "--shape", "smollm2", "--model", "smollm2"],
     ["train", "--steps", "0"],
+    ["serve", "--clients", "0"],
+    ["serve", "--methods", "mamba"],
+    ["serve", "--max-tokens", "-1"],
 ])
 def test_bad_flags_fail_with_one_line(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -265,3 +268,41 @@ def test_model_with_full_layers_only_keeps_a_constant_cache_beside_the_sliding_l
     assert lizard[64]["status"] == lizard[256]["status"] == "ok"
     assert lizard[64]["cache_bytes"] == lizard[256]["cache_bytes"] > 0
     assert lizard[256]["decode_path"] == "eager"
+
+
+def test_serve_measures_the_engine_for_softmax_and_lizard(teacher_dir, tmp_path):
+    """`bench serve --quick`: every point ran, each request got all its tokens, the linearized model
+    served from slots and the teacher one request at a time; the Markdown holds both tables."""
+    from linearize.bench import serve as serve_bench
+
+    serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
+                      options={"window": 8})
+    results = json.loads((tmp_path / "serve" / "serve.json").read_text())
+    settings = results["settings"]
+    points = results["points"]
+    assert len(points) == 2 * len(settings["clients"]) * len(settings["prompt_lengths"])
+    for p in points:
+        assert p["status"] == "ok", p
+        assert p["output_tokens"] == p["clients"] * settings["max_tokens"]
+        assert p["output_tokens_per_s"] > 0 and p["ttft_p99_ms"] >= p["ttft_p50_ms"] > 0
+        assert p["mode"] == ("serial" if p["model"] == model_bench.SOFTMAX else "slots")
+    markdown = (tmp_path / "serve" / "serve.md").read_text()
+    assert "Output tokens/s" in markdown and "one request at a time" in markdown and "slots |" in markdown
+
+
+def test_serve_percentiles_interpolate():
+    from linearize.bench.serve import percentile
+
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_serve_at_full_size_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
+    from linearize.cli import main
+
+    assert main(["bench", "serve", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "pass --quick" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

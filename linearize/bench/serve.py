@@ -1,0 +1,192 @@
+"""`linearize bench serve`: the serving engine under N concurrent clients, a linearized model against
+its softmax teacher on the same engine and device.
+
+A point (clients N, prompt length P) submits N requests of P random tokens at once, each asking for
+`max_tokens` tokens past any end-of-sequence token (`ignore_eos`, as vLLM's benchmarks do), to an
+`linearize.serve.engine.Engine` of `max_batch` slots (N, capped), and reads every request's tokens
+as they arrive, as the web layer's streaming responses do. It records the output tokens per second
+over the point's wall time, time to first token (submit to first token) and inter-token latency (the
+gaps between a request's consecutive tokens) at p50 and p99, and the peak device memory. The engine
+runs in this process without HTTP: the scheduler, its slots and the model are what is measured.
+
+A linearized model's requests hold one fixed-size state slot each, stepped together; the softmax
+teacher (any model with softmax layers) serves each request on its own growing KV cache, one at a
+time a turn (docs/serving.md). A point that runs out of memory is recorded as OOM and the larger points
+of that model are skipped; so is one that would end past the model's share of the time limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import torch
+
+from ..serve.engine import Engine, SamplingParams
+from .common import (
+    OOM,
+    cell,
+    default_device,
+    failure,
+    free_memory,
+    human_bytes,
+    new_results,
+    number,
+    options_note,
+    parse_sizes,
+    peak_bytes,
+    reset_peak,
+    save_json,
+    size_label,
+    write_outputs,
+)
+from .model import SOFTMAX, build
+
+FULL = {"clients": [16, 64, 256], "prompt_lengths": parse_sizes("4k,32k"), "max_tokens": 256, "max_batch": 256,
+        "prefill_chunk": 16384, "time_limit": 540.0}
+QUICK = {"clients": [2, 4], "prompt_lengths": [32], "max_tokens": 4, "max_batch": 4, "prefill_chunk": 16,
+         "time_limit": 120.0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between the sorted values."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def _client(engine: Engine, prompt: list[int], params: SamplingParams) -> dict:
+    submitted = time.perf_counter()
+    request = engine.submit(prompt, params)
+    arrivals = [time.perf_counter() async for _ in request.tokens()]
+    return {"submitted": submitted, "arrivals": arrivals, "finish_reason": request.finish_reason}
+
+
+def measure_point(model, *, clients: int, prompt_length: int, settings: dict, device: torch.device) -> dict:
+    """One (clients, prompt length) point on a fresh engine."""
+    generator = torch.Generator().manual_seed(clients * 1_000_003 + prompt_length)
+    prompts = torch.randint(3, model.config.vocab_size, (clients, prompt_length), generator=generator).tolist()
+    params = SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
+    engine = Engine(model, max_batch=min(clients, settings["max_batch"]), max_queue=clients,
+                    prefill_chunk=settings["prefill_chunk"])
+
+    async def run_clients():
+        return await asyncio.gather(*(_client(engine, prompt, params) for prompt in prompts))
+
+    reset_peak(device)
+    engine.start()
+    started = time.perf_counter()
+    try:
+        records = asyncio.run(run_clients())
+    finally:
+        engine.stop(drain=False)
+    wall = time.perf_counter() - started
+    errors = [r["finish_reason"] for r in records if r["finish_reason"] not in ("length", "stop")]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {clients} requests ended with {errors[0]!r}")
+    tokens = sum(len(r["arrivals"]) for r in records)
+    ttft = [(r["arrivals"][0] - r["submitted"]) * 1e3 for r in records]
+    gaps = [(b - a) * 1e3 for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    return {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "wall_s": wall, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / wall, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
+            "peak_bytes": peak_bytes(device)}
+
+
+def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
+          options: dict | None = None, quick: bool = False, **overrides) -> list[Path]:
+    """Every (clients, prompt length) point for the softmax teacher and each method."""
+    device = default_device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    settings = dict(QUICK if quick else FULL, **{k: v for k, v in overrides.items() if v is not None})
+    settings.update(clients=sorted(set(settings["clients"])), prompt_lengths=sorted(set(settings["prompt_lengths"])),
+                    model=model, shape=None if model else shape, methods=list(methods), options=options or {},
+                    dtype=str(dtype).removeprefix("torch."), quick=quick)
+    label = model or f"{shape} shape, random weights"
+    results = new_results("serve", f"Serving: {label}", device, settings)
+    results.update(models=[], points=[])
+    variants = [SOFTMAX, *methods]
+    end = time.monotonic() + settings["time_limit"]
+    for i, variant in enumerate(variants):
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(variants) - i)
+        net = build(settings, variant, device, dtype)
+        results["models"].append({"name": variant, "linearize": getattr(net.config, "linearize", None)})
+        stopped = None
+        for prompt_length in settings["prompt_lengths"]:
+            last_s = None
+            for clients in settings["clients"]:
+                point = {"model": variant, "clients": clients, "prompt_length": prompt_length}
+                estimate = None if last_s is None else last_s * 2  # at least: twice the clients
+                if stopped is not None:
+                    point.update(status="skipped", reason=stopped)
+                elif estimate is not None and time.monotonic() + estimate > deadline:
+                    point.update(status="skipped", reason="would pass the time limit")
+                else:
+                    try:
+                        point.update(measure_point(net, clients=clients, prompt_length=prompt_length,
+                                                   settings=settings, device=device))
+                        last_s = point["wall_s"]
+                    except OOM as e:
+                        point.update(status="oom", error=str(e).splitlines()[0])
+                        stopped = f"a smaller point ran out of memory ({size_label(prompt_length)} x {clients})"
+                    except Exception as e:  # noqa: BLE001 (recorded, and the other points go on)
+                        point.update(failure(e))
+                    free_memory()
+                results["points"].append(point)
+                save_json(results, out)
+        del net
+        free_memory()
+    return write_outputs(results, out, tables, plots)
+
+
+def tables(results: dict) -> list[str]:
+    points = results["points"]
+    variants = [m["name"] for m in results["models"]]
+    caption = (f"Output tokens/s (per point: clients x prompt length, {results['settings']['max_tokens']} tokens "
+               f"asked of each).{options_note(results['settings'])}")
+    lines = [caption, "",
+             "| clients | prompt | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+    keys = sorted({(p["clients"], p["prompt_length"]) for p in points}, key=lambda k: (k[1], k[0]))
+    by = {(p["model"], p["clients"], p["prompt_length"]): p for p in points}
+    for clients, length in keys:
+        cells = [cell(by.get((v, clients, length)), lambda r: number(r["output_tokens_per_s"])) for v in variants]
+        lines.append(f"| {clients} | {size_label(length)} | " + " | ".join(cells) + " |")
+    lines += ["", "Latency and memory:", "",
+              "| model | clients | prompt | TTFT p50 / p99 ms | ITL p50 / p99 ms | peak memory | batching |",
+              "|---|---|---|---|---|---|---|"]
+    for p in points:
+        if p["status"] != "ok":
+            continue
+        itl = "–" if p["itl_p50_ms"] is None else f"{number(p['itl_p50_ms'])} / {number(p['itl_p99_ms'])}"
+        memory = human_bytes(p["peak_bytes"]) if p["peak_bytes"] is not None else "– (CPU)"
+        mode = f"{p['slots']} slots" if p["mode"] == "slots" else "one request at a time"
+        lines.append(f"| {p['model']} | {p['clients']} | {size_label(p['prompt_length'])} | "
+                     f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])} | {itl} | {memory} | "
+                     f"{mode} |")
+    return lines
+
+
+def plots(results: dict, out: Path) -> list[Path]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for model in [m["name"] for m in results["models"]]:
+        for length in results["settings"]["prompt_lengths"]:
+            xy = [(p["clients"], p["output_tokens_per_s"]) for p in results["points"]
+                  if p["model"] == model and p["prompt_length"] == length and p["status"] == "ok"]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", label=f"{model}, {size_label(length)} prompts")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path = out / "serve.tokens_per_s.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return [path]
