@@ -6,6 +6,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from .. import decode
 from ..decode import fully_linearized, greedy_decode, until_end
 
 # Tokens (prompt + new) per generate call. Generation keeps only the last position's logits, so the
@@ -78,6 +79,11 @@ def greedy_generate(
         if static:
             new = until_end(greedy_decode(model, ids, max_new_tokens, attention_mask=mask, eos_token_id=eos), eos)
         else:
+            # HF prefills a long prompt in chunks too (`prefill_chunk_size`), so that its masks and
+            # activations stay bounded as greedy_decode's do: a softmax sliding layer's mask over a
+            # whole 128K prompt is 16 GiB a row, over a 16K chunk and its window 0.3 GiB.
+            per_call = max(1, decode.PREFILL_TOKENS // len(chunk))
+            config.prefill_chunk_size = per_call if ids.shape[1] > per_call else None
             new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
         texts = tokenizer.batch_decode(new, skip_special_tokens=True)
         for i, text in zip(chunk, texts):

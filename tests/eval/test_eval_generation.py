@@ -22,3 +22,24 @@ def test_rows_per_batch_shrinks_for_long_sequences():
     assert rows_per_batch(1024, 8, max_batch_tokens=65536) == 8
     assert rows_per_batch(32768, 8, max_batch_tokens=65536) == 2
     assert rows_per_batch(131072, 8, max_batch_tokens=65536) == 1
+
+
+def test_softmax_models_prefill_long_prompts_in_chunks_with_the_same_text(tokenizer, monkeypatch):
+    """A teacher (Llama, and a Gemma 3 with sliding layers of 6 tokens) generates through HF's chunked
+    prefill once a batch's prompts pass the prefill budget: the same greedy text as one call."""
+    import sys
+    from pathlib import Path
+
+    from linearize import decode
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import tiny_teacher
+
+    prompts = ["The whale swam far", "Call me Ishmael. Some years ago, never mind", "Sea"]
+    for arch in ("llama", "gemma3_text"):
+        model = tiny_teacher(arch, vocab_size=len(tokenizer))
+        whole = greedy_generate(model, tokenizer, prompts, 10, batch=3, static=False)
+        monkeypatch.setattr(decode, "PREFILL_TOKENS", 24)  # 8 tokens a call for 3 rows
+        chunked = greedy_generate(model, tokenizer, prompts, 10, batch=3, static=False)
+        monkeypatch.undo()
+        assert chunked == whole and any(whole), arch
