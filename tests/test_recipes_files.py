@@ -1,5 +1,5 @@
-"""Recipe files: the shipped layout (main rows, ablations, one shared evaluation), `extends`, command-line
-overrides, lookup by name, `recipe list`, and one-line errors for every bad file."""
+"""Recipe files: the shipped layout (main rows, ablations, the Gemma rows; one shared evaluation per teacher),
+`extends`, command-line overrides, lookup by name, `recipe list`, and one-line errors for every bad file."""
 
 import json
 from pathlib import Path
@@ -14,6 +14,9 @@ from linearize.recipes import RECIPES_DIR, Recipe, RecipeError, find, shipped
 MAIN_ROWS = {"teacher", "lizard", "lizard-window-256", "lizard-window-256-10m", "lizard-hybrid-50-error", "still",
              "still-uncapped-seq4096-10m", "lolcats", "liger"}
 BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
+# The rows on the second teacher: their own folder and their own evaluation block, to 128K.
+GEMMA_ROWS = {"gemma3-teacher", "gemma3-lizard", "gemma3-lizard-full", "gemma3-still-full"}
+GEMMA_BASE = RECIPES_DIR / "base" / "gemma3.yaml"
 
 
 def chain(path: Path) -> list[Path]:
@@ -41,10 +44,11 @@ def write(path: Path, content) -> Path:
 def test_main_rows_sit_in_recipes_and_ablations_in_their_folder():
     recipes = shipped()
     names = [r.name for r in recipes]
-    assert len(names) == len(set(names)) == 36
+    assert len(names) == len(set(names)) == 40
     main_rows = {r.name for r in recipes if r.source.parent == RECIPES_DIR}
     assert main_rows == MAIN_ROWS
-    assert {r.source.parent for r in recipes if r.name not in MAIN_ROWS} == {RECIPES_DIR / "ablations"}
+    assert {r.name for r in recipes if r.source.parent == RECIPES_DIR / "gemma3"} == GEMMA_ROWS
+    assert {r.source.parent for r in recipes if r.name not in MAIN_ROWS | GEMMA_ROWS} == {RECIPES_DIR / "ablations"}
     assert names[:len(MAIN_ROWS)] == sorted(MAIN_ROWS)  # main rows first
     assert all(r.source.suffix == ".yaml" for r in recipes)
     assert not list(RECIPES_DIR.rglob("*.json"))
@@ -52,15 +56,23 @@ def test_main_rows_sit_in_recipes_and_ablations_in_their_folder():
 
 
 @pytest.mark.parametrize("recipe", shipped(), ids=lambda r: r.name)
-def test_every_row_shares_the_one_evaluation_block(recipe):
+def test_every_row_shares_its_teachers_one_evaluation_block(recipe):
     files = chain(recipe.source)
     assert files[-1] == BASE_EVAL.resolve()
+    gemma = recipe.name in GEMMA_ROWS
+    assert (recipe.model == "gemma3") == gemma and (GEMMA_BASE.resolve() in files) == gemma
+    # The evaluation block is base/eval.yaml's, or for the Gemma rows base/gemma3.yaml's over it.
+    owners = {GEMMA_BASE.resolve(), BASE_EVAL.resolve()} if gemma else {BASE_EVAL.resolve()}
     base = yaml.safe_load(BASE_EVAL.read_text())["eval"]
+    if gemma:
+        base = {**base, **yaml.safe_load(GEMMA_BASE.read_text())["eval"]}
     # A row may change only how many prompts go through at once, never what is measured.
-    for path in files[:-1]:
-        assert set(yaml.safe_load(path.read_text()).get("eval", {})) <= {"batch", "harness_batch"}, path
+    for path in files:
+        if path not in owners:
+            assert set(yaml.safe_load(path.read_text()).get("eval", {})) <= {"batch", "harness_batch"}, path
     assert recipe.eval == {**base, **{k: v for k, v in recipe.eval.items() if k in ("batch", "harness_batch")}}
     assert recipe.eval["tasks"].split(",")[0] == "zeroshot" and "32k" in recipe.eval["lengths"]
+    assert ("128k" in recipe.eval["lengths"]) == gemma
 
 
 def test_rows_set_only_what_they_change():
@@ -197,12 +209,13 @@ def test_an_override_cannot_give_the_teacher_a_distillation():
 def test_recipe_list_shows_main_rows_then_ablations(capsys):
     assert main(["recipe", "list"]) == 0
     header, *lines = capsys.readouterr().out.splitlines()
-    assert header.split() == ["name", "file", "row"] and len(lines) == 36
+    assert header.split() == ["name", "file", "row"] and len(lines) == 40
     rows = [line.split(None, 2) for line in lines]
     assert rows[0] == ["liger", "recipes/liger.yaml", "Liger-GLA (stage 2 only)"]
     files = [file for _, file, _ in rows]
     assert files.index("recipes/teacher.yaml") < files.index("recipes/ablations/lizard-alpha1.yaml")
-    assert [f.startswith("recipes/ablations/") for f in files] == [False] * 9 + [True] * 27
+    assert [f.split("/")[1] for f in files] == [f.split("/")[1] for f in files[:9]] + ["ablations"] * 27 + ["gemma3"] * 4
+    assert all("/" not in f.removeprefix("recipes/") for f in files[:9])
     assert all(Path(RECIPES_DIR.parent / f).stem == name for name, f, _ in rows)
 
 

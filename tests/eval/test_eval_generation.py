@@ -27,13 +27,9 @@ def test_rows_per_batch_shrinks_for_long_sequences():
 def test_softmax_models_prefill_long_prompts_in_chunks_with_the_same_text(tokenizer, monkeypatch):
     """A teacher (Llama, and a Gemma 3 with sliding layers of 6 tokens) generates through HF's chunked
     prefill once a batch's prompts pass the prefill budget: the same greedy text as one call."""
-    import sys
-    from pathlib import Path
+    from tiny_models import tiny_teacher
 
     from linearize import decode
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tiny_models import tiny_teacher
 
     prompts = ["The whale swam far", "Call me Ishmael. Some years ago, never mind", "Sea"]
     for arch in ("llama", "gemma3_text"):

@@ -74,13 +74,14 @@ def test_the_head_over_slices_that_straddle_rows_gives_each_tokens_nll(model, to
                                atol=1e-5)
 
 
-def test_a_tokenizer_that_starts_texts_with_bos_starts_every_window_with_it(model, ppl_text):
+def test_a_tokenizer_that_starts_texts_with_bos_starts_every_window_with_it(model, tokenizer, ppl_text):
     """Gemma's tokenizer puts <bos> before every text, and the model expects it at position 0: each
     window is <bos> and L - 1 tokens of text, scored on its positions 2..L as any window."""
-    from conftest import make_byte_tokenizer
+    import copy
+
     from tokenizers import processors
 
-    tokenizer = make_byte_tokenizer()
+    tokenizer = copy.deepcopy(tokenizer)  # the fixture is shared
     bos = tokenizer.bos_token_id
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     result = perplexity(model, tokenizer, [64], text=ppl_text, max_tokens=630, batch=4)
