@@ -12,9 +12,10 @@ recipe: mappings merge key by key, any other value (a list too) replaces the par
 `row` are never inherited (they default to the file's stem). PARENT is a path relative to the file, or
 relative to the shipped `recipes/` folder, or the name of a shipped recipe (`recipes/**/NAME.yaml`).
 
-The shipped recipes: the main rows in `recipes/`, the ablations in `recipes/ablations/`, and the bases
-they extend in `recipes/base/` (`eval.yaml`, the evaluation every row runs; `distill.yaml`, the training
-every student shares), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
+The shipped recipes: the main rows in `recipes/`, the ablations in `recipes/ablations/`, the rows on the
+second teacher in `recipes/gemma3/`, and the bases they extend in `recipes/base/` (`eval.yaml`, the
+evaluation every row runs; `distill.yaml`, the training every student shares; `gemma3.yaml`, the Gemma
+rows' teacher and their evaluation to 128K), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
 name, and KEY=VALUE overrides of the resolved recipe (dotted keys, YAML values) for every recipe it runs.
 
 A run keeps everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and
