@@ -29,6 +29,15 @@ def ids_and_padding(length=14, pad=5):
     return ids, mask
 
 
+def assert_pieces_equal_whole(model, ids):
+    """A prefill of 9 tokens, one step, then the rest, on one cache: the logits of the whole sequence."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        pieces = [model(ids[:, a:b], past_key_values=cache).logits for a, b in [(0, 9), (9, 10), (10, ids.shape[1])]]
+    torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("padded", [False, True])
 def test_in_stage_one_the_student_is_the_teacher(arch, padded):
@@ -54,12 +63,7 @@ def test_in_stage_one_the_student_is_the_teacher(arch, padded):
 @pytest.mark.parametrize("method", METHODS)
 def test_prefill_then_decode_and_left_padding(arch, method):
     model = converted(arch, method)
-    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(0))
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits
-        parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in [(0, 9), (9, 10), (10, 23)]]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=0)
+    assert_pieces_equal_whole(model, torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(0)))
 
     padded, mask = ids_and_padding()
     with torch.no_grad():
@@ -122,12 +126,7 @@ def test_a_hybrid_with_a_softmax_sliding_layer_behind_linear_ones_decodes_in_chu
     """A softmax sliding layer after linearized ones: HF sizes the sliding mask off the first sliding
     cache layer, a linearized one, which must answer as HF's own sliding layer would."""
     model = converted(arch, "lizard", softmax_layers=[1])
-    ids = torch.randint(3, 128, (2, 26), generator=torch.Generator().manual_seed(2))
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits
-        parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in [(0, 9), (9, 10), (10, 26)]]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=0)
+    assert_pieces_equal_whole(model, torch.randint(3, 128, (2, 26), generator=torch.Generator().manual_seed(2)))
 
 
 def test_full_layers_of_a_model_without_sliding_layers_are_all_its_layers():

@@ -50,17 +50,10 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("model", help="prefill latency, decode tokens/s and peak memory vs context and batch")
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    which = p.add_mutually_exclusive_group()
-    # No default here, or argparse could not tell `--shape smollm2 --model X` from `--model X`.
-    which.add_argument("--shape", choices=["smollm2", "llama3-8b"],
-                       help="random bf16 weights of this shape (default smollm2)")
-    which.add_argument("--model", help="load this model instead: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
+    add_models(p)
     p.add_argument("--contexts", type=sizes, help="batch-1 context sweep, e.g. 1k,4k,1m (default 1k..1m, doubling)")
     p.add_argument("--batches", type=sizes, help="batch sweep, e.g. 1,4,16,64 (default)")
     p.add_argument("--batch-context", type=size, help="context of the batch sweep (default 4k)")
-    p.add_argument("--methods", type=methods, help="linear methods to compare with softmax (default lizard)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
-    p.add_argument("--layers", choices=LAYER_CHOICES, help=f"{LAYERS_HELP.removesuffix(')')}; default all)")
     p.add_argument("--decode-steps", type=positive_int, help="timed decode steps per point (default 32)")
     p.add_argument("--prefill-chunk", type=size, help="tokens per prefill call of a linear model (default 16k)")
     p.add_argument("--teacher-max", type=size, help="longest context for softmax attention (default 128k)")
@@ -76,14 +69,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("serve", help="the serving engine under concurrent clients: tokens/s, latency, memory, "
                                      "linearized vs the softmax teacher")
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--shape", choices=["smollm2", "llama3-8b"],
-                       help="random bf16 weights of this shape (default smollm2)")
-    which.add_argument("--model", help="load this teacher instead: smollm2 or gemma3 (aliases), a .gguf file, a HF "
-                                       "folder or a hub id")
-    p.add_argument("--methods", type=methods, help="linear methods to serve beside softmax (default lizard)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
-    p.add_argument("--layers", choices=LAYER_CHOICES, help=f"{LAYERS_HELP.removesuffix(')')}; default all)")
+    add_models(p)
     p.add_argument("--clients", type=sizes, help="concurrent clients per point, e.g. 16,64,256 (default)")
     p.add_argument("--prompt-lengths", type=sizes, help="prompt tokens per request, e.g. 4k,32k (default)")
     p.add_argument("--max-tokens", type=positive_int, help="tokens generated per request (default 256)")
@@ -107,6 +93,19 @@ def register(subparsers) -> None:
                    help="replay each optimizer step from a CUDA graph, as distill --cuda-graph trains")
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_train)
+
+
+def add_models(p) -> None:
+    """The flags `bench model` and `bench serve` share: which teacher (random weights of a shape, or a
+    loaded model), and which linearized versions of it go beside its softmax self."""
+    which = p.add_mutually_exclusive_group()
+    # No default here, or argparse could not tell `--shape smollm2 --model X` from `--model X`.
+    which.add_argument("--shape", choices=["smollm2", "llama3-8b"],
+                       help="random bf16 weights of this shape (default smollm2)")
+    which.add_argument("--model", help="load this model instead: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
+    p.add_argument("--methods", type=methods, help="linear methods to compare with softmax (default lizard)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
+    p.add_argument("--layers", choices=LAYER_CHOICES, help=f"{LAYERS_HELP.removesuffix(')')}; default all)")
 
 
 def wrote(paths) -> None:
