@@ -226,11 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.command import register as register_eval
     from .eval.command import run as run_eval
     from .recipes import register as register_recipe
+    from .serve.command import register as register_serve
     from .train.command import register as register_distill
 
     register_distill(sub)
     register_eval(sub).set_defaults(func=run_eval)
     register_bench(sub)
+    register_serve(sub)
     register_recipe(sub)
     return parser
 

@@ -1,0 +1,391 @@
+"""The web layer of `linearize serve`: OpenAI's completions and chat completions over an `Engine`.
+
+    app = create_app(engine, tokenizer, "my-model", max_prompt_tokens=32768)   # then uvicorn.run(app)
+
+A request is validated (`schemas`), tokenized, and submitted to the engine from the event loop; its
+tokens come back through `Request.tokens()` and leave as text (`detokenize.TextStream`), in one
+response or as server-sent events. Every failure answers in OpenAI's error format: 400 for a bad
+request, 404 for an unknown model or path, 429 when the engine's queue is full, 503 while it shuts
+down, 500 for a fault of the server's own, which then goes on serving. A client that goes away cancels
+its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import PreTrainedTokenizerBase
+
+from .detokenize import TextStream
+from .engine import Engine, EngineStopped, QueueFull, SamplingParams
+from .schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+log = logging.getLogger("linearize.serve")
+
+DEFAULT_MAX_COMPLETION_TOKENS = 4096
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the server's cap
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy should hold events back
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error format, raised anywhere a request is handled."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+
+
+class _Interrupted(Exception):
+    """The engine ended a request that neither its client nor its stop strings ended."""
+
+
+def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: str, max_prompt_tokens: int, *,
+               max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS) -> FastAPI:
+    """The server's app over a started `engine` (`linearize.serve.engine.Engine`); its shutdown drains the
+    engine (`engine.stop(drain=True)`) and sets `app.state.engine_stopped`."""
+    served = _Served(engine, tokenizer, model_name, max_prompt_tokens, max_completion_tokens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn gets here once the requests in flight have ended; the engine finishes any left over.
+        # In a thread: a request still being drained delivers its tokens through this loop.
+        await asyncio.to_thread(engine.stop, True)
+        app.state.engine_stopped = True
+
+    app = FastAPI(title="linearize serve", summary=f"OpenAI-compatible API over {model_name}", lifespan=lifespan)
+    app.state.engine_stopped = False
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: HTTPRequest):
+        served.check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = served.encode(body.prompt, add_special_tokens=True)
+        else:
+            prompt_ids = served.check_token_ids(body.prompt)
+        max_tokens = served.max_tokens(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens")
+        generation = served.submit(prompt_ids, body, max_tokens)
+        if body.stream:
+            return _event_stream(raw, generation, _CompletionChunks(served.name, body.include_usage))
+        text = await _collect(raw, generation)
+        return CompletionResponse(id=generation.id("cmpl"), created=generation.created, model=served.name,
+                                  choices=[CompletionChoice(text=text, finish_reason=generation.finish_reason)],
+                                  usage=generation.usage())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
+        served.check_model(body.model)
+        prompt_ids = served.encode(served.chat_prompt(body), add_special_tokens=False)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = served.max_tokens(body.requested_tokens, served.max_completion_tokens, param)
+        generation = served.submit(prompt_ids, body, max_tokens)
+        if body.stream:
+            return _event_stream(raw, generation, _ChatChunks(served.name, body.include_usage))
+        text = await _collect(raw, generation)
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)
+        return ChatCompletionResponse(id=generation.id("chatcmpl"), created=generation.created, model=served.name,
+                                      choices=[choice], usage=generation.usage())
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served.name, created=served.created)])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", **engine.stats()}
+
+    return app
+
+
+class _Served:
+    """What every request needs: the engine, the tokenizer, the served name and the limits."""
+
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, name: str, max_prompt_tokens: int,
+                 max_completion_tokens: int):
+        if max_prompt_tokens < 1 or max_completion_tokens < 1:
+            raise ValueError("max_prompt_tokens and max_completion_tokens must be >= 1")
+        self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
+        self.vocab_size = len(tokenizer)
+        self.created = int(time.time())
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist: this server serves `{self.name}`",
+                           param="model", code="model_not_found")
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"`{self.name}` has no chat template: use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 (templates raise what they like: jinja's TemplateError, TypeError, ...)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise APIError(400, f"the chat template refused these messages: {reason}", param="messages") from None
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise APIError(400, "the prompt gives no tokens to continue from", param="prompt")
+        return self._check_length(ids)
+
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is not in the vocabulary (0 to {self.vocab_size - 1})", param="prompt")
+        return self._check_length(ids)
+
+    def _check_length(self, ids: list[int]) -> list[int]:
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt_tokens}",
+                           param="prompt", code="context_length_exceeded")
+        return ids
+
+    def max_tokens(self, asked: int | None, default: int, param: str) -> int:
+        if asked is None:
+            return min(default, self.max_completion_tokens)
+        if asked > self.max_completion_tokens:
+            raise APIError(400, f"{param} is {asked}; this server generates at most {self.max_completion_tokens} "
+                           "tokens a request", param=param)
+        return asked
+
+    def submit(self, prompt_ids: list[int], body, max_tokens: int) -> _Generation:
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                ignore_eos=body.ignore_eos)
+        try:
+            request = self.engine.submit(prompt_ids, params)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                           code="queue_full") from None
+        except EngineStopped as e:
+            raise APIError(503, f"{e}: no new requests", type="service_unavailable_error",
+                           code="shutting_down") from None
+        return _Generation(request, TextStream(self.tokenizer, body.stop), len(prompt_ids))
+
+
+class _Generation:
+    """One submitted request seen from the web side: its text as it comes, why it ended, its counts."""
+
+    def __init__(self, request, text: TextStream, prompt_tokens: int):
+        self.request, self.text, self.prompt_tokens = request, text, prompt_tokens
+        self.created = int(time.time())
+        self.finish_reason: str | None = None
+        self._id = uuid.uuid4().hex
+
+    def id(self, prefix: str) -> str:
+        return f"{prefix}-{self._id}"
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.text.tokens,
+                     total_tokens=self.prompt_tokens + self.text.tokens)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The text, piece by piece; `finish_reason` is set once it ends. Raises `_Interrupted` if the
+        engine cancelled the request, RuntimeError if the engine failed on it."""
+        try:
+            async for token in self.request.tokens():
+                if piece := self.text.push(token):
+                    yield piece
+                if self.text.stopped:
+                    self.request.cancel()  # the rest would be cut anyway: free the slot now
+                    self.finish_reason = "stop"
+                    return
+            if self.request.finish_reason not in ("stop", "length"):
+                raise _Interrupted(f"the request ended early ({self.request.finish_reason}): the server is stopping")
+            if piece := self.text.finish():
+                yield piece
+            self.finish_reason = "stop" if self.text.stopped else self.request.finish_reason
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Cancel the request unless it ended: its client left, or its task was cancelled. The slot frees."""
+        if self.finish_reason is None:
+            self.request.cancel()
+
+
+async def _cancel_on_disconnect(raw: HTTPRequest, generation: _Generation) -> None:
+    """Wait for the client to go away, then cancel its request. The body is read already, so the next
+    message the server passes on is the disconnect."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    generation.abandon()
+
+
+async def _collect(raw: HTTPRequest, generation: _Generation) -> str:
+    watcher = asyncio.create_task(_cancel_on_disconnect(raw, generation))
+    try:
+        return "".join([piece async for piece in generation.pieces()])
+    except _Interrupted as e:
+        raise APIError(503, str(e), type="service_unavailable_error", code="shutting_down") from None
+    except RuntimeError as e:  # the engine failed on this request (Request.tokens)
+        raise APIError(500, f"the model failed on this request: {e}", type="server_error") from None
+    finally:
+        watcher.cancel()
+        generation.abandon()
+
+
+class _CompletionChunks:
+    """The events of a streamed completion."""
+
+    def __init__(self, model: str, include_usage: bool):
+        self.model, self.include_usage = model, include_usage
+
+    def start(self, generation: _Generation) -> list[BaseModel]:
+        return []
+
+    def text(self, generation: _Generation, piece: str, finish_reason: str | None = None) -> BaseModel:
+        return CompletionResponse(id=generation.id("cmpl"), created=generation.created, model=self.model,
+                                  choices=[CompletionChoice(text=piece, finish_reason=finish_reason)])
+
+    def end(self, generation: _Generation) -> list[BaseModel]:
+        chunks = [self.text(generation, "", generation.finish_reason)]
+        if self.include_usage:  # as OpenAI's: one more chunk, with no choices
+            chunks.append(CompletionResponse(id=generation.id("cmpl"), created=generation.created, model=self.model,
+                                             choices=[], usage=generation.usage()))
+        return chunks
+
+
+class _ChatChunks:
+    """The events of a streamed chat completion: the role first, then the content, then the finish reason."""
+
+    def __init__(self, model: str, include_usage: bool):
+        self.model, self.include_usage = model, include_usage
+
+    def _chunk(self, generation: _Generation, choices: list[ChatChunkChoice], usage: Usage | None = None):
+        return ChatCompletionChunk(id=generation.id("chatcmpl"), created=generation.created, model=self.model,
+                                   choices=choices, usage=usage)
+
+    def start(self, generation: _Generation) -> list[BaseModel]:
+        return [self._chunk(generation, [ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def text(self, generation: _Generation, piece: str) -> BaseModel:
+        return self._chunk(generation, [ChatChunkChoice(delta=ChatDelta(content=piece))])
+
+    def end(self, generation: _Generation) -> list[BaseModel]:
+        chunks = [self._chunk(generation, [ChatChunkChoice(delta=ChatDelta(), finish_reason=generation.finish_reason)])]
+        if self.include_usage:
+            chunks.append(self._chunk(generation, [], generation.usage()))
+        return chunks
+
+
+def _event(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def _event_stream(raw: HTTPRequest, generation: _Generation, chunks) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        watcher = asyncio.create_task(_cancel_on_disconnect(raw, generation))
+        try:
+            for chunk in chunks.start(generation):
+                yield _event(chunk)
+            async for piece in generation.pieces():
+                yield _event(chunks.text(generation, piece))
+            for chunk in chunks.end(generation):
+                yield _event(chunk)
+        except _Interrupted as e:
+            yield _event(ErrorResponse(error=ErrorDetail(message=str(e), type="service_unavailable_error",
+                                                         code="shutting_down")))
+        except Exception as e:  # the status line is sent: an error event is all the client can get
+            log.exception("stream of request %s failed", generation.id("req"))
+            message = f"the model failed on this request: {e}" if isinstance(e, RuntimeError) else \
+                "the server failed on this request"
+            yield _event(ErrorResponse(error=ErrorDetail(message=message, type="server_error")))
+        finally:
+            # Also when the response is dropped between events, with `pieces` suspended and not closed.
+            watcher.cancel()
+            generation.abandon()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+# Union members' tags that pydantic puts in an error's location after the field (`content.str`).
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _validation_message(error: dict) -> tuple[str, str | None]:
+    """One line and the parameter it is about, from pydantic's first error."""
+    path = [str(part) for part in error["loc"][1:]  # [0] is "body"
+            if isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS)]
+    ctx = error.get("ctx") or {}
+    param = ctx.get("param") or ".".join(path) or None
+    kind = error["type"]
+    if kind == "json_invalid":
+        return f"the body is not valid JSON ({ctx.get('error', 'parse error')})", None
+    if param is None and kind == "missing":
+        return "the request has no body: send a JSON object", None
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
+        if isinstance(error.get("input"), bytes | str):  # a body FastAPI did not parse: not sent as JSON
+            return "the body must be a JSON object, sent with Content-Type: application/json", None
+        return "the body must be a JSON object", None
+    if kind == "missing":
+        return f"missing required field: {param}", param
+    message = error["msg"]
+    if param and not message.startswith(param.rsplit(".", 1)[-1]):  # our own messages name their field
+        message = f"{param}: {message}"
+    return message, param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=exc.detail).model_dump(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        message, param = _validation_message(errors[0]) if errors else ("invalid request", None)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, type="invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def server_fault(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, f"the server failed on this request ({type(exc).__name__})", type="server_error")

@@ -1,0 +1,149 @@
+"""`linearize serve`: the CLI face of the server. Flag names are a contract.
+
+Nothing heavy is imported until the verb runs (torch, transformers, fastapi, uvicorn), so `--help`
+stays fast. Every flag is checked before the model loads: a port already taken fails in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+from contextlib import contextmanager
+
+from ..cli_args import CommandError, check_device, positive_int
+
+DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 8, "max_queue": 64, "max_prompt_tokens": 131072,
+            "max_completion_tokens": 4096, "prefill_chunk": 2048}
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve one model over OpenAI's completions and chat completions API, "
+                                          "many requests at once (docs/serving.md). SIGTERM or Ctrl-C stops taking "
+                                          "requests, lets the running ones finish, and exits.")
+    p.add_argument("--model", required=True, help="smollm2 or gemma3 (aliases), a .gguf file, a HF folder (a convert "
+                   "or distill output) or a hub id")
+    p.add_argument("--host", default=DEFAULTS["host"], help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port, default=DEFAULTS["port"], help="TCP port to listen on")
+    p.add_argument("--max-batch", type=positive_int, default=DEFAULTS["max_batch"],
+                   help="requests generating at once (state slots)")
+    p.add_argument("--max-queue", type=count, default=DEFAULTS["max_queue"],
+                   help="requests that may wait for a slot; past it the server answers 429")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=DEFAULTS["max_prompt_tokens"],
+                   help="longest prompt accepted, in tokens (a longer one gets 400)")
+    p.add_argument("--max-completion-tokens", type=positive_int, default=DEFAULTS["max_completion_tokens"],
+                   help="most tokens a request may ask for (and what a chat request naming none gets)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULTS["prefill_chunk"],
+                   help="prompt tokens prefilled a scheduler turn, between the running requests' steps")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients give as `model` (default: the --model argument as given)")
+    p.set_defaults(func=run)
+    return p
+
+
+def check_listen(host: str, port: int) -> None:
+    """Refuse an address this machine cannot listen on (unknown host, port taken, no permission) before
+    the model loads."""
+    if not host.strip():
+        raise CommandError("--host is empty: give an address such as 127.0.0.1")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise CommandError(f"--host {host}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def end_tokens(model, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a generation: the generation config's (Gemma 3 has two) and the tokenizer's."""
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, tokenizer.eos_token_id):
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return tuple(sorted(ids))
+
+
+@contextmanager
+def _signals_end_cleanly():
+    """SIGTERM and SIGINT end the process with status 0 once the server has drained.
+
+    uvicorn catches them to shut down gracefully, then raises them again under the handlers it found,
+    where Python's defaults would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT)."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(args) -> None:
+    name = args.model if args.served_model_name is None else args.served_model_name
+    if not name.strip():
+        raise CommandError("--served-model-name is empty: give the name clients will ask for")
+    check_device(args.device)
+    check_listen(args.host, args.port)
+
+    from ..loading import load_model, load_tokenizer
+    from ..modeling import undistilled_note
+
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(args.model)
+    if note := undistilled_note(model.config):
+        print(note, file=sys.stderr)
+
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine
+
+    engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                    eos_token_ids=end_tokens(model, tokenizer))
+    app = create_app(engine, tokenizer, name, args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens)
+    # h11 and asyncio, not whatever faster parser or loop happens to be installed: the server behaves the
+    # same everywhere, and the engine, not the parser, sets the pace. No timeout on the graceful shutdown:
+    # it waits for the running requests (a second Ctrl-C forces it).
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="asyncio", http="h11", ws="none",
+                            lifespan="on", log_level="info", timeout_graceful_shutdown=None)
+    print(f"linearize: serving {name!r} ({engine.stats()['mode']} mode, {args.max_batch} at once, {args.max_queue} waiting) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    engine.start()
+    try:
+        with _signals_end_cleanly():
+            uvicorn.Server(config).run()
+    except SystemExit:  # uvicorn's way out when it could not start: it has logged why
+        raise CommandError(f"the server could not start on {args.host}:{args.port} (see the log above)") from None
+    finally:
+        if not app.state.engine_stopped:
+            engine.stop(drain=False)

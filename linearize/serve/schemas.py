@@ -1,0 +1,243 @@
+"""The bodies of the OpenAI-compatible API: the part of OpenAI's completions and chat completions that
+`linearize serve` implements, as pydantic models.
+
+Requests validate strictly (a number sent as a string is refused, as OpenAI refuses it). Fields they do
+not name are ignored, since OpenAI's clients send some that change nothing here (`user`, ...), but the
+ones that would change the answer and are not implemented (`UNSUPPORTED`) are refused when set, so
+that a client never gets an answer to a question it did not ask.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_STOP_STRINGS = 16
+# What torch's generators take as a seed.
+SEED_MIN, SEED_END = -(2**63), 2**64
+
+# Fields of OpenAI's API that this server does not implement, with the values that ask for nothing
+# (sent by some clients by default); any other value is refused.
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+
+FinishReason = Literal["stop", "length"]
+
+
+def _not_none(value) -> bool:
+    return value is None
+
+
+def _same(value, harmless) -> bool:
+    # A bool is an int to ==, but logprobs=0 asks for log-probabilities where logprobs=false does not.
+    if isinstance(value, bool) or isinstance(harmless, bool):
+        return value is harmless
+    return value == harmless
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    """The fields completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)  # OpenAI's default; 0 is greedy
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token (benchmarks)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value):
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise PydanticCustomError("stop_type", "stop must be a string or a list of strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("stop_count", "stop takes at most {most} strings, got {got}",
+                                      {"most": MAX_STOP_STRINGS, "got": len(value)})
+        if "" in value:
+            raise PydanticCustomError("stop_empty", "stop strings must not be empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise PydanticCustomError("n_unsupported", "n must be 1: this server returns one choice a request")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, harmless in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not any(_same(value, h) for h in harmless):
+                raise PydanticCustomError("unsupported", "{param} is not supported by this server", {"param": name})
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    # A string, a list of one string, or the prompt's token ids; `prompt_text`/`prompt_ids` tell which.
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            if len(value) != 1:
+                raise PydanticCustomError("prompt_batch", "prompt must be one string (or a list of one), not a list "
+                                          "of {count}: this server takes one prompt a request", {"count": len(value)})
+            value = value[0]
+        if value == "" or value == []:
+            raise PydanticCustomError("prompt_empty", "prompt is empty: give the text to continue")
+        # `type(...) is int`: a bool is an int to isinstance, and true is no token id.
+        if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
+            return value
+        raise PydanticCustomError("prompt_type", "prompt must be a string, a list of one string, "
+                                  "or a list of token ids")
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+    @property
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and also each chunk of a streamed one (OpenAI streams the same shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    # Left out when unset, as OpenAI's chunks leave them out: the last chunk's delta is {}.
+    role: Literal["assistant"] | None = Field(None, exclude_if=_not_none)
+    content: str | None = Field(None, exclude_if=_not_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "linearize"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
