@@ -125,7 +125,11 @@ class Server:
                 "--served-model-name", SERVED_NAME, *flags]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        self._wait_ready(timeout=120)
+        try:
+            self._wait_ready(timeout=120)
+        except BaseException:
+            self.close()
+            raise
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
