@@ -145,3 +145,25 @@ def test_sampling_is_seeded_and_top_p_keeps_the_top_token_at_small_p():
     a, b, narrow = serve(engine, main())
     assert a == b
     assert narrow[0] == offline(model, prompt, 6)
+
+
+def test_requests_whose_event_loop_has_closed_do_not_stop_the_engine():
+    """A request's reader may be gone with its event loop (a test's, a server's after shutdown): the
+    engine drops what it would have posted and goes on serving others."""
+    model = student()
+    prompt = prompts(1, seed=4)[0]
+    expected = offline(model, prompt, 5)  # before the engine runs: the model is the engine thread's alone then
+    engine = Engine(model, max_batch=2, cuda_graph=False)
+
+    async def orphan():
+        return engine.submit([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+
+    engine.start()
+    try:
+        request = asyncio.run(orphan())  # its loop closes here, with the request still running
+        tokens, reason = asyncio.run(collect(engine, prompt, SamplingParams(max_tokens=5, ignore_eos=True)))
+        assert (tokens, reason) == (expected, "length")
+        request.cancel()
+    finally:
+        engine.stop(drain=False)
+    assert request.finish_reason in ("cancelled", "length"), request.error

@@ -100,12 +100,18 @@ class Request:
     # Called from the engine thread.
     def _emit(self, token: int) -> None:
         self.generated.append(token)
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, token)
+        self._post(token)
 
     def _finish(self, reason: str, error: str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason, self.error = reason, error
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
+            self._post(_DONE)
+
+    def _post(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop that would read it has closed: no one is listening any more
+            pass
 
 
 @dataclasses.dataclass
@@ -120,7 +126,8 @@ class _Active:
 
 
 class Engine:
-    """The scheduler thread and its slots (see the module's docstring)."""
+    """The scheduler thread and its slots (see the module's docstring). From `start` to `stop` the model
+    is the thread's alone: its attention layers keep per-call state, so no other thread may run it."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
                  eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None):
