@@ -30,8 +30,7 @@ def tokenize_documents(documents: Iterable[str], tokenizer) -> tuple[np.ndarray,
 
 def text_prefix(tokenizer) -> list[int]:
     """The special ids the tokenizer puts before every text (Gemma's <bos>; none for SmolLM2): a model
-    trained with them expects them at position 0 (Gemma 3's perplexity on Moby-Dick at 2K: 47 with its
-    <bos> first, 69 without)."""
+    trained with them expects them at position 0 (Gemma 3 without its <bos> first: docs/setup.md)."""
     ids = tokenizer("a").input_ids
     bare = tokenizer("a", add_special_tokens=False).input_ids
     for start in range(len(ids) - len(bare) + 1):
