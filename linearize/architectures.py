@@ -85,9 +85,7 @@ TEXT_MODEL_HINTS = {"gemma3": "load its text model (model_type gemma3_text, Gemm
 
 def architecture_of(config: PretrainedConfig) -> Architecture:
     """The teacher's `Architecture`, or ValueError naming what is supported (or why this one is not)."""
-    model_type = config.model_type
-    if model_type.startswith("linearized_"):
-        model_type = model_type.removeprefix("linearized_")
+    model_type = config.model_type.removeprefix("linearized_")
     arch = ARCHITECTURES.get(model_type)
     if arch is None:
         hint = f" ({TEXT_MODEL_HINTS[model_type]})" if model_type in TEXT_MODEL_HINTS else ""
@@ -112,8 +110,6 @@ def layer_types(config: PretrainedConfig) -> list[str]:
 def sliding_window_of(config: PretrainedConfig) -> int | None:
     """The window of the teacher's sliding layers; None where it has none."""
     return config.sliding_window if SLIDING in layer_types(config) else None
-
-
 
 
 def layers_kept_softmax(config: PretrainedConfig, layers: str) -> list[int]:

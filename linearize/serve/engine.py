@@ -271,24 +271,29 @@ class Engine:
         return self._decoder
 
     def _step_slots(self) -> None:
-        decoder = self._decoder
-        tokens = torch.zeros(self.max_batch, 1, dtype=torch.long, device=self.device)
+        tokens = [0] * self.max_batch
         for active in self._running:
-            tokens[active.slot, 0] = active.last
-        logits = decoder.step(tokens)[:, -1]
+            tokens[active.slot] = active.last
+        # One upload of the step's tokens and one read of every row's argmax: per-row reads would
+        # synchronise with the device once per running request.
+        logits = self._decoder.step(torch.tensor(tokens, device=self.device).view(-1, 1))[:, -1]
+        greedy = logits.argmax(-1).tolist()
         for active in list(self._running):
-            self._take(active, logits[active.slot])
+            self._take(active, logits[active.slot], greedy[active.slot])
 
     def _step_alone(self, active: _Active) -> None:
         ids = torch.tensor([[active.last]], device=self.device)
         logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
         self._take(active, logits[0, -1])
 
-    def _take(self, active: _Active, logits: torch.Tensor) -> bool:
-        """Choose and hand on the next token from `logits` [vocab]; False once the request has ended
-        (its place is released)."""
+    def _take(self, active: _Active, logits: torch.Tensor, greedy: int | None = None) -> bool:
+        """Choose and hand on the next token from `logits` [vocab] (`greedy`: their argmax, if read
+        already); False once the request has ended (its place is released)."""
         request = active.request
-        token = _sample(logits, request.params, request.generator)
+        if greedy is not None and request.params.temperature <= 0:
+            token = greedy
+        else:
+            token = _sample(logits, request.params, request.generator)
         if token in self.eos_token_ids and not request.params.ignore_eos:
             self._release(active, "stop")
             return False
