@@ -1,14 +1,16 @@
-"""The serving engine: requests in slots give each prompt's offline greedy tokens, whatever runs beside them."""
+"""The serving engine: requests in slots (linearized models) or batched KV rows (softmax teachers) give each
+prompt's offline greedy tokens, whatever runs beside them."""
 
 import asyncio
 
 import pytest
 import torch
-from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
 import linearize
 from linearize.decode import greedy_decode
-from linearize.serve.engine import Engine, EngineStopped, QueueFull, SamplingParams
+from linearize.serve import kv_slots
+from linearize.serve.engine import Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
 
 
 def student(method="lizard", arch="llama", **options):
@@ -167,3 +169,154 @@ def test_requests_whose_event_loop_has_closed_do_not_stop_the_engine():
     finally:
         engine.stop(drain=False)
     assert request.finish_reason in ("cancelled", "length"), request.error
+
+
+# The kv mode: softmax teachers, their requests' keys and values in the rows of one BatchedKVCache.
+
+def teacher_greedy(model, prompt, n):
+    """HF's own greedy generation of `prompt` alone, n tokens past any end-of-sequence token."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
+
+
+async def collect_or_error(engine, prompt, params, delay=0.0):
+    """Like `collect`, with an engine error as (tokens so far, "error", message)."""
+    await asyncio.sleep(delay)
+    request = engine.submit(prompt, params)
+    tokens = []
+    try:
+        async for token in request.tokens():
+            tokens.append(token)
+    except RuntimeError as e:
+        return tokens, request.finish_reason, str(e)
+    return tokens, request.finish_reason, None
+
+
+def watch_kv_allocations(engine) -> list[int]:
+    """The bytes of every buffer reallocation of the engine's BatchedKVCache, as they happen."""
+    sizes, reallocate = [], engine._kv._reallocate
+
+    def watched(rows, capacity):
+        reallocate(rows, capacity)
+        sizes.append(engine._kv.nbytes)
+
+    engine._kv._reallocate = watched
+    return sizes
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_softmax_teachers_batch_their_requests_and_give_each_its_offline_greedy_tokens(arch):
+    """Ten prompts of 1 to 39 tokens (past Gemma's window of 6, so the sliding masks matter; Gemma 2 on
+    eager attention with its logit cap), 3 to 9 tokens each, through 4 rows, arriving at different times
+    and prefilled in chunks of 7 between the running requests' steps: each gets what HF's greedy
+    generation of it alone gives."""
+    model = tiny_teacher(arch)
+    batch = prompts(10, seed=5)
+    lengths = [3 + (2 * i) % 7 for i in range(10)]
+    expected = [teacher_greedy(model, p, n) for p, n in zip(batch, lengths)]
+    engine = Engine(model, max_batch=4, max_queue=16, prefill_chunk=7)
+    assert engine.mode == "kv" and engine.stats()["mode"] == "kv"
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=n, ignore_eos=True), 0.003 * i)
+                                      for i, (p, n) in enumerate(zip(batch, lengths))))
+
+    results = serve(engine, main())
+    assert [tokens for tokens, _ in results] == expected
+    assert {reason for _, reason in results} == {"length"}
+    assert 2 <= engine.peak_running <= 4  # batched, within the rows
+    assert engine.stats()["running"] == 0 and engine._kv.nbytes == 0  # the buffers go with the last request
+
+
+def test_kv_mode_cancelling_a_request_frees_its_row_for_a_waiting_one():
+    """Two rows: a request that would run for ever and a long one; a third waits. Cancelling the first
+    hands its row on (the long one moves into row 0 as the first leaves, the waiting one takes row 1 and
+    moves to row 0 in turn), and every request gets its offline tokens."""
+    model = tiny_teacher("gemma3_text")
+    endless, long, waiting, last = prompts(4, seed=6)
+    engine = Engine(model, max_batch=2, max_queue=4, prefill_chunk=5)
+    expected = {"long": teacher_greedy(model, long, 60), "waiting": teacher_greedy(model, waiting, 9),
+                "last": teacher_greedy(model, last, 3), "endless": teacher_greedy(model, endless, 12)}
+
+    async def main():
+        forever = engine.submit(endless, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        second = asyncio.create_task(collect(engine, long, SamplingParams(max_tokens=60, ignore_eos=True)))
+        await asyncio.sleep(0)
+        queued = asyncio.create_task(collect(engine, waiting, SamplingParams(max_tokens=9, ignore_eos=True)))
+        got, waited = [], None
+        async for token in forever.tokens():
+            got.append(token)
+            if len(got) == 12:
+                waited = engine.stats()["waiting"]  # both rows busy: the third request waits
+                forever.cancel()
+        after = await collect(engine, last, SamplingParams(max_tokens=3, ignore_eos=True))
+        return (got, forever.finish_reason, waited), await second, await queued, after
+
+    (got, reason, waited), second, queued, after = serve(engine, main())
+    assert reason == "cancelled" and 12 <= len(got) < 10_000 and got[:12] == expected["endless"]
+    assert waited == 1
+    assert second == (expected["long"], "length")
+    assert queued == (expected["waiting"], "length")
+    assert after == (expected["last"], "length")
+    assert engine.peak_running == 2
+
+
+def test_kv_mode_admits_by_memory_and_refuses_a_request_too_big_for_the_budget():
+    """A KV budget of two requests: the others wait in order and all finish with their offline tokens,
+    and the buffers never pass what admission allowed; a request that could not fit even alone is
+    refused at submission (the server's 400) while the others go on."""
+    model = tiny_teacher("llama")
+    per_token = kv_slots.kv_bytes_per_token(model.config, torch.float32)
+    assert per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
+    g = torch.Generator().manual_seed(7)
+    batch = [torch.randint(3, 128, (12,), generator=g).tolist() for _ in range(8)]
+    reach = 12 + 6
+    budget = (2 * reach + 12) * per_token  # two rows of 18 positions and one prefill of 12 tokens; three never fit
+    engine = Engine(model, max_batch=8, max_queue=16, prefill_chunk=6, kv_budget_bytes=budget)
+    sizes = watch_kv_allocations(engine)
+    expected = [teacher_greedy(model, p, 6) for p in batch]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main():
+        running = [asyncio.create_task(collect_or_error(engine, p, params)) for p in batch[:4]]
+        await asyncio.sleep(0)
+        with pytest.raises(TooLarge, match="KV budget") as refused:
+            engine.submit([5] * 10, SamplingParams(max_tokens=2 * reach, ignore_eos=True))
+        assert "max_tokens" in str(refused.value)
+        running += [asyncio.create_task(collect_or_error(engine, p, params)) for p in batch[4:]]
+        return await asyncio.gather(*running)
+
+    results = serve(engine, main())
+    assert [(tokens, reason) for tokens, reason, _ in results] == [(e, "length") for e in expected]
+    assert engine.peak_running == 2  # memory, not max_batch, bounded the batch
+    assert sizes and max(sizes) <= 2 * reach * per_token
+
+
+def test_a_request_queued_before_the_budget_is_known_and_too_big_for_it_ends_with_an_error():
+    """The default budget is measured when the engine starts: what was queued before it and can never fit
+    ends with an error at admission, and a request that fits is served."""
+    model = tiny_teacher("llama")
+    engine = Engine(model, max_batch=2, prefill_chunk=6)
+    fits = [7, 8, 9]
+
+    async def main():
+        huge = engine.submit([5] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
+        small = asyncio.create_task(collect_or_error(engine, fits, SamplingParams(max_tokens=4, ignore_eos=True)))
+        await asyncio.sleep(0)
+        engine.kv_budget_bytes = (len(fits) + 4 + len(fits)) * engine.kv_bytes_per_token
+        engine.start()
+        try:
+            async for _ in huge.tokens():
+                pass
+        except RuntimeError as e:
+            return huge.finish_reason, str(e), await small
+        return huge.finish_reason, None, await small
+
+    try:
+        reason, error, small = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert reason == "error" and "KV budget" in error
+    assert small == (teacher_greedy(model, fits, 4), "length", None)

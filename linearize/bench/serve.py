@@ -9,10 +9,15 @@ over the point's wall time, time to first token (submit to first token) and inte
 gaps between a request's consecutive tokens) at p50 and p99, and the peak device memory. The engine
 runs in this process without HTTP: the scheduler, its slots and the model are what is measured.
 
-A linearized model's requests hold one fixed-size state slot each, stepped together; the softmax
-teacher (any model with softmax layers) serves each request on its own growing KV cache, one at a
-time a turn (docs/serving.md). A point that runs out of memory is recorded as OOM and the larger points
-of that model are skipped; so is one that would end past the model's share of the time limit.
+A linearized model's requests hold one fixed-size state slot each, stepped together ("slots"); the
+softmax teacher's requests hold one row each of a batched KV cache, whose keys and values grow with every
+token, and all rows step together too ("kv", continuous batching as vLLM and TGI do it, with requests
+admitted while their KV cache fits the engine's memory budget: 90% of the GPU memory free when each
+point's engine starts, less a step's working room). A hybrid (linearized and softmax layers) would be
+served one request at a time a turn ("serial"; docs/serving.md). Each point records the engine's mode
+and the most requests that generated at once (`peak_running`: for the teacher, how many rows its memory
+let run). A point that runs out of memory is recorded as OOM and the larger points of that model are
+skipped; so is one that would end past the model's share of the time limit.
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
     tokens = sum(len(r["arrivals"]) for r in records)
     ttft = [(r["arrivals"][0] - r["submitted"]) * 1e3 for r in records]
     gaps = [(b - a) * 1e3 for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-    return {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "wall_s": wall, "output_tokens": tokens,
+    return {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "peak_running": engine.peak_running,
+            "kv_budget_bytes": engine.kv_budget_bytes if engine.mode == "kv" else None,
+            "wall_s": wall, "output_tokens": tokens,
             "output_tokens_per_s": tokens / wall, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
             "peak_bytes": peak_bytes(device)}
@@ -164,11 +171,20 @@ def tables(results: dict) -> list[str]:
             continue
         itl = "–" if p["itl_p50_ms"] is None else f"{number(p['itl_p50_ms'])} / {number(p['itl_p99_ms'])}"
         memory = human_bytes(p["peak_bytes"]) if p["peak_bytes"] is not None else "– (CPU)"
-        mode = f"{p['slots']} slots" if p["mode"] == "slots" else "one request at a time"
         lines.append(f"| {p['model']} | {p['clients']} | {size_label(p['prompt_length'])} | "
                      f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])} | {itl} | {memory} | "
-                     f"{mode} |")
+                     f"{batching(p)} |")
     return lines
+
+
+def batching(point: dict) -> str:
+    """How the engine batched a point's requests, for the latency table."""
+    if point["mode"] == "slots":
+        return f"{point['slots']} slots"
+    if point["mode"] == "kv":
+        peak = point.get("peak_running")
+        return f"batched KV ({point['slots']} rows" + (f", {peak} at most at once)" if peak is not None else ")")
+    return "one request at a time"
 
 
 def plots(results: dict, out: Path) -> list[Path]:

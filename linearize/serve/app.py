@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from .detokenize import TextStream
-from .engine import Engine, EngineStopped, QueueFull, SamplingParams
+from .engine import Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -191,6 +191,8 @@ class _Served:
                                 ignore_eos=body.ignore_eos)
         try:
             request = self.engine.submit(prompt_ids, params)
+        except TooLarge as e:
+            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full") from None

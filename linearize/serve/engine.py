@@ -1,19 +1,30 @@
-"""The serving engine: one scheduler thread owns the model; each running request holds one state slot.
+"""The serving engine: one scheduler thread owns the model; each running request holds one row of state.
 
-A fully linearized model's decode state has one fixed shape per request, so a batch of requests is a
-fixed set of slots (`max_batch` rows of one frozen cache) stepped together by `StaticDecoder` (a
-CUDA graph per step on a GPU). Each scheduler turn:
+Each scheduler turn
 
-1. admits waiting requests into free slots, prefilling a new prompt alone, one `prefill_chunk` of
-   tokens per turn, so that long prompts interleave with the running requests' steps;
-2. copies a finished prefill's state into its slot (`StaticDecoder.load_row`);
-3. steps every slot once, and hands each running request its next token.
+1. admits waiting requests, in order, while fewer than `max_batch` run (and, for a softmax model, while
+   their KV cache fits the memory budget), prefilling a new prompt alone, one `prefill_chunk` of tokens
+   per turn, so that long prompts interleave with the running requests' steps;
+2. copies a finished prefill's state into its row;
+3. steps every row once, in one forward of the batch, and hands each running request its next token.
 
-A finished, cancelled or failed request frees its slot on the next turn. Idle slots step too, on
-whatever they hold: the step's shape never changes, and their tokens are dropped.
+A finished, cancelled or failed request frees its row on the next turn. How the rows are held depends
+on the model (`Engine.mode`):
 
-A model with softmax layers (the teacher, hybrids) has no fixed-shape state: it serves each request
-on its own cache, one step per running request a turn, with no batching across requests.
+- "slots", a fully linearized model: its decode state has one fixed shape per request, so the batch is
+  a fixed set of slots (`max_batch` rows of one frozen cache) stepped together by `StaticDecoder` (a
+  CUDA graph per step on a GPU; `StaticDecoder.load_row`). Idle slots step too, on whatever they hold:
+  the step's shape never changes, and their tokens are dropped.
+- "kv", a model with no linearized layers (a softmax teacher of any supported family): the rows are a
+  `BatchedKVCache` (`linearize.serve.kv_slots`), per-layer key/value buffers [rows, KV heads, capacity,
+  head dim] with a length per row, stepped together with per-row positions and masks. The running
+  requests hold rows 0..n-1 (the last row's request moves into the row of one that leaves), and only
+  those step.
+  A request's keys and values grow with every token, so admission counts memory: a request waits
+  until the buffers that all admitted requests can reach, rows x the longest prompt + `max_tokens` of
+  them, plus the prefill in progress, fit `kv_budget_bytes`; one that could never fit alone fails at once.
+- "serial", a hybrid (linearized and softmax layers): each request on its own cache, one step per
+  running request a turn, with no batching across requests.
 
 The web layer (`linearize.serve.app`) talks to the engine from its event loop: `submit` queues a
 request (or raises `QueueFull`), `Request.tokens()` yields its token ids as the thread makes them,
@@ -32,11 +43,24 @@ from collections.abc import AsyncIterator
 import torch
 from transformers import DynamicCache
 
+from ..attention import LinearizedAttention
+from ..cache import compact_softmax_layers
 from ..decode import StaticDecoder, fully_linearized
+from . import kv_slots
+from .kv_slots import BatchedKVCache
+
+# The default KV budget on a GPU: this share of the memory free when the engine starts, less the room a
+# step's attention works in (`kv_slots.step_bytes_per_token`).
+KV_MEMORY_SHARE = 0.9
 
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the waiting queue is full: the caller should answer 429."""
+
+
+class TooLarge(ValueError):
+    """The request's KV cache could never fit the engine's memory budget, even alone: the caller should
+    answer 400."""
 
 
 class EngineStopped(RuntimeError):
@@ -116,7 +140,7 @@ class Request:
 
 @dataclasses.dataclass
 class _Active:
-    """A request the scheduler works on: prefilling (its own cache, `done` prompt tokens in) or in a slot."""
+    """A request the scheduler works on: prefilling (its own cache, `done` prompt tokens in) or in a row."""
 
     request: Request
     cache: DynamicCache
@@ -125,20 +149,43 @@ class _Active:
     last: int | None = None  # the token the next step feeds
 
 
+def _reach(request: Request) -> int:
+    """The most positions a request's keys and values can take: its prompt and every token it may ask for."""
+    return request.prompt_tokens + request.params.max_tokens
+
+
 class Engine:
-    """The scheduler thread and its slots (see the module's docstring). From `start` to `stop` the model
-    is the thread's alone: its attention layers keep per-call state, so no other thread may run it."""
+    """The scheduler thread and its rows (see the module's docstring). From `start` to `stop` the model
+    is the thread's alone: its attention layers keep per-call state, so no other thread may run it.
+
+    `kv_budget_bytes` (kv mode only): the most bytes of keys and values the admitted requests may reach;
+    None: on a GPU, 90% of the memory free when the engine starts, less a step's working room; on a CPU,
+    no limit."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
-                 eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None):
+                 eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
+                 kv_budget_bytes: int | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1, got {kv_budget_bytes}")
         self.model = model.eval()
-        self.device = next(model.parameters()).device
+        parameter = next(model.parameters())
+        self.device = parameter.device
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.cuda_graph = cuda_graph
         self.slotted = fully_linearized(model)
+        softmax_only = not any(isinstance(m, LinearizedAttention) for m in model.modules())
+        # Why a softmax-only model is served serially after all (an attention implementation without masks
+        # the batched cache can build); None otherwise.
+        self.kv_unsupported = kv_slots.unsupported_reason(model) if softmax_only else None
+        self._mode = "slots" if self.slotted else "kv" if softmax_only and self.kv_unsupported is None else "serial"
+        self._kv = BatchedKVCache(model) if self._mode == "kv" else None
+        self.kv_bytes_per_token = kv_slots.kv_bytes_per_token(model.config, parameter.dtype)
+        self._kv_step_bytes_per_token = kv_slots.step_bytes_per_token(model.config, parameter.dtype)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.peak_running = 0  # the most requests that generated at once
         self._ids = itertools.count(1)
         self._waiting: collections.deque[Request] = collections.deque()
         self._prefilling: list[_Active] = []
@@ -152,14 +199,20 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        return "slots" if self.slotted else "serial"
+        """"slots" (fully linearized), "kv" (no linearized layers) or "serial" (a hybrid)."""
+        return self._mode
 
     def stats(self) -> dict:
         with self._wake:
-            return {"running": len(self._running) + len(self._prefilling), "waiting": len(self._waiting),
-                    "slots": self.max_batch, "mode": self.mode}
+            stats = {"running": len(self._running) + len(self._prefilling), "waiting": len(self._waiting),
+                     "slots": self.max_batch, "mode": self.mode}
+            if self._kv is not None:
+                stats.update(kv_bytes=self._kv.nbytes, kv_budget_bytes=self.kv_budget_bytes)
+            return stats
 
     def start(self) -> None:
+        if self._kv is not None and self.kv_budget_bytes is None and self.device.type == "cuda":
+            self.kv_budget_bytes = self._default_kv_budget()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="linearize-engine", daemon=True)
             self._thread.start()
@@ -171,6 +224,8 @@ class Engine:
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         request = Request(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
+        if self._kv is not None and self.kv_budget_bytes is not None and self._alone_too_big(request):
+            raise TooLarge(self._too_big(request))
         with self._wake:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
@@ -198,6 +253,16 @@ class Engine:
         if self._decoder is not None:
             self._decoder.close()
             self._decoder = None
+        if self._kv is not None:
+            self._kv.free()
+
+    def _default_kv_budget(self) -> int:
+        """KV_MEMORY_SHARE of the memory this process can still take on the device (free, and what torch
+        holds cached unused), of which a step's attention keeps its working room."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        per_token = self.kv_bytes_per_token
+        return max(1, int(KV_MEMORY_SHARE * free * per_token / (per_token + self._kv_step_bytes_per_token)))
 
     # The scheduler thread.
 
@@ -215,24 +280,65 @@ class Engine:
                 with torch.inference_mode():
                     self._turn()
             except Exception as e:  # noqa: BLE001 (a failed step fails its requests, not the server)
-                self._fail_active(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                self._fail_active(_describe(e))
 
     def _admit(self) -> None:
-        """Waiting requests into free places (under the lock); cancelled ones leave at once."""
+        """Waiting requests into free places, in order (under the lock); cancelled ones leave at once, and
+        so do those whose KV cache could never fit the budget."""
         for request in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(request)
             request._finish("cancelled")
+        if self._kv is not None and self.kv_budget_bytes is not None:  # queued before the budget was known
+            for request in [r for r in self._waiting if self._alone_too_big(r)]:
+                self._waiting.remove(request)
+                request._finish("error", self._too_big(request))
         while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch:
+            if self._kv is not None and not self._kv_fits(self._waiting[0]):
+                break  # it waits for memory, and the ones behind it wait behind it
             request = self._waiting.popleft()
             self._prefilling.append(_Active(request, DynamicCache(config=self.model.config)))
+
+    # Memory for the kv mode: the buffers hold rows x capacity positions, every row as long as the longest,
+    # so the admitted requests can take rows x their longest reach; the prefill in progress holds its own
+    # cache until it is copied into its row.
+
+    def _kv_bytes(self, rows: int, reach: int, prefill: int) -> int:
+        return (rows * reach + prefill) * self.kv_bytes_per_token
+
+    def _kv_fits(self, request: Request) -> bool:
+        if self.kv_budget_bytes is None:
+            return True
+        admitted = [a.request for a in self._running + self._prefilling]
+        reach = max(_reach(r) for r in [*admitted, request])
+        prefill = max(r.prompt_tokens for r in [*(a.request for a in self._prefilling), request])
+        return self._kv_bytes(len(admitted) + 1, reach, prefill) <= self.kv_budget_bytes
+
+    def _kv_limits(self) -> tuple[int, int]:
+        """The rows and capacity the admitted requests can reach: what the buffers may grow to."""
+        admitted = self._running + self._prefilling
+        return len(admitted), max((_reach(a.request) for a in admitted), default=0)
+
+    def _alone_too_big(self, request: Request) -> bool:
+        return self._kv_bytes(1, _reach(request), request.prompt_tokens) > self.kv_budget_bytes
+
+    def _too_big(self, request: Request) -> str:
+        need = self._kv_bytes(1, _reach(request), request.prompt_tokens)
+        return (f"the request's KV cache ({request.prompt_tokens} prompt tokens + max_tokens "
+                f"{request.params.max_tokens}, and its prefill) would take {need / 2**20:.1f} MiB, more than the "
+                f"engine's KV budget of {self.kv_budget_bytes / 2**20:.1f} MiB on its own: ask for fewer tokens")
 
     def _turn(self) -> None:
         self._drop_cancelled()
         if self._prefilling:
-            self._prefill_chunk(self._prefilling[0])
+            active = self._prefilling[0]
+            if self._kv is not None and active.done == 0:
+                self._kv_make_room(active)
+            self._prefill_chunk(active)
         if self._running:
             if self.slotted:
                 self._step_slots()
+            elif self._kv is not None:
+                self._step_kv()
             else:
                 for active in list(self._running):
                     self._step_alone(active)
@@ -250,15 +356,29 @@ class Engine:
         active.done = end
         if end < len(prompt):
             return
+        compact_softmax_layers(active.cache)  # what a serial request decodes on from here
+        limits = self._kv_limits()  # this request's row among them
         self._prefilling.remove(active)
         if not self._take(active, logits[0, -1]):
             return
-        if self.slotted:
-            decoder = self._slot_decoder()
-            active.slot = self._free_slots.pop(0)
-            decoder.load_row(active.slot, active.cache, len(prompt))
-            active.cache = None  # the slot holds the state now
+        try:
+            if self.slotted:
+                decoder = self._slot_decoder()
+                slot = self._free_slots.pop(0)  # back with all the others in `_fail_active` if the load fails
+                decoder.load_row(slot, active.cache, len(prompt))
+                active.slot = slot
+            elif self._kv is not None:
+                row = len(self._running)  # the running requests hold rows 0..n-1
+                self._kv.set_limits(*limits)
+                self._kv.load_row(row, active.cache, len(prompt))
+                active.slot = row
+        except Exception as e:  # it has left the prefills: fail it here, the others in `_fail_active`
+            self._release(active, "error", _describe(e))
+            raise
+        if active.slot is not None:
+            active.cache = None  # the row holds the state now
         self._running.append(active)
+        self.peak_running = max(self.peak_running, len(self._running))
 
     def _slot_decoder(self) -> StaticDecoder:
         """The decoder over `max_batch` slots, made at the first admission from a one-token prefill of
@@ -280,6 +400,39 @@ class Engine:
         greedy = logits.argmax(-1).tolist()
         for active in list(self._running):
             self._take(active, logits[active.slot], greedy[active.slot])
+
+    def _kv_make_room(self, active: _Active) -> None:
+        """Before a prefill starts: shrink buffers left larger than the admitted requests need (by requests
+        gone since), if with them the prefill's cache would pass the budget."""
+        if self.kv_budget_bytes is None:
+            return
+        if self._kv.nbytes + self._kv_bytes(0, 0, active.request.prompt_tokens) > self.kv_budget_bytes:
+            self._kv.set_limits(*self._kv_limits())
+            self._kv.fit()
+
+    def _step_kv(self) -> None:
+        # The rows of this step, read before any request leaves: a leaving request hands its row to the last one.
+        rows = [(active, active.slot) for active in self._running]
+        tokens = [0] * len(rows)
+        for active, row in rows:
+            tokens[row] = active.last
+        self._kv.set_limits(*self._kv_limits())
+        logits = self._kv.step(self.model, torch.tensor(tokens, device=self.device).view(-1, 1))[:, -1]
+        greedy = logits.argmax(-1).tolist()  # one read of every row's argmax
+        for active, row in rows:
+            self._take(active, logits[row], greedy[row])
+
+    def _free_row(self, row: int) -> None:
+        """A running request left row `row` (and `_running`): the last row's request moves into it, so
+        that the running requests keep rows 0..n-1."""
+        last = len(self._running)
+        if row != last:
+            moved = next(a for a in self._running if a.slot == last)
+            self._kv.move_row(last, row)
+            moved.slot = row
+        self._kv.clear_row(last)
+        if not self._running:
+            self._kv.free()
 
     def _step_alone(self, active: _Active) -> None:
         ids = torch.tensor([[active.last]], device=self.device)
@@ -309,7 +462,10 @@ class Engine:
             if active in group:
                 group.remove(active)
         if active.slot is not None:
-            self._free_slots.append(active.slot)
+            if self._kv is not None:
+                self._free_row(active.slot)
+            else:
+                self._free_slots.append(active.slot)
             active.slot = None
         active.cache = None
         active.request._finish(reason, error)
@@ -317,12 +473,20 @@ class Engine:
             self._wake.notify()
 
     def _fail_active(self, error: str) -> None:
+        if self._kv is not None:  # its state may be half-written (a failed step or reallocation): drop it all
+            for active in self._running:
+                active.slot = None
+            self._kv.free()
         for active in list(self._prefilling) + list(self._running):
             self._release(active, "error", error)
         if self._decoder is not None:  # its state may be half-written: start the slots afresh
             self._decoder.close()
             self._decoder = None
             self._free_slots = list(range(self.max_batch))
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -238,9 +238,9 @@ def test_a_full_queue_answers_429_at_once(start_server):
 
 
 @pytest.mark.slow
-def test_a_model_with_softmax_layers_is_served_request_by_request(start_server, served_teacher):
+def test_a_softmax_model_is_served_from_batched_kv_rows(start_server, served_teacher):
     server = start_server("--max-batch", "3", "--prefill-chunk", str(PREFILL_CHUNK), model=served_teacher)
-    assert server.health()["mode"] == "serial"
+    assert server.health()["mode"] == "kv"
     model, tokenizer = load_model(served_teacher), load_tokenizer(served_teacher)
 
     def uncached_greedy(ids: list[int], n: int) -> list[int]:
