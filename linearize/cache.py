@@ -129,12 +129,25 @@ def claim_cache_layer(cache: Cache, layer_idx: int, mask_window: int | None = No
     return layers[layer_idx]
 
 
+def compact_softmax_layers(cache: Cache) -> None:
+    """Copy out the keys and values that HF's softmax cache layers hold as views of larger tensors.
+
+    HF's sliding-window layer keeps its last window - 1 tokens as a slice of the whole call's keys, so
+    after a prefill call of 16K tokens all 16K tokens' keys stay allocated until the next call replaces
+    them, and a decode's first step carries them (a constant-memory decode would look as if it grew with
+    the prompt). Call it after a prefill; full layers' keys are whole tensors and stay as they are."""
+    for layer in cache.layers:
+        if not isinstance(layer, LinearizeCacheLayer) and getattr(layer, "keys", None) is not None:
+            layer.keys, layer.values = compact(layer.keys), compact(layer.values)
+
+
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes held by a cache: linearized states plus any softmax keys/values of hybrid layers."""
+    """Bytes held by a cache: linearized states plus any softmax keys/values of hybrid layers, counted as
+    the memory their tensors keep allocated (a view keeps its whole storage)."""
     total = 0
     for layer in cache.layers:
         if isinstance(layer, LinearizeCacheLayer):
             total += layer.nbytes()
         elif getattr(layer, "keys", None) is not None:
-            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
     return total

@@ -26,7 +26,7 @@ import torch
 
 from .attention.base import LinearizedAttention
 from .attention.still import StillAttention
-from .cache import LinearizeCacheLayer
+from .cache import LinearizeCacheLayer, compact_softmax_layers
 from .fused_projections import fuse_projections, projections_fused
 from .ops.still import still_step
 
@@ -261,6 +261,7 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, *, attent
                        attention_mask=None if attention_mask is None else attention_mask[:, :end],
                        position_ids=None if positions is None else positions[:, start:end],
                        past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    compact_softmax_layers(cache)
     token = logits[:, -1:].argmax(-1)
     generated = [token]
     ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=token.device).view(-1)

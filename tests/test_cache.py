@@ -3,9 +3,10 @@
 import pytest
 import torch
 from tiny_models import TINY_OPTIONS, tiny_teacher
+from transformers import DynamicCache
 
 import linearize
-from linearize.cache import LinearizeCacheLayer, cache_nbytes
+from linearize.cache import LinearizeCacheLayer, cache_nbytes, compact_softmax_layers
 
 
 def generated_cache(method, new_tokens, **options):
@@ -70,3 +71,21 @@ def test_a_long_prefill_leaves_no_chunk_sized_storage_in_the_cache(method):
         short = DynamicCache(config=model.config)
         model(ids[:, :20], past_key_values=short, use_cache=True)
     assert cache_nbytes(short) == cache_nbytes(cache)
+
+
+def test_compact_softmax_layers_frees_what_sliding_layers_kept_of_a_prefill_call():
+    """HF's sliding layer keeps a slice of the whole call's keys: compacting keeps the values, drops the rest,
+    and `cache_nbytes` counts the memory held before and after."""
+    model = tiny_teacher("gemma3_text")
+    cache = DynamicCache(config=model.config)
+    model(torch.randint(3, 100, (1, 40)), past_key_values=cache, use_cache=True)
+    sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    assert sliding and all(layer.keys.shape[-2] < 40 for layer in sliding)
+    before = cache_nbytes(cache)
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    compact_softmax_layers(cache)
+    after = cache_nbytes(cache)
+    assert after < before
+    assert after == sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    for layer, (keys, values) in zip(cache.layers, kept, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)

@@ -24,7 +24,7 @@ import torch
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ..cache import cache_nbytes
+from ..cache import cache_nbytes, compact_softmax_layers
 from ..convert import convert
 from ..decode import StaticDecoder, fully_linearized
 from ..fused_projections import fuse_projections
@@ -129,6 +129,7 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
             out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
             cache = out.past_key_values
+        compact_softmax_layers(cache)
         last.update(cache=cache, token=out.logits[:, -1:].argmax(-1))
 
     repeats = SHORT_PREFILL_REPEATS if batch * context <= settings["prefill_chunk"] else 1
