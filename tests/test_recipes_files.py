@@ -1,6 +1,7 @@
 """Recipe files: the shipped layout (main rows, ablations, the Gemma rows; one shared evaluation per teacher),
 `extends`, command-line overrides, lookup by name, `recipe list`, and one-line errors for every bad file."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -15,7 +16,8 @@ MAIN_ROWS = {"teacher", "lizard", "lizard-window-256", "lizard-window-256-10m", 
              "still-uncapped-seq4096-10m", "lolcats", "liger"}
 BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
 # The rows on the second teacher: their own folder and their own evaluation block, to 128K.
-GEMMA_ROWS = {"gemma3-teacher", "gemma3-lizard", "gemma3-lizard-full", "gemma3-still-full"}
+GEMMA_ROWS = {"gemma3-teacher", "gemma3-lizard", "gemma3-lizard-full", "gemma3-still-full", "gemma3-lizard-full-seq8k",
+              "gemma3-still-full-seq8k"}
 GEMMA_BASE = RECIPES_DIR / "base" / "gemma3.yaml"
 
 
@@ -44,11 +46,12 @@ def write(path: Path, content) -> Path:
 def test_main_rows_sit_in_recipes_and_ablations_in_their_folder():
     recipes = shipped()
     names = [r.name for r in recipes]
-    assert len(names) == len(set(names)) == 40
+    assert len(names) == len(set(names)) == len([p for p in RECIPES_DIR.rglob("*.yaml") if p.parent.name != "base"])
     main_rows = {r.name for r in recipes if r.source.parent == RECIPES_DIR}
     assert main_rows == MAIN_ROWS
     assert {r.name for r in recipes if r.source.parent == RECIPES_DIR / "gemma3"} == GEMMA_ROWS
-    assert {r.source.parent for r in recipes if r.name not in MAIN_ROWS | GEMMA_ROWS} == {RECIPES_DIR / "ablations"}
+    others = {r.source.parent for r in recipes if r.name not in MAIN_ROWS | GEMMA_ROWS}
+    assert RECIPES_DIR / "ablations" in others and all(p.parent == RECIPES_DIR and p.name != "base" for p in others)
     assert names[:len(MAIN_ROWS)] == sorted(MAIN_ROWS)  # main rows first
     assert all(r.source.suffix == ".yaml" for r in recipes)
     assert not list(RECIPES_DIR.rglob("*.json"))
@@ -209,13 +212,17 @@ def test_an_override_cannot_give_the_teacher_a_distillation():
 def test_recipe_list_shows_main_rows_then_ablations(capsys):
     assert main(["recipe", "list"]) == 0
     header, *lines = capsys.readouterr().out.splitlines()
-    assert header.split() == ["name", "file", "row"] and len(lines) == 40
+    shipped = [p for p in RECIPES_DIR.rglob("*.yaml") if p.parent.name != "base"]
+    assert header.split() == ["name", "file", "row"] and len(lines) == len(shipped)
     rows = [line.split(None, 2) for line in lines]
     assert rows[0] == ["liger", "recipes/liger.yaml", "Liger-GLA (stage 2 only)"]
     files = [file for _, file, _ in rows]
-    assert files.index("recipes/teacher.yaml") < files.index("recipes/ablations/lizard-alpha1.yaml")
-    assert [f.split("/")[1] for f in files] == [f.split("/")[1] for f in files[:9]] + ["ablations"] * 27 + ["gemma3"] * 4
-    assert all("/" not in f.removeprefix("recipes/") for f in files[:9])
+    main_rows = sum(p.parent == RECIPES_DIR for p in shipped)
+    assert all("/" not in f.removeprefix("recipes/") for f in files[:main_rows])
+    # Then each folder's recipes together, ablations first.
+    folders = [f.split("/")[1] for f in files[main_rows:]]
+    assert folders[0] == "ablations" and folders == sorted(folders, key=folders.index)
+    assert len(set(folders)) == len([k for k, _ in itertools.groupby(folders)])
     assert all(Path(RECIPES_DIR.parent / f).stem == name for name, f, _ in rows)
 
 

@@ -2,7 +2,7 @@
 # One GPU call's worth of the planned runs (experiments/gpu/README.md), each step under its own limit:
 #   source experiments/gpu/env.sh && bash experiments/gpu/session.sh PART [NAME...]
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp [BATCH [CASES]] (2 GPUs)
-# | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
+# | memory MODEL LAYERS (a real teacher's decode memory, 1K to 128K) | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
@@ -96,6 +96,12 @@ case $part in
     envs=("${@:5}")
     step "model_$shape" 500 env "${envs[@]}" python -m linearize.cli bench model --shape "$shape" "${extra[@]}" \
       --profile --time-limit 460 --out "$res/model-$shape" ;;
+  memory)
+    # A real teacher's decode memory and speed by context (`memory gemma3 full`): the best Lizard on its
+    # layers LAYERS (all or full) beside the teacher, 1K to 128K at batch 1.
+    step "memory_$1_$2" 500 python -m linearize.cli bench model --model "${1:?model}" --layers "${2:?layers}" \
+      --methods lizard --set combine=shared --set rope_in_window=true --contexts 1k,2k,4k,8k,16k,32k,64k,128k \
+      --batches 1 --time-limit 460 --out "$res/memory-$1-$2" ;;
   rows|distill)
     recipes=()
     for name in "$@"; do recipes+=("$name"); done

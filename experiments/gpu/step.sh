@@ -3,8 +3,9 @@
 # failing step still leaves the others' results in a call. At the limit CMD gets SIGINT, as from Ctrl-C,
 # so `distill` saves a checkpoint (the next call resumes it) and `eval` keeps its finished tasks; SIGKILL
 # 20 s later. With $DEADLINE (epoch seconds) set, no step runs past it: the call's own limit.
+# $STEP_LIMIT replaces every step's own limit (experiments/gpu/background.sh: parts that outlive a call).
 step() {
-  local name=$1 limit=$2
+  local name=$1 limit=${STEP_LIMIT:-$2}
   shift 2
   if [ -n "${DEADLINE:-}" ]; then
     local left=$((DEADLINE - $(date +%s) - 25))

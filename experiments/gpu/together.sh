@@ -16,12 +16,12 @@ for chain in "$@"; do
       read -ra words <<< "$part"
       bash experiments/gpu/session.sh "${words[@]}"
     done
-  ) > "/tmp/chain-$i.out" 2>&1 &
+  ) > "${CHAINS:-/tmp}/chain-$i.out" 2>&1 &
 done
 wait
 for ((j = 1; j <= i; j++)); do
   echo "##### chain $j: ${!j}"
-  tail -n 25 "/tmp/chain-$j.out"
+  tail -n 25 "${CHAINS:-/tmp}/chain-$j.out"
 done
 echo "##### steps"
 cat "$OUT/steps.txt"

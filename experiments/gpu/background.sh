@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs experiments/gpu/together.sh detached from the call (setsid), so that its parts go on across
+# calls while the machine stays warm; later calls poll it and bring its results back:
+#   bash experiments/gpu/background.sh start SECONDS "0: rows gemma3-lizard" ...   (returns at once)
+#   bash experiments/gpu/background.sh wait SECONDS    (sleeps until it ends or SECONDS pass; copies its results to $OUT)
+# A call must come every ~30 s or the machine goes back, taking the detached parts with it.
+set -uo pipefail
+BG=${BG:-/tmp/bg}  # another BG runs a second set beside the first
+case ${1:?start or wait} in
+  start)
+    seconds=${2:?seconds}
+    shift 2
+    mkdir -p "$BG/out"
+    rm -f "$BG/done"
+    # A later call replaces the working tree under it: the detached parts run from their own copy.
+    rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes scripts pyproject.toml "$BG/repo/"
+    cd "$BG/repo" && export PYTHONPATH="/tmp/site:$BG/repo"
+    setsid bash -c 'export CHAINS="$0" OUT="$0/out" DEADLINE=$(($(date +%s) + $1)) STEP_LIMIT=$1; shift; bash experiments/gpu/together.sh "$@"; touch '"$BG"'/done' \
+      "$BG" "$seconds" "$@" > "$BG/log" 2>&1 < /dev/null &
+    echo "started: $*" ;;
+  wait)
+    end=$(($(date +%s) + ${2:?seconds}))
+    while [ ! -f "$BG/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    [ -f "$BG/done" ] && echo "finished" || echo "still running"
+    tail -n 40 "$BG/log"
+    for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
+    cp -r "$BG/out/." "$OUT/" ;;
+esac
