@@ -39,6 +39,25 @@ def count(text: str) -> int:
     return value
 
 
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """Bytes from a size such as 40GiB, 512MiB or 1000000 (bytes), > 0."""
+    number, unit = text.strip(), "B"
+    for name in sorted(UNITS, key=len, reverse=True):
+        if number.endswith(name):
+            number, unit = number[: -len(name)].strip(), name
+            break
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 40GiB, 512MiB or a number of bytes, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
+    return max(1, int(value * UNITS[unit]))
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Serve one model over OpenAI's completions and chat completions API, "
@@ -58,6 +77,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="most tokens a request may ask for (and what a chat request naming none gets)")
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULTS["prefill_chunk"],
                    help="prompt tokens prefilled a scheduler turn, between the running requests' steps")
+    p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="for a softmax model (the teacher): the most memory its requests' keys and values may take, "
+                        "e.g. 40GiB (default: 90%% of the GPU memory free at start; no limit on a CPU)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
     p.add_argument("--served-model-name", default=None,
@@ -129,7 +151,7 @@ def run(args) -> None:
     from .engine import Engine
 
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                    eos_token_ids=end_tokens(model, tokenizer))
+                    eos_token_ids=end_tokens(model, tokenizer), kv_budget_bytes=args.kv_memory)
     app = create_app(engine, tokenizer, name, args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens)
     # h11 and asyncio, not whatever faster parser or loop happens to be installed: the server behaves the
     # same everywhere, and the engine, not the parser, sets the pace. No timeout on the graceful shutdown:

@@ -11,7 +11,7 @@ import pytest
 from serve_helpers import free_port
 
 from linearize.cli import main
-from linearize.serve.command import end_tokens
+from linearize.serve.command import end_tokens, memory_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +25,16 @@ def refused(capsys, *argv: str) -> str:
 
 @pytest.mark.parametrize(("flag", "value"), [("--port", "0"), ("--port", "65536"), ("--port", "http"),
                                              ("--max-batch", "0"), ("--max-queue", "-1"), ("--max-prompt-tokens", "0"),
-                                             ("--max-completion-tokens", "-3"), ("--prefill-chunk", "1.5")])
+                                             ("--max-completion-tokens", "-3"), ("--prefill-chunk", "1.5"),
+                                             ("--kv-memory", "0"), ("--kv-memory", "-2GiB"), ("--kv-memory", "lots"),
+                                             ("--kv-memory", "4GB"), ("--kv-memory", "inf")])
 def test_bad_numbers_are_refused_by_flag(capsys, flag, value):
     assert flag in refused(capsys, "--model", "nowhere", flag, value)
+
+
+def test_memory_sizes_read_binary_units():
+    assert [memory_size(t) for t in ("40GiB", "512 MiB", "1.5KiB", "1000", "2TiB", "8B")] == [
+        40 * 2**30, 512 * 2**20, 1536, 1000, 2 * 2**40, 8]
 
 
 def test_a_missing_model_is_refused(capsys, tmp_path):
