@@ -4,7 +4,7 @@
 # PART: tests [PATH...] | kernels [sweep | bench [OPS]] | train [METHOD SEQ_LEN BATCH [KEY=VALUE | LINEARIZE_*=VALUE | graph...]] | fsdp [BATCH [CASES]] (2 GPUs)
 # | memory MODEL LAYERS (a real teacher's decode memory, 1K to 128K) | model [SHAPE [compile|eager [CONTEXTS/BATCHES, values joined by +, e.g. 1k+32k/1+64 [METHOD]]]]
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
-# | routing ROW [KEY=VALUE...] (scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
+# | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
 # | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
@@ -122,10 +122,10 @@ case $part in
     flags=()
     for option in "${@:2}"; do flags+=("--${option%%=*}" "${option#*=}"); done
     flags=("${flags[@]//+/,}")
-    step routing 300 python scripts/still_routing.py --model "/tmp/runs/${1:?row}/model" "${flags[@]}" \
+    step routing 300 python -m experiments.scripts.still_routing --model "/tmp/runs/${1:?row}/model" "${flags[@]}" \
       --out "$res/routing" ;;
   mass)
-    step mass 300 python scripts/still_routing.py --parts mass --model "/tmp/runs/${1:?row}/model" --out "$res/mass" ;;
+    step mass 300 python -m experiments.scripts.still_routing --parts mass --model "/tmp/runs/${1:?row}/model" --out "$res/mass" ;;
   eval)
     # TASKS and LENGTHS joined by + (together.sh splits parts at commas), e.g.
     # `eval still-seq4096 passkey+niah_single 1k+2k+4k+8k budget=6272 max_chunks=128`; as the recipes evaluate.

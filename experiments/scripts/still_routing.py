@@ -47,6 +47,12 @@ VARIANTS = {
     # More picks a chunk (lambda 56 and 60 of 64), uncapped: does a whole UUID (34 tokens) survive?
     "saliency, uncapped, 56 a chunk": StillConfig(budget=128 + 56 * 680, max_chunks=680),
     "saliency, uncapped, 60 a chunk": StillConfig(budget=128 + 60 * 680, max_chunks=680),
+    # The paper's other routing metrics (its S-NIAH table), at our budget; appended, so that the
+    # indices above keep their meaning.
+    "diagonal, budget 896": StillConfig(routing="diagonal"),
+    "dot, budget 896": StillConfig(routing="dot"),
+    "key_norm, budget 896": StillConfig(routing="key_norm"),
+    "uniform, budget 896": StillConfig(routing="uniform"),
 }
 
 

@@ -1,11 +1,16 @@
-"""StillAttention splits long parallel calls into blocks that continue each other's state exactly."""
+"""StillAttention splits long parallel calls into blocks that continue each other's state exactly, and
+a prompt prefilled then decoded gives the whole sequence's logits, under every routing rule."""
 
+import itertools
+
+import pytest
 import torch
 from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
 from linearize.ops import still as still_attention
+from linearize.ops.still.naive import ROUTINGS
 
 
 def forward(model, ids, cache=None):
@@ -15,10 +20,16 @@ def forward(model, ids, cache=None):
     return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def test_blocked_parallel_calls_equal_one_call(monkeypatch):
+def still_model(routing):
     model = tiny_teacher()
-    linearize.convert(model, "still", **TINY_OPTIONS["still"])
+    linearize.convert(model, "still", **TINY_OPTIONS["still"], routing=routing)
     perturb_new_parameters(model)
+    return model
+
+
+@pytest.mark.parametrize("routing", ["saliency", "diagonal", "dot", "key_norm", "uniform"])
+def test_blocked_parallel_calls_equal_one_call(monkeypatch, routing):
+    model = still_model(routing)
     ids = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(0))
     whole, whole_grads = forward(model, ids)
     monkeypatch.setattr(still_attention, "MAX_PARALLEL", 10)
@@ -29,3 +40,23 @@ def test_blocked_parallel_calls_equal_one_call(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     cached, _ = forward(model, ids, DynamicCache(config=model.config))  # with a cache, through the same path
     torch.testing.assert_close(cached, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_prefill_then_decode_equals_the_whole_sequence(routing):
+    """A prefill, steps of one token, a chunk of six, steps again: past the budget (14) and through
+    several chunks (4), so the slots fill and evict by the routing's scores in every form; the second
+    row left-padded (its padding's logits are not compared)."""
+    model = still_model(routing)
+    assert {layer.self_attn.cfg.routing for layer in model.model.layers} == {routing}
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cuts = [0, 11, *range(12, 21), 26, *range(27, 31)]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, use_cache=False).logits
+        parts = [model(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
+                 for a, b in itertools.pairwise(cuts)]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(parts, 1)[real], whole[real], atol=1e-5, rtol=1e-5)

@@ -1,12 +1,14 @@
 """The STILL op: parallel form == recurrence (values, gradients, routing state) and the routing rule."""
 
 import itertools
+from typing import get_args, get_type_hints
 
 import pytest
 import torch
 
-from linearize.config import StillConfig
+from linearize.config import ConfigError, StillConfig, make_method_config
 from linearize.feature_maps import NormPreservingFeatureMap
+from linearize.ops.common import repeat_kv
 from linearize.ops.still import naive as still
 
 B, H, HKV, D, F = 2, 4, 2, 8, 3
@@ -39,7 +41,7 @@ def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
 
 
 @pytest.mark.parametrize("L", [1, 7, 16, 29])
-@pytest.mark.parametrize("routing", ["saliency", "random", "recency"])
+@pytest.mark.parametrize("routing", still.ROUTINGS)
 @pytest.mark.parametrize("window,chunk,budget,max_chunks", [(4, 4, 10, 2), (8, 4, 14, 1), (4, 2, 4, 3)])
 @pytest.mark.parametrize("fresh", [False, True])  # True: the empty slots and window are left out
 def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks, fresh):
@@ -63,9 +65,10 @@ def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-8)
 
 
-def test_parallel_continues_from_a_state():
+@pytest.mark.parametrize("routing", still.ROUTINGS)
+def test_parallel_continues_from_a_state(routing):
     (q, k, v, gate), valid, phi_q, phi_k = setup(23)
-    opts = {"window": 4, "chunk": 2, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
+    opts = {"window": 4, "chunk": 2, "per_chunk": 2, "routing": routing, "scale": D**-0.5}
     full, _ = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, **opts)
     cut = lambda x, s: None if x is None else x[:, :, s]
     a, state = still.still_parallel(cut(q, slice(0, 9)), cut(k, slice(0, 9)), cut(v, slice(0, 9)), valid[:, :9],
@@ -114,16 +117,170 @@ def test_saliency_score_is_high_for_self_attending_tokens():
 
 
 @pytest.mark.parametrize("L,P,chunk", [(1, 4, 4), (7, 10, 4), (29, 32, 4), (16, 16, 8), (33, 40, 2)])
-def test_banded_saliency_equals_the_full_one(L, P, chunk):
+@pytest.mark.parametrize("routing", still.LOCAL_ROUTINGS)
+def test_banded_saliency_equals_the_full_one(L, P, chunk, routing):
     g = torch.Generator().manual_seed(L)
     q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
     keys = torch.randn(B, HKV, P, D, generator=g, dtype=torch.float64)
     key_valid = torch.ones(B, P, dtype=torch.bool)
     key_valid[1, : P - L + 3] = False  # a left-padded row
-    opts = {"chunk": chunk, "scale": D**-0.5, "eps": 1e-6}
+    opts = {"chunk": chunk, "scale": D**-0.5, "eps": 1e-6, "routing": routing}
     full = still.saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
     banded = still.banded_saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
     torch.testing.assert_close(banded, full, atol=1e-12, rtol=1e-10)
+
+
+def scores_of(routing, q, keys, key_valid, valid, chunk=4, scale=1.0):
+    """`token_scores` of the last q.shape[2] tokens of `keys`, as a form calls it."""
+    positions = valid.long().cumsum(1) - 1
+    return still.token_scores(q, keys, key_valid, valid, positions, routing=routing, chunk=chunk, scale=scale,
+                              eps=1e-6)
+
+
+def test_diagonal_score_is_the_attention_to_itself_in_the_local_window():
+    """Four keys, the second padding (the last three are new, over a window of 4). Token 3's query
+    matches only its own key: e^10 / (e^10 + 2) over its visible keys 0, 2, 3; token 2's query is 0,
+    so it attends its keys 0 and 2 uniformly: 1/2; token 1, padding: -inf."""
+    keys = torch.zeros(1, 1, 4, D, dtype=torch.float64)
+    keys[0, 0, 3, 0] = 10.0
+    q = torch.zeros(1, 1, 3, D, dtype=torch.float64)
+    q[0, 0, 2, 0] = 1.0
+    valid = torch.tensor([[False, True, True]])
+    key_valid = torch.tensor([[True, False, True, True]])
+    score = scores_of("diagonal", q, keys, key_valid, valid)[0, 0]
+    e10 = torch.tensor(10.0, dtype=torch.float64).exp()
+    assert score[0] == float("-inf")
+    torch.testing.assert_close(score[1:], torch.stack([torch.tensor(0.5, dtype=torch.float64), e10 / (e10 + 2)]))
+
+
+@pytest.mark.parametrize("n_rep", [1, 4])
+def test_diagonal_ranks_as_saliency_within_a_query_head(n_rep):
+    """Self-Saliency is, up to eps, (1 - a) log(1 - a) + a log((a + eps) / eps) of a = a^diag_{t,t}: an
+    increasing function, so with one query head a KV head both rules pick the same tokens; with
+    several, they differ only through the mean over the group (docs/methods.md)."""
+    g = torch.Generator().manual_seed(0)
+    C, L = 64, 256  # STILL's chunk, 12 picks each
+    q = torch.randn(2, 2 * n_rep, L, D, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, L, D, generator=g, dtype=torch.float64)
+    valid = torch.ones(2, L, dtype=torch.bool)
+    picks = {}
+    for routing in still.LOCAL_ROUTINGS:
+        scores = scores_of(routing, q, k, valid, valid, chunk=C, scale=D**-0.5).unflatten(-1, (-1, C))
+        picks[routing] = still.select_chunk(scores, torch.ones_like(scores, dtype=torch.bool), 12)
+    same = (picks["saliency"] == picks["diagonal"]).all(-1)
+    assert same.all() if n_rep == 1 else not same.all()
+
+
+def test_dot_key_norm_and_uniform_scores_on_hand_made_keys():
+    """`dot`: q_t.k_t * scale, averaged over the query heads of each KV head (heads 2h, 2h + 1 share KV
+    head h); `key_norm`: ||k_t|| of the KV head's key; both rounded to SELF_SCORE_QUANTUM; `uniform`:
+    0; -inf at padding; only the new tokens (the last 5 of the combined 7) are scored."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 5, D, generator=g, dtype=torch.float64)
+    keys = torch.randn(B, HKV, 7, D, generator=g, dtype=torch.float64)
+    valid = torch.ones(B, 5, dtype=torch.bool)
+    valid[1, :2] = False
+    key_valid = torch.cat([torch.ones(B, 2, dtype=torch.bool), valid], 1)
+    new = keys[:, :, 2:]
+    pad = ~valid[:, None, :]
+    dot = torch.stack([(q[:, 2 * h : 2 * h + 2] * new[:, h : h + 1]).sum(-1).mean(1) for h in range(HKV)], 1) * 0.5
+    expected = {"dot": dot, "key_norm": new.square().sum(-1).sqrt(), "uniform": torch.zeros(B, HKV, 5).double()}
+    quantum = still.SELF_SCORE_QUANTUM
+    for routing, want in expected.items():
+        got = scores_of(routing, q, keys, key_valid, valid, scale=0.5)
+        want = (want / quantum).round() * quantum
+        torch.testing.assert_close(got, want.masked_fill(pad, float("-inf")), atol=0, rtol=0, msg=routing)
+        step = torch.cat([scores_of(routing, q[:, :, t : t + 1], keys[:, :, : 3 + t], key_valid[:, : 3 + t],
+                                    valid[:, t : t + 1], scale=0.5) for t in range(5)], 2)
+        torch.testing.assert_close(step, got, atol=0, rtol=0, msg=routing)  # one token at a time, as a step
+
+
+@pytest.mark.parametrize("routing", ["dot", "key_norm"])
+def test_a_token_ties_with_its_copies_under_rope(routing):
+    """RoPE turns q_t and k_t by the same angle, so q_t.k_t and ||k_t|| do not depend on where the token
+    stands; rounded, the copies of one token tie exactly in float32 (the tie rule then decides, the
+    same in every form), where their raw values differ in the last bits."""
+    g = torch.Generator().manual_seed(0)
+    q0, k0 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, HKV, 1, D, generator=g)
+    angles = torch.arange(40, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(D // 2) / (D // 2))
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+
+    def rope(x):
+        half = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1)
+        return x * cos + half * sin
+
+    q, k = rope(q0), rope(k0)  # one token at positions 0..39
+    valid = torch.ones(1, 40, dtype=torch.bool)
+    raw = (q * repeat_kv(k, H // HKV)).sum(-1) if routing == "dot" else k.norm(dim=-1)
+    assert (raw != raw[..., :1]).any()  # float32 tells the copies apart
+    score = scores_of(routing, q, k, valid, valid, scale=D**-0.5)
+    assert (score == score[..., :1]).all()
+
+
+def route(routing, k, window=4, chunk=4, per_chunk=1, slots=2):
+    """The salient slots' positions after a pass over k ([1, HKV, L, D]), sorted, per KV head."""
+    L = k.shape[2]
+    q = torch.randn(1, H, L, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    state = still.init_state(1, H, HKV, 2 * F, D, window, slots, device="cpu", dtype=torch.float64)
+    phi = NormPreservingFeatureMap(H, D, F).double()
+    opts = {"window": window, "chunk": chunk, "per_chunk": per_chunk, "routing": routing, "scale": D**-0.5}
+    with torch.no_grad():
+        _, state = still.still_parallel(q, k, k, torch.ones(1, L, dtype=torch.bool), None, state, phi, phi, start=0,
+                                        **opts)
+    assert state["sal_used"].all()
+    return state["sal_pos"][0].sort(-1).values.tolist()
+
+
+def test_key_norm_routes_the_largest_keys_into_the_salient_slots():
+    """Chunks of 4 pick 1 token each; of the 3 chunks that left the window (15 tokens, window 4: tokens
+    0-11), the 2 slots keep the picks with the largest norms: per head one key of each chunk is made
+    large, chunk 1's the largest, chunk 0's the smallest (so it is evicted)."""
+    k = 0.1 * torch.randn(1, HKV, 15, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    big = {0: [(1, 2.0), (6, 4.0), (9, 3.0)], 1: [(3, 2.0), (4, 4.0), (10, 3.0)]}  # head: (position, norm)
+    for h, picks in big.items():
+        for p, norm in picks:
+            k[0, h, p] = norm * torch.nn.functional.normalize(k[0, h, p], dim=-1)
+    assert route("key_norm", k) == [[6, 9], [4, 10]]
+
+
+def test_uniform_picks_each_chunks_earliest_and_recency_its_latest():
+    """Equal scores fall to the tie rules: a chunk picks its earliest tokens (stable sort) and full slots
+    evict their oldest, so `uniform` keeps the first token of the last 2 chunks that left the window
+    (15 tokens, window 4: tokens 0-11); `recency` (the position as score) the last token of each."""
+    k = torch.randn(1, HKV, 15, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert route("uniform", k) == [[4, 8]] * HKV
+    assert route("recency", k) == [[7, 11]] * HKV
+
+
+@pytest.mark.parametrize("routing", still.ROUTINGS)
+def test_fresh_routing_gives_the_parallel_forms_state(routing):
+    """The kernels' routing (`fresh_routing`: fold times and the state after a prefill) is the parallel
+    form's, slots overflowing: the state equal, and the fold times what the state's linear part holds."""
+    (q, k, v, gate), valid, phi_q, phi_k = setup(29)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 3, "routing": routing, "scale": D**-0.5, "eps": 1e-6}
+    with torch.no_grad():
+        _, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 10), phi_q, phi_k, start=0, fresh=True,
+                                        **opts)
+        fk = phi_k(repeat_kv(k, H // HKV))
+        fold, s_fresh = still.fresh_routing(q, k, v, valid, state0(4, 10), start=0, fk=fk, **opts)
+    for name in s_par:
+        torch.testing.assert_close(s_fresh[name], s_par[name], atol=1e-12, rtol=1e-10, msg=name)
+    folded = repeat_kv((fold != still.NEVER) & valid[:, None, :], H // HKV)  # start 0: NEVER stays visible
+    torch.testing.assert_close(s_fresh["z"], (fk * folded[..., None]).sum(2))
+
+
+def test_an_unknown_routing_is_refused_naming_the_choices():
+    (q, k, v, gate), valid, phi_q, phi_k = setup(5)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "keynorm", "scale": D**-0.5}
+    choices = "saliency, diagonal, dot, key_norm, uniform, random, recency, got 'keynorm'"
+    with pytest.raises(ValueError, match=f"^routing must be one of {choices}$"):
+        still.still_parallel(q, k, v, valid, gate, state0(4, 10), phi_q, phi_k, start=0, **opts)
+    with pytest.raises(ValueError, match=f"^routing must be one of {choices}$"):
+        still.still_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], valid[:, :1], gate[:, :, :1], state0(4, 10), phi_q,
+                         phi_k, **opts)
+    with pytest.raises(ConfigError, match=f"^routing must be one of {choices}$"):
+        make_method_config("still", routing="keynorm")
+    assert get_args(get_type_hints(StillConfig)["routing"]) == still.ROUTINGS
 
 
 def test_selecting_all_completed_chunks_at_once_equals_one_by_one():
@@ -252,7 +409,7 @@ def test_folds_within_says_when_the_linear_state_gets_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("routing", ["saliency", "recency"])
+@pytest.mark.parametrize("routing", ["saliency", "recency", "diagonal", "dot", "key_norm", "uniform"])
 def test_inductor_compiled_step_equals_the_eager_one_as_slots_overflow(routing):
     """`StaticDecoder` runs `still_step` through inductor: its generated code must route as the eager
     step does, step after step, once the slots are full and evict (inductor gets the prefill's

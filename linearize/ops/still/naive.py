@@ -13,7 +13,9 @@ step form applies the same `route_departure` once per token. Output, with a shar
 
   y_i = (sum_{softmax set} e^{s_ij - m_i} v_j + g_i * (phi_q(q_i)^T S_i)) / (sum e^{s_ij - m_i} + phi_q(q_i)^T z_i + eps)
 
-Scores are computed per query head and averaged over each KV group, so GQA heads share one set.
+The score is the routing's (`token_scores`, computed once per token on arrival, the same in every
+form): Self-Saliency by default, or an ablation's (`ROUTINGS`). Scores from queries are computed per
+query head and averaged over each KV group, so GQA heads share one set.
 Chunks are counted in each row's own tokens (padding excluded, `count` in the state), so a left-
 padded row routes exactly as it would unpadded; chunk c holds that row's tokens [cC, cC + C).
 """
@@ -51,11 +53,27 @@ def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, sl
     }
 
 
-def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
+# The routing rules (`StillConfig.routing`): the score each token is ranked by, per KV head. The local
+# ones come from q_t's attention over the last C keys up to t, the self ones from q_t and k_t alone,
+# the positional ones from the token's position; `uniform` ties every token (see `token_scores`).
+LOCAL_ROUTINGS = ("saliency", "diagonal")
+SELF_ROUTINGS = ("dot", "key_norm", "uniform")
+POSITIONAL_ROUTINGS = ("random", "recency")
+ROUTINGS = LOCAL_ROUTINGS + SELF_ROUTINGS + POSITIONAL_ROUTINGS
+
+
+def check_routing(routing):
+    """A one-line error naming the rules, for a name that is none of them."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+
+
+def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps, routing="saliency"):
     """Self-Saliency of the L newest tokens; `keys` [B,H_kv,P,d] ends with them (P >= L).
 
     Over the local window of the last C keys up to t: KL-like divergence between the attention of
-    q_t with and without its own key. Padding tokens get -inf so they are never chosen.
+    q_t with and without its own key. Padding tokens get -inf so they are never chosen. With
+    `routing="diagonal"`, the attention of q_t to its own key in that window instead.
     """
     L, P = q.shape[2], keys.shape[2]
     n_rep = q.shape[1] // keys.shape[1]
@@ -63,21 +81,30 @@ def saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
     q_pos = torch.arange(L, device=q.device)[:, None] + (P - L)
     k_pos = torch.arange(P, device=q.device)[None, :]
     local = (k_pos <= q_pos) & (k_pos > q_pos - chunk) & key_valid[:, None, None, :]
-    return _saliency(scores, local, k_pos == q_pos, new_valid, n_rep, eps)
+    return _local_score(scores, local, k_pos == q_pos, new_valid, n_rep, eps, routing)
 
 
-def _saliency(scores, local, is_self, new_valid, n_rep, eps):
+def _local_score(scores, local, is_self, new_valid, n_rep, eps, routing):
     """Score per query from its logits (last dim) over the keys it may see (`local`), `is_self` marking
-    its own key; averaged over each KV group, -inf at padding: [B, H_kv, L]."""
+    its own key; averaged over each KV group, -inf at padding: [B, H_kv, L]. `routing`: "saliency"
+    (the divergence) or "diagonal" (the softmax's weight on the query's own key)."""
     diag = torch.softmax(scores.masked_fill(~local, float("-inf")), dim=-1).nan_to_num(0.0)
-    weights, _ = exp_weights(scores.masked_fill(~(local & ~is_self), float("-inf")))
-    nodiag = weights / weights.sum(-1, keepdim=True).clamp_min(1e-30)
-    score = (diag * ((diag + eps) / (nodiag + eps)).log()).sum(-1)
-    score = score.flatten(2)[..., : new_valid.shape[1]].unflatten(1, (-1, n_rep)).mean(2)
+    if routing == "diagonal":
+        score = diag.masked_fill(~is_self, 0.0).sum(-1)
+    else:
+        weights, _ = exp_weights(scores.masked_fill(~(local & ~is_self), float("-inf")))
+        nodiag = weights / weights.sum(-1, keepdim=True).clamp_min(1e-30)
+        score = (diag * ((diag + eps) / (nodiag + eps)).log()).sum(-1)
+    return _per_kv_head(score.flatten(2)[..., : new_valid.shape[1]], n_rep, new_valid)
+
+
+def _per_kv_head(score, n_rep, new_valid):
+    """[B, H, L] per query head -> [B, H_kv, L], the mean over each KV group; -inf at padding."""
+    score = score.unflatten(1, (-1, n_rep)).mean(2)
     return score.masked_fill(~new_valid[:, None, :], float("-inf"))
 
 
-def banded_saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
+def banded_saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps, routing="saliency"):
     """`saliency_scores` from only the keys a query sees: each block of C queries against 2C keys.
 
     Query t (combined index t + P - L) sees keys (t + P - L - C, t + P - L]; block b of queries sees
@@ -97,7 +124,32 @@ def banded_saliency_scores(q, keys, key_valid, new_valid, *, chunk, scale, eps):
     i = torch.arange(C, device=q.device)[:, None]
     j = torch.arange(2 * C, device=q.device)[None, :]
     local = (j > i) & (j <= i + C) & valid_blocks[:, None, :, None, :]
-    return _saliency(scores, local, j == i + C, new_valid, n_rep, eps)
+    return _local_score(scores, local, j == i + C, new_valid, n_rep, eps, routing)
+
+
+# `dot` and `key_norm` scores are rounded to multiples of this: RoPE rotates q_t and k_t by the same
+# angle, so neither score depends on where a token stands, and in the first layer (where q_t and k_t
+# depend on the token alone) a repeated token ties with its copies. Unrounded, float32's rounding of
+# the rotation and of the projections (which differ between a prefill and a decode step) would break
+# those ties differently in each form; rounded, they tie exactly and the tie rule (the earlier in a
+# chunk, the older in the slots) decides the same in every form. A power of two: the rounding is exact.
+SELF_SCORE_QUANTUM = 2.0**-10
+
+
+def self_scores(routing, q, new_keys, new_valid, *, scale):
+    """Scores from each token's own query and key ([B,H,L,d], [B,H_kv,L,d]): `dot` q_t.k_t * scale
+    (averaged over each KV group), `key_norm` ||k_t|| (a KV head's own), both rounded to
+    SELF_SCORE_QUANTUM; `uniform` 0 for every token (so the chunk picks its earliest tokens and full
+    slots evict their oldest: the tie rules). -inf at padding: [B, H_kv, L]."""
+    if routing == "dot":
+        n_rep = q.shape[1] // new_keys.shape[1]
+        score = (q * repeat_kv(new_keys, n_rep)).sum(-1).unflatten(1, (-1, n_rep)).mean(2) * scale
+    elif routing == "key_norm":
+        score = torch.linalg.vector_norm(new_keys, dim=-1)
+    else:
+        score = new_keys.new_zeros(new_keys.shape[:3])
+    score = torch.round(score / SELF_SCORE_QUANTUM) * SELF_SCORE_QUANTUM
+    return score.masked_fill(~new_valid[:, None, :], float("-inf"))
 
 
 def positional_scores(routing, positions, num_kv_heads, valid):
@@ -158,12 +210,22 @@ def route_departure(slots, cand_score, cand_pos, cand_sel):
     return slot, victim, fold_cand, new_slots
 
 
-def _token_scores(q, keys, key_valid, valid, positions, *, routing, chunk, scale, eps):
+def token_scores(q, keys, key_valid, valid, positions, *, routing, chunk, scale, eps):
+    """The routing score of each of the L new tokens, per KV head: [B, H_kv, L], -inf at padding.
+
+    q [B,H,L,d] the new queries; keys [B,H_kv,P,d] the combined sequence (the old window, then the
+    new tokens), key_valid [B,P] its validity; valid [B,L] the new tokens'; positions [B,L] their
+    indices among their row's real tokens. Every form (the parallel one, the step, the kernels'
+    `fresh_routing`) scores its tokens here, each token once, on arrival.
+    """
+    check_routing(routing)
     # Routing is discrete: scores only take part in comparisons, so they carry no gradient.
     with torch.no_grad():
-        if routing == "saliency":
-            saliency = banded_saliency_scores if q.shape[2] > 1 else saliency_scores
-            return saliency(q, keys, key_valid, valid, chunk=chunk, scale=scale, eps=eps)
+        if routing in LOCAL_ROUTINGS:
+            local = banded_saliency_scores if q.shape[2] > 1 else saliency_scores
+            return local(q, keys, key_valid, valid, chunk=chunk, scale=scale, eps=eps, routing=routing)
+        if routing in SELF_ROUTINGS:
+            return self_scores(routing, q, keys[:, :, keys.shape[2] - q.shape[2] :], valid, scale=scale)
         return positional_scores(routing, positions, keys.shape[1], valid)
 
 
@@ -207,7 +269,7 @@ def _scored_window(q, k, v, valid, state, routing, chunk, scale, eps):
     """
     keys, values, key_valid = extend_window(state, k, v, valid)
     row_pos, completes = _row_positions(state, valid, chunk)
-    new_scores = _token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
+    new_scores = token_scores(q, keys, key_valid, valid, row_pos, routing=routing, chunk=chunk, scale=scale, eps=eps)
     scores = torch.cat([state["win_score"], new_scores], dim=2)
     chosen = torch.cat([state["win_sel"], torch.zeros_like(new_scores, dtype=torch.bool)], dim=2)
     return keys, values, key_valid, scores, chosen, completes
