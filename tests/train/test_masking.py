@@ -59,3 +59,38 @@ def test_the_implementation_comes_back_after_an_error():
         assert model.config._attn_implementation != "sdpa"
         raise RuntimeError("interrupted")
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("layers", ["all", "full"])
+def test_sliding_window_layers_keep_their_masks_in_training(layers):
+    """A Gemma 3 teacher's sliding layers (window 6 here) attend over their window in training as at
+    inference: the stage-2 loss is the plainly masked forward's, not full causal attention's, and the
+    stage-1 targets of linearized sliding layers are the windowed teacher's."""
+    teacher = tiny_teacher("gemma3_text")
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = convert(tiny_teacher("gemma3_text"), "lizard", layers=layers, **TINY_OPTIONS["lizard"]).eval()
+    with torch.no_grad():
+        plain = model(input_ids=ids, labels=ids, use_cache=False).loss
+        torch.testing.assert_close(stage_loss(model, ids, 2), plain, rtol=1e-5, atol=1e-6)
+        with unpadded_attention(model):
+            assert model.config._attn_implementation == "sdpa"
+        for layer in model.modules():
+            if isinstance(layer, LinearizedAttention):
+                layer.attention_transfer = True
+        stage_loss(model, ids, 1)
+        targets = []
+        hooks = [layer.register_forward_hook(lambda m, a, out: targets.append(out[0]))
+                 for layer in model.modules() if isinstance(layer, LinearizedAttention)]
+        model(input_ids=ids, use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        teacher_outputs = []
+        hooks = [layer.self_attn.register_forward_hook(lambda m, a, out: teacher_outputs.append(out[0]))
+                 for i, layer in enumerate(teacher.model.layers)
+                 if isinstance(model.model.layers[i].self_attn, LinearizedAttention)]
+        teacher(input_ids=ids, use_cache=False)
+        for hook in hooks:
+            hook.remove()
+    assert targets and len(targets) == len(teacher_outputs)
+    for target, expected in zip(targets, teacher_outputs, strict=True):
+        torch.testing.assert_close(target, expected, rtol=1e-4, atol=1e-5)
