@@ -302,3 +302,22 @@ def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
 def test_a_recipe_with_a_bad_eval_task_is_refused_before_it_trains(work, capsys):
     """Found by the fuzzer: a truncated task name failed only after the row had trained."""
     refused_recipe(capsys, work, data="data.txt", tasks="pp", names="r.yaml")
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--softmax-by", "kl:x"], "--softmax-by"),
+    (["--softmax-by", "foo:2"], "--softmax-by"),
+    (["--softmax-by", "kl:0"], "--softmax-by"),
+    (["--softmax-by", "kl"], "--softmax-by"),
+    # The tiny teacher has 2 layers: N must leave one linear.
+    (["--softmax-by", "kl:2"], "--softmax-by kl:2: the model has 2 linearized layer(s)"),
+    (["--softmax-by", "even:2"], "--softmax-by even:2"),
+    (["--softmax-layers", "0", "--softmax-by", "error:1"], "--softmax-by error:1: the model has 1 linearized"),
+    # kl and error rank the layers after stage 1.
+    (["--softmax-by", "kl:1", "--stage", "1"], "softmax_by kl:1"),
+    (["--softmax-by", "error:1", "--stage", "2"], "softmax_by error:1"),
+    (["--softmax-by", "kl:1", "--softmax-by-error", "1"], "pick one"),
+])
+def test_bad_softmax_by_is_refused(work, capsys, flags, names):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, *flags, names=names)

@@ -325,6 +325,7 @@ FAST_FLAG_CASES = [(verb, flag, HOSTILE[i % len(HOSTILE)]) for verb, flags in NU
                    for i, flag in enumerate(flags)]
 FAST_FLAG_CASES += [("generate", "--set", f"{key}={HOSTILE[i % 4]}") for i, key in enumerate(SET_KEYS)]
 FAST_FLAG_CASES += [("generate", "--prompt", ""), ("convert", "--method", "nope"), ("eval", "--tasks", "nope")]
+FAST_FLAG_CASES += [("distill", "--softmax-by", value) for value in ("kl:x", "foo:2", "kl:2", "even:99", "nan", "")]
 
 
 @pytest.mark.parametrize("verb,flag,value", FAST_FLAG_CASES,

@@ -19,6 +19,8 @@ BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
 GEMMA_ROWS = {"gemma3-teacher", "gemma3-lizard", "gemma3-lizard-full", "gemma3-still-full", "gemma3-lizard-full-seq8k",
               "gemma3-still-full-seq8k"}
 GEMMA_BASE = RECIPES_DIR / "base" / "gemma3.yaml"
+# The hybrid layer-selection rows (recipes/hybrids/): their own evaluation block over the shared one, RULER to 16K.
+HYBRIDS_BASE = RECIPES_DIR / "base" / "hybrids.yaml"
 
 
 def chain(path: Path) -> list[Path]:
@@ -69,12 +71,16 @@ def test_every_row_shares_its_teachers_one_evaluation_block(recipe):
     base = yaml.safe_load(BASE_EVAL.read_text())["eval"]
     if gemma:
         base = {**base, **yaml.safe_load(GEMMA_BASE.read_text())["eval"]}
+    hybrid = HYBRIDS_BASE.resolve() in files
+    if hybrid:
+        owners.add(HYBRIDS_BASE.resolve())
+        base = {**base, **yaml.safe_load(HYBRIDS_BASE.read_text())["eval"]}
     # A row may change only how many prompts go through at once, never what is measured.
     for path in files:
         if path not in owners:
             assert set(yaml.safe_load(path.read_text()).get("eval", {})) <= {"batch", "harness_batch"}, path
     assert recipe.eval == {**base, **{k: v for k, v in recipe.eval.items() if k in ("batch", "harness_batch")}}
-    assert recipe.eval["tasks"].split(",")[0] == "zeroshot" and "32k" in recipe.eval["lengths"]
+    assert recipe.eval["tasks"].split(",")[0] == "zeroshot" and ("16k" if hybrid else "32k") in recipe.eval["lengths"]
     assert ("128k" in recipe.eval["lengths"]) == gemma
 
 

@@ -16,6 +16,16 @@ def _lrs(text: str) -> tuple[float, float | None]:
     return parts[0], parts[-1] if len(parts) == 2 else None
 
 
+def _softmax_by(text: str) -> str:
+    from .config import parse_softmax_by
+
+    try:
+        rule, count = parse_softmax_by(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return f"{rule}:{count}"
+
+
 def register(subparsers) -> None:
     from ..cli_args import StoreGiven, add_method_arguments, parse_int_list, positive_int, seed
     from ..config import LAYER_CHOICES, LAYERS_HELP, PRESETS
@@ -39,8 +49,13 @@ def register(subparsers) -> None:
     p.add_argument("--softmax-layers", type=parse_int_list, default=[],
                    help="layers that keep softmax attention, e.g. 0,4 (default: none)")
     p.add_argument("--layers", choices=LAYER_CHOICES, default="all", help=LAYERS_HELP)
+    p.add_argument("--softmax-by", type=_softmax_by, default=None, metavar="RULE:N",
+                   help="keep N more of the linearized layers softmax, chosen by RULE: error (after stage 1, the N "
+                        "with the highest stage-1 error), kl (after stage 1, the N whose restoring to softmax "
+                        "brings the output distribution closest to the teacher's, KL-guided selection) or even "
+                        "(before training, N evenly spaced); e.g. kl:2")
     p.add_argument("--softmax-by-error", type=int, default=0, metavar="N",
-                   help="after stage 1, keep softmax in the N layers it left with the highest error")
+                   help="the older spelling of --softmax-by error:N")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100, help="optimizer steps between validations")
@@ -80,7 +95,8 @@ def config_from_args(args):
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
-                         softmax_layers=args.softmax_layers, softmax_by_error=args.softmax_by_error, layers=args.layers,
+                         softmax_layers=args.softmax_layers, softmax_by=args.softmax_by,
+                         softmax_by_error=args.softmax_by_error, layers=args.layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
                          fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,

@@ -10,6 +10,24 @@ from pathlib import Path
 
 from ..config import LAYER_CHOICES, make_method_config
 
+# softmax_by's rules: what each one ranks the layers by. "even" needs no training to choose.
+SOFTMAX_BY_RULES = ("error", "even", "kl")
+AFTER_STAGE1 = {"error": "their stage-1 validation error", "kl": "their KL divergence after stage 1"}
+
+
+def parse_softmax_by(text) -> tuple[str, int]:
+    """"RULE:N" (RULE one of SOFTMAX_BY_RULES, N >= 1 layers) as (RULE, N); otherwise a one-line ValueError
+    (TypeError: not a string)."""
+    if not isinstance(text, str):
+        raise TypeError(f"softmax_by must be RULE:N (RULE one of {', '.join(SOFTMAX_BY_RULES)}), got {text!r}")
+    rule, sep, count = text.strip().partition(":")
+    if not sep or rule not in SOFTMAX_BY_RULES:
+        raise ValueError(f"softmax_by {text!r}: expected RULE:N with RULE one of {', '.join(SOFTMAX_BY_RULES)}, "
+                         "e.g. kl:2")
+    if not count.strip().isdecimal() or int(count) < 1:
+        raise ValueError(f"softmax_by {text!r}: N, the number of layers kept softmax, must be a whole number >= 1")
+    return rule, int(count)
+
 
 @dataclass
 class DistillConfig:
@@ -40,8 +58,12 @@ class DistillConfig:
     # "full": linearize the teacher's full-attention layers only, keeping its sliding-window layers
     # (`linearize.architectures.layers_kept_softmax`); "all": every layer.
     layers: str = "all"
-    # After stage 1, this many more layers — those it left with the highest error — go back to
-    # softmax for stage 2 and the final model (the hybrid selection rule; see docs/training.md).
+    # "RULE:N": N more layers, among those linearized, stay softmax (docs/training.md, "Layer-wise hybrids"):
+    # "error:N" after stage 1, the N it left with the highest validation MSE; "kl:N" after stage 1, the N
+    # whose restoring alone to softmax brings the model's next-token distribution closest to the teacher's
+    # (KL-guided layer selection, arXiv 2512.20569); "even:N" before training, N evenly spaced ones.
+    softmax_by: str | None = None
+    # The older spelling of softmax_by="error:N" (saved run configs hold it); 0: unset.
     softmax_by_error: int = 0
     # Stage 2 under torchrun: FSDP2 (the default), or (fsdp=False) a whole replica on every rank with the
     # gradients averaged in one all-reduce a step, as stage 1 always trains: then steps can be CUDA graphs.
@@ -73,10 +95,22 @@ class DistillConfig:
             raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
+        if isinstance(self.softmax_by_error, bool) or not isinstance(self.softmax_by_error, int):
+            raise TypeError(f"softmax_by_error must be a whole number, got {self.softmax_by_error!r}")
         if self.softmax_by_error < 0:
             raise ValueError(f"softmax_by_error must be >= 0, got {self.softmax_by_error}")
-        if self.softmax_by_error and self.stage != "both":
-            raise ValueError("softmax_by_error picks layers by their stage-1 error: it needs both stages")
+        if self.softmax_by_error:
+            if self.softmax_by is not None and self.softmax_by != f"error:{self.softmax_by_error}":
+                raise ValueError(f"softmax_by_error {self.softmax_by_error} and softmax_by {self.softmax_by!r} "
+                                 "both choose softmax layers: pick one (softmax_by_error N is softmax_by error:N)")
+            self.softmax_by = f"error:{self.softmax_by_error}"
+        if self.softmax_by is not None:
+            rule, count = parse_softmax_by(self.softmax_by)
+            self.softmax_by = f"{rule}:{count}"
+            if rule in AFTER_STAGE1 and self.stage != "both":
+                name = f"softmax_by_error {self.softmax_by_error}" if self.softmax_by_error else \
+                    f"softmax_by {self.softmax_by}"
+                raise ValueError(f"{name} picks layers by {AFTER_STAGE1[rule]}: it needs both stages (--stage both)")
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
             raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
                              "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")
@@ -95,6 +129,11 @@ class DistillConfig:
                     "sequences (--seq-len) or give it a smaller budget")
         self.betas = tuple(self.betas)
         self.lora_targets = tuple(self.lora_targets)
+
+    @property
+    def selection(self) -> tuple[str, int] | None:
+        """`softmax_by` as (rule, N), or None."""
+        return None if self.softmax_by is None else parse_softmax_by(self.softmax_by)
 
     @property
     def stages(self) -> list[int]:
@@ -117,6 +156,8 @@ class DistillConfig:
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
-        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph"}
+        # softmax_by_error is how softmax_by was spelled: softmax_by holds the choice either way.
+        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph",
+                "softmax_by_error"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

@@ -6,7 +6,9 @@ layer sees teacher hidden states, and records its own error. No second model is 
 Stage 2 trains peft LoRA adapters on q/k/v with next-token cross-entropy, then merges them.
 
 Run directory (`out`): the final loadable model, `distill_config.json`, `train_log.jsonl`,
-`stage1_attention.pt` (new modules after stage 1) and `checkpoint/` (the latest resumable state).
+`stage1_attention.pt` (new modules after stage 1), `stage1_layer_errors.json` (each linearized layer's
+stage-1 scores and the layers `softmax_by` picked, `Run.write_layer_scores`) and `checkpoint/` (the
+latest resumable state).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint
 from .config import DistillConfig
+from .layer_selection import even_layers, restored_layer_kl, top_layers
 from .masking import unpadded_attention
 from .runtime import Runtime, shard
 from .step import TrainStep, rates_on_device, step_optimizer
@@ -226,9 +229,17 @@ class Run:
 
         config = load_config(self.cfg.model)
         layers = getattr(config, "num_hidden_layers", None)
+        # The layers softmax from the start: the config's, and with softmax_by even:N those it picks.
+        self.preset_softmax = sorted(self.cfg.softmax_layers)
         if layers is not None:
+            kept = layers_to_keep(config, self.cfg.layers)
+            alias = bool(self.cfg.softmax_by_error)  # then the message names the flag as it was given
             check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, self.cfg.softmax_by_error,
-                               kept=layers_to_keep(config, self.cfg.layers))
+                               kept=kept, softmax_by=None if alias else self.cfg.softmax_by)
+            selection = self.cfg.selection
+            if selection is not None and selection[0] == "even":
+                linearized = sorted(set(range(layers)) - set(self.cfg.softmax_layers) - set(kept))
+                self.preset_softmax = sorted(set(self.preset_softmax) | set(even_layers(linearized, selection[1])))
 
     def _save_config(self) -> None:
         # Every rank has checked before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
@@ -273,7 +284,7 @@ class Run:
         if stage == 2:
             model = build_student(cfg, self.out / STAGE1_NAME, self.softmax_layers())
         else:
-            model = build_student(cfg, None)
+            model = build_student(cfg, None, self.preset_softmax)
         model, names = prepare_stage(model, cfg, stage)
         model.to(rt.device)
         # Stage 1's losses are taken inside each layer while the layer returns the teacher's output, so
@@ -358,24 +369,55 @@ class Run:
         bar.close()
         self.finish_stage(model, stage, names, sharded)
         if stage == 1:  # the last step validated, unless this invocation resumed past it
-            self.write_layer_errors(layer_errors if layer_errors is not None else self.validate(model, 1)[1])
+            self.write_layer_scores(model, layer_errors if layer_errors is not None else self.validate(model, 1)[1])
         save(done=True)
 
-    def write_layer_errors(self, errors: dict[int, float]) -> None:
-        """Each linearized layer's stage-1 validation MSE, and the layers `softmax_by_error` picks by it."""
-        ranked = sorted(errors, key=errors.get, reverse=True)
-        record = {"mse": {str(k): v for k, v in sorted(errors.items())},
-                  "softmax_by_error": sorted(ranked[: self.cfg.softmax_by_error])}
+    def write_layer_scores(self, model, errors: dict[int, float]) -> None:
+        """After stage 1, `LAYER_ERRORS_NAME`: each linearized layer's stage-1 validation MSE ("mse"); with
+        softmax_by kl:N, also the mean per-token KL(teacher || model) on the validation batches of the
+        all-linear model ("kl_all_linear") and of the model with only that layer restored to softmax
+        ("kl_restored"), their difference, the layer's score ("kl_gain"), and the wall time of that
+        scoring ("kl_seconds"); with any softmax_by, the rule ("softmax_by") and the layers it keeps
+        softmax ("picked")."""
+        record = {"mse": {str(k): v for k, v in sorted(errors.items())}}
+        selection = self.cfg.selection
+        if selection is not None:
+            rule, count = selection
+            if rule == "kl":
+                started = time.perf_counter()
+                baseline, restored = self.layer_kl(model)
+                gains = {i: baseline - kl for i, kl in restored.items()}
+                record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored.items()},
+                           "kl_gain": {str(k): v for k, v in gains.items()},
+                           "kl_seconds": time.perf_counter() - started}
+                picked = top_layers(gains, count)
+            elif rule == "error":
+                picked = top_layers(errors, count)
+            else:  # even: picked before stage 1, which kept them softmax
+                picked = sorted(set(self.preset_softmax) - set(self.cfg.softmax_layers))
+            record |= {"softmax_by": self.cfg.softmax_by, "picked": picked}
         if self.rt.main:
             (self.out / LAYER_ERRORS_NAME).write_text(json.dumps(record, indent=2))
         self.rt.barrier()
 
+    def layer_kl(self, model) -> tuple[float, dict[int, float]]:
+        """`layer_selection.restored_layer_kl` on this rank's first `val_batches` validation batches,
+        averaged over the ranks."""
+        loader = self.make_loader(self.val_blocks, seed=0)
+        batches = (ids.to(self.rt.device) for _, ids in zip(range(self.cfg.val_batches), loader))
+        baseline, restored = restored_layer_kl(model, batches, self.rt.autocast)
+        means = self.rt.means([baseline, *restored.values()])
+        return means[0], dict(zip(restored, means[1:]))
+
     def softmax_layers(self) -> list[int]:
-        """The config's softmax layers plus, with `softmax_by_error`, those picked after stage 1."""
-        if not self.cfg.softmax_by_error:
-            return list(self.cfg.softmax_layers)
-        picked = json.loads((self.out / LAYER_ERRORS_NAME).read_text())["softmax_by_error"]
-        return sorted(set(self.cfg.softmax_layers) | set(picked))
+        """The layers softmax in stage 2 and the final model: those softmax from the start plus, with
+        softmax_by error:N or kl:N, those picked after stage 1."""
+        selection = self.cfg.selection
+        if selection is None or selection[0] == "even":
+            return list(self.preset_softmax)
+        record = json.loads((self.out / LAYER_ERRORS_NAME).read_text())
+        picked = record["picked"] if "picked" in record else record["softmax_by_error"]  # a file from before softmax_by
+        return sorted(set(self.preset_softmax) | set(picked))
 
     def finish_stage(self, model, stage: int, names: set[str], sharded: bool) -> None:
         tensors = checkpoint.trained_tensors(model, names, sharded)

@@ -190,9 +190,9 @@ def test_softmax_by_error_reverts_the_worst_stage1_layer(workspace, tmp_path):
     record = json.loads((out / "stage1_layer_errors.json").read_text())
     errors = {int(k): v for k, v in record["mse"].items()}
     assert set(errors) == {0, 1} and all(v > 0 for v in errors.values())
-    assert record["softmax_by_error"] == [max(errors, key=errors.get)]
+    assert record["softmax_by"] == "error:1" and record["picked"] == [max(errors, key=errors.get)]
     model = load_model(out)
-    assert model.config.linearize["softmax_layers"] == record["softmax_by_error"]
+    assert model.config.linearize["softmax_layers"] == record["picked"]
     linear = [type(layer.self_attn).__name__ for layer in model.model.layers]
     assert linear.count("LizardAttention") == 1
 

@@ -1,0 +1,117 @@
+"""Which linearized layers a hybrid keeps softmax (`DistillConfig.softmax_by`, docs/training.md).
+
+Three rules choose N of the layers the model linearizes (never the explicit `softmax_layers`, nor the
+sliding layers `layers="full"` keeps):
+
+- `even:N`, before training: the middle layer of each of N equal groups of the linearized layers
+  (`even_layers`).
+- `error:N`, after stage 1: the N layers with the highest stage-1 validation MSE (`top_layers` of it).
+- `kl:N`, after stage 1: KL-guided layer selection (Li et al., "Distilling to Hybrid Attention Models
+  via KL-Guided Layer Selection", arXiv 2512.20569, github.com/fla-org/hybrid-distillation). Their
+  selector restores exactly one layer to softmax in the otherwise all-linear student and ranks the
+  layers by how far that lowers the distillation KL to the teacher; the top N stay softmax.
+  `restored_layer_kl` measures that on the validation batches with the stage-1 weights as they are:
+  one forward per candidate layer. (The paper trains each one-softmax-layer student briefly with
+  its KL stage first; that costs a stage-2 run per layer, which this does not do.)
+
+A linearized layer switches between its own attention and the teacher's softmax by its
+`attention_transfer` flag, which makes it return the teacher's output computed from the same
+projections (stage 1's target): no weights are copied, and the model with every layer switched is the
+teacher, whose distribution the KL is taken against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.nn import functional as F
+
+# Elements of a [tokens, vocab] float32 block: the KL is summed over blocks of this size, so that a
+# large vocabulary (Gemma's 262K) never needs float32 copies of a whole batch's logits.
+KL_BLOCK_ELEMENTS = 1 << 25
+
+
+def even_layers(candidates: list[int], n: int) -> list[int]:
+    """N of the `candidates` (sorted layer indices), evenly spaced: split them into N groups of equal
+    size (as equal as whole layers allow) and take each group's middle, candidates[floor((2g + 1) M / 2N)]
+    for g = 0 .. N-1, M = len(candidates). 30 layers: N = 15 gives 1, 3, .., 29; N = 8 gives 1, 5, 9,
+    13, 16, 20, 24, 28."""
+    m = len(candidates)
+    if not 1 <= n < m:
+        raise ValueError(f"even:{n} needs 1 <= N < {m}, the linearized layers it chooses from")
+    return [candidates[(2 * g + 1) * m // (2 * n)] for g in range(n)]
+
+
+def top_layers(scores: dict[int, float], n: int) -> list[int]:
+    """The `n` layers with the highest scores (ties: the lower index first), in layer order."""
+    return sorted(sorted(scores, key=lambda i: (-scores[i], i))[:n])
+
+
+def linearized_attention(model) -> dict[int, torch.nn.Module]:
+    """{layer index: its linearized attention} for the model's linearized layers."""
+    from ..attention import LinearizedAttention
+
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, LinearizedAttention)}
+
+
+@contextmanager
+def softmax_in(model, layers: Iterable[int]) -> Iterator[None]:
+    """Within it, the model's linearized layers in `layers` return the teacher's softmax output and the
+    others their own; every layer's flag is restored after."""
+    attention = linearized_attention(model)
+    before = {i: a.attention_transfer for i, a in attention.items()}
+    teacher = set(layers)
+    try:
+        for i, a in attention.items():
+            a.attention_transfer = i in teacher
+        yield
+    finally:
+        for i, a in attention.items():
+            a.attention_transfer = before[i]
+
+
+def token_kl_sum(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Sum over the positions of KL(teacher || student) between their next-token distributions (a float64
+    scalar), computed in float32 or the logits' wider dtype."""
+    vocab = teacher_logits.shape[-1]
+    teacher, student = teacher_logits.reshape(-1, vocab), student_logits.reshape(-1, vocab)
+    rows = max(1, KL_BLOCK_ELEMENTS // vocab)
+    dtype = torch.promote_types(teacher.dtype, torch.float32)  # bf16 logits are taken in float32
+    total = torch.zeros((), dtype=torch.float64, device=teacher.device)
+    for start in range(0, teacher.shape[0], rows):
+        log_p = torch.log_softmax(teacher[start:start + rows].to(dtype), dim=-1)
+        log_q = torch.log_softmax(student[start:start + rows].to(dtype), dim=-1)
+        total += F.kl_div(log_q, log_p, log_target=True, reduction="sum").double()
+    return total
+
+
+def restored_layer_kl(model, batches: Iterable[torch.Tensor], autocast=nullcontext) -> tuple[float, dict[int, float]]:
+    """KL-guided layer scores on `batches` (packed [B, L] token ids, no padding): the mean per-token
+    KL(teacher || model) of the model with all its linearized layers linear, and {i: the same with only
+    layer i restored to the teacher's softmax} for each linearized layer i. The teacher is the model
+    with every linearized layer switched to softmax. Per batch: 2 + (linearized layers) forwards."""
+    layers = sorted(linearized_attention(model))
+    sums = torch.zeros(1 + len(layers), dtype=torch.float64)
+    tokens = 0
+    training = model.training
+    model.eval()
+    try:
+        # Not under `masking.unpadded_attention`: with no mask, HF runs sliding-window layers (Gemma's)
+        # as full causal attention, and the teacher here must be the teacher.
+        with torch.no_grad(), autocast():
+            for ids in batches:
+                with softmax_in(model, layers):
+                    teacher = model(input_ids=ids, use_cache=False).logits
+                for row, restored in enumerate([None, *layers]):
+                    with softmax_in(model, [] if restored is None else [restored]):
+                        student = model(input_ids=ids, use_cache=False).logits
+                    sums[row] += token_kl_sum(teacher, student).cpu()
+                    del student
+                tokens += ids.numel()
+                del teacher
+    finally:
+        model.train(training)
+    means = (sums / max(1, tokens)).tolist()
+    return means[0], dict(zip(layers, means[1:]))

@@ -1,0 +1,279 @@
+"""Which layers a hybrid keeps softmax (`softmax_by`: error, even, kl): the rules, the KL-guided scores
+against a direct computation, Gemma's sliding layers left out, end-to-end distills, flags and recipes."""
+
+import argparse
+import itertools
+import json
+
+import pytest
+import torch
+from tiny_models import ARCHITECTURES, TINY_OPTIONS, perturb_new_parameters, tiny_teacher, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+import linearize  # noqa: F401  (registers the linearized model types with the Auto classes)
+from linearize.attention import LinearizedAttention
+from linearize.config import ConfigError
+from linearize.convert import check_layer_choice, convert
+from linearize.recipes import Recipe, RecipeError
+from linearize.train import DistillConfig, distill
+from linearize.train.command import config_from_args, register
+from linearize.train.layer_selection import even_layers, linearized_attention, restored_layer_kl, top_layers
+
+# Gemma 3 with three full-attention layers among six (the tiny default has one): `layers="full"` then
+# linearizes 1, 3 and 5 and keeps the sliding ones.
+GEMMA_FULL = {"num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3}
+
+
+def direct_kl(teacher_logits, student_logits) -> float:
+    """Mean over positions of sum_v p_teacher (log p_teacher - log p_student), in float64."""
+    p, q = teacher_logits.double().log_softmax(-1), student_logits.double().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def logits(model, batches):
+    with torch.no_grad():
+        return [model(input_ids=ids, use_cache=False).logits for ids in batches]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rules.
+
+
+def test_even_takes_the_middle_of_n_equal_groups():
+    thirty = list(range(30))
+    # The layers the SmolLM2 ablations chose by hand (recipes/ablations/lizard-hybrid-{25,50}-even.yaml).
+    assert even_layers(thirty, 15) == list(range(1, 30, 2))
+    assert even_layers(thirty, 8) == [1, 5, 9, 13, 16, 20, 24, 28]
+    assert even_layers(thirty, 1) == [15]
+    assert even_layers(list(range(4)), 2) == [1, 3]
+    # Over the linearized layers only, whatever their indices (Gemma's full layers, say).
+    assert even_layers([5, 11, 17], 1) == [11]
+    assert even_layers([5, 11, 17], 2) == [5, 17]
+    for n in range(1, 30):
+        picked = even_layers(thirty, n)
+        assert len(set(picked)) == n and picked == sorted(picked)
+    for bad in (0, 30):
+        with pytest.raises(ValueError, match="needs 1 <= N < 30"):
+            even_layers(thirty, bad)
+
+
+def test_top_layers_takes_the_highest_scores_ties_to_the_lower_index():
+    scores = {0: 0.1, 1: 0.5, 2: 0.3, 3: 0.5, 4: -1.0}
+    assert top_layers(scores, 1) == [1]
+    assert top_layers(scores, 2) == [1, 3]
+    assert top_layers(scores, 3) == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The KL-guided scores against a direct computation.
+
+
+@pytest.mark.parametrize("arch,layers", [("llama", "all"), ("gemma3_text", "all"), ("gemma3_text", "full")])
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_each_layers_kl_equals_a_model_built_with_only_that_layer_softmax(method, arch, layers):
+    overrides = {"num_hidden_layers": 3} if arch == "llama" else GEMMA_FULL
+    # In float64, so that the two computations agree far closer (~1e-7: the softmax the scoring switches
+    # to, stage 1's target, takes Lizard's q and k as rotated in float32) than the layers' scores differ.
+    teacher = tiny_teacher(arch, **overrides).double()
+    model = convert(tiny_teacher(arch, **overrides).double(), method, layers=layers, **TINY_OPTIONS[method])
+    perturb_new_parameters(model)  # the new modules away from their init, so that each layer's linear output is off
+    model.eval()
+    expected_layers = [1, 3, 5] if layers == "full" else list(range(overrides["num_hidden_layers"]))
+    assert sorted(linearized_attention(model)) == expected_layers
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, 128, (2, 24), generator=generator) for _ in range(2)]
+    teacher_logits = logits(teacher, batches)
+
+    all_linear, restored = restored_layer_kl(model, batches)
+
+    def kl_of(student) -> float:
+        # Every batch holds as many tokens: the mean over tokens is the mean of the batch means.
+        kls = [direct_kl(t, s) for t, s in zip(teacher_logits, logits(student, batches))]
+        return sum(kls) / len(kls)
+
+    assert sorted(restored) == expected_layers
+    assert all_linear == pytest.approx(kl_of(model), rel=1e-5, abs=1e-12)
+    assert all_linear > 1e-4  # the linear layers really are off the teacher
+    for i in expected_layers:
+        # By hand: the teacher converted again with layer i softmax, the scored model's weights loaded.
+        softmax_i = sorted({i} | (set(range(overrides["num_hidden_layers"])) - set(expected_layers)))
+        hand = convert(tiny_teacher(arch, **overrides).double(), method, softmax_layers=[i], layers=layers,
+                       **TINY_OPTIONS[method]).eval()
+        assert hand.config.linearize["softmax_layers"] == softmax_i
+        assert hand.load_state_dict(model.state_dict(), strict=False).missing_keys == []
+        assert restored[i] == pytest.approx(kl_of(hand), rel=1e-5, abs=1e-12), i
+    scores = sorted([all_linear, *restored.values()])
+    assert all(b - a > 1e-4 * b for a, b in itertools.pairwise(scores))  # 10x the tolerance: every layer told apart
+    # Scoring switched layers, never weights, and switched every one back.
+    assert not any(a.attention_transfer for a in linearized_attention(model).values())
+    assert all_linear == pytest.approx(kl_of(model), rel=1e-5, abs=1e-12)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_model_with_every_layer_switched_to_softmax_is_the_teacher(arch):
+    """The KL's reference, on every supported architecture (Gemma's sliding windows, Gemma 2's logit cap,
+    Phi-3's fused projections, q/k norms)."""
+    from linearize.train.layer_selection import softmax_in
+
+    overrides = GEMMA_FULL if arch == "gemma3_text" else {}
+    teacher = tiny_teacher(arch, **overrides)
+    model = convert(tiny_teacher(arch, **overrides), "lizard", **TINY_OPTIONS["lizard"]).eval()
+    perturb_new_parameters(model)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with softmax_in(model, range(model.config.num_hidden_layers)):
+        switched = logits(model, [ids])[0]
+    torch.testing.assert_close(switched, logits(teacher, [ids])[0], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(logits(model, [ids])[0], switched, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end: tiny distills on the CPU.
+
+
+def config(workspace, out, **overrides):
+    base = {"model": str(workspace / "teacher"), "method": "lizard", "out": str(out), "data": str(workspace / "data.txt"),
+            "max_tokens": 4 * 32 * 4, "seq_len": 32, "batch": 4, "options": {"window": 8, "num_sinks": 2},
+            "save_every": 3, "eval_every": 4, "val_batches": 2, "lr_stage1": 3e-2, "lr_stage2": 2e-3}
+    return DistillConfig(**{**base, **overrides})
+
+
+def scores_of(out):
+    return json.loads((out / "stage1_layer_errors.json").read_text())
+
+
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_kl_keeps_softmax_the_layer_whose_restoring_lowers_kl_most_and_the_model_loads(workspace, tmp_path, method):
+    options = {"window": 8, "num_sinks": 2} if method == "lizard" else TINY_OPTIONS["still"]
+    out = distill(config(workspace, tmp_path / "run", method=method, options=options, softmax_by="kl:1"),
+                  progress=False)
+    record = scores_of(out)
+    restored = {int(k): v for k, v in record["kl_restored"].items()}
+    gains = {int(k): v for k, v in record["kl_gain"].items()}
+    assert set(restored) == set(gains) == {int(k) for k in record["mse"]} == {0, 1}
+    assert all(gains[i] == pytest.approx(record["kl_all_linear"] - restored[i]) for i in gains)
+    assert record["kl_all_linear"] > 0
+    assert record["softmax_by"] == "kl:1" and record["picked"] == [min(restored, key=restored.get)]
+    assert record["picked"] == [max(gains, key=gains.get)]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.linearize["softmax_layers"] == record["picked"] and model.config.linearize["distilled"]
+    kinds = [type(layer.self_attn).__name__ for layer in model.model.layers]
+    picked = record["picked"][0]
+    assert kinds[picked] == type(tiny_teacher().model.layers[0].self_attn).__name__
+    assert kinds[1 - picked] != kinds[picked]
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(3, 100, (1, 12))).logits).all()
+
+
+def test_even_is_chosen_before_training_and_needs_no_second_stage(workspace, tmp_path):
+    out = distill(config(workspace, tmp_path / "run", softmax_by="even:1", stage="1"), progress=False)
+    record = scores_of(out)
+    # Stage 1 trained layer 0 alone: layer 1, the middle of the one group {0, 1}, was softmax from the start.
+    assert set(record["mse"]) == {"0"} and record["picked"] == [1] and record["softmax_by"] == "even:1"
+    stage1 = torch.load(out / "stage1_attention.pt")
+    assert stage1 and all(".layers.0." in name for name in stage1)
+    assert AutoModelForCausalLM.from_pretrained(out).config.linearize["softmax_layers"] == [1]
+
+
+def test_the_old_spelling_is_error_n(workspace, tmp_path):
+    cfg = config(workspace, tmp_path / "run", softmax_by_error=1)
+    assert cfg.softmax_by == "error:1"
+    out = distill(cfg, progress=False)
+    record = scores_of(out)
+    errors = {int(k): v for k, v in record["mse"].items()}
+    assert record["picked"] == [max(errors, key=errors.get)] and "kl_restored" not in record
+    # Resuming the finished run with the new spelling is the same run.
+    assert distill(config(workspace, tmp_path / "run", softmax_by="error:1"), resume=True, progress=False) == out
+
+
+def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp_path):
+    teacher = tmp_path / "gemma"
+    tiny_teacher("gemma3_text", **GEMMA_FULL).save_pretrained(teacher)
+    tiny_tokenizer().save_pretrained(teacher)
+    cfg = DistillConfig(model=str(teacher), method="lizard", out=str(tmp_path / "run"), data=str(workspace / "data.txt"),
+                        layers="full", softmax_by="kl:2", max_tokens=4 * 32 * 2, seq_len=32, batch=4,
+                        options={"window": 8, "num_sinks": 2}, val_batches=1, save_every=10, eval_every=10)
+    out = distill(cfg, progress=False)
+    record = scores_of(out)
+    assert set(record["kl_restored"]) == set(record["mse"]) == {"1", "3", "5"}
+    assert len(record["picked"]) == 2 and set(record["picked"]) <= {1, 3, 5}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    linear = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.self_attn, LinearizedAttention)]
+    assert linear == sorted({1, 3, 5} - set(record["picked"]))
+    assert model.config.linearize["softmax_layers"] == sorted({0, 2, 4} | set(record["picked"]))
+    # even over the same three: the middle one.
+    even = distill(DistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "even"), "softmax_by": "even:1",
+                                    "stage": "1"}), progress=False)
+    assert scores_of(even)["picked"] == [3]
+    # Three full layers: N = 3 would leave none.
+    with pytest.raises(ConfigError, match="--softmax-by kl:3: the model has 3 linearized layer"):
+        distill(DistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "bad"), "softmax_by": "kl:3"}), progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings: the config, the flags, recipes.
+
+
+def test_softmax_by_settings():
+    make = lambda **kw: DistillConfig(model="m", method="lizard", out="o", **kw)
+    assert make().softmax_by is None and make().selection is None
+    assert make(softmax_by="kl:2").selection == ("kl", 2)
+    assert make(softmax_by=" even:02").softmax_by == "even:2"
+    assert make(softmax_by_error=3).softmax_by == "error:3"
+    assert make(softmax_by_error=3, softmax_by="error:3").softmax_by == "error:3"
+    assert make(softmax_by="even:2", stage="1").selection == ("even", 2)  # even needs no stage 1 scores
+    for bad, message in (("kl:x", "whole number >= 1"), ("kl:0", "whole number >= 1"), ("foo:2", "RULE one of"),
+                         ("kl", "RULE one of"), ("", "RULE one of")):
+        with pytest.raises(ValueError, match=message):
+            make(softmax_by=bad)
+    with pytest.raises(TypeError, match="RULE:N"):
+        make(softmax_by=2)
+    for rule in ("kl", "error"):
+        for stage in ("1", "2"):
+            with pytest.raises(ValueError, match="needs both stages"):
+                make(softmax_by=f"{rule}:1", stage=stage)
+    with pytest.raises(ValueError, match="pick one"):
+        make(softmax_by_error=2, softmax_by="kl:2")
+
+
+def test_an_old_runs_saved_config_still_loads_as_error_n(tmp_path):
+    saved = json.loads(DistillConfig(model="m", method="lizard", out="o").to_json())
+    del saved["softmax_by"]  # written before softmax_by existed
+    saved["softmax_by_error"] = 8
+    (tmp_path / "distill_config.json").write_text(json.dumps(saved))
+    old = DistillConfig.from_json(tmp_path / "distill_config.json")
+    assert old.softmax_by == "error:8"
+    assert DistillConfig(model="m", method="lizard", out="o", softmax_by="error:8").same_run(old) == []
+    assert DistillConfig(model="m", method="lizard", out="o", softmax_by="kl:8").same_run(old) == ["softmax_by"]
+
+
+def test_check_layer_choice_counts_the_linearized_layers():
+    check_layer_choice(30, "lizard", softmax_by="kl:29")
+    check_layer_choice(6, "lizard", kept=[0, 2, 4], softmax_by="even:2")
+    with pytest.raises(ConfigError, match="--softmax-by even:3: the model has 3 linearized layer"):
+        check_layer_choice(6, "lizard", kept=[0, 2, 4], softmax_by="even:3")
+    with pytest.raises(ConfigError, match="--softmax-by kl:2: the model has 2 linearized"):
+        check_layer_choice(4, "still", softmax_layers=[0, 1], softmax_by="kl:2")
+    with pytest.raises(ConfigError, match="--softmax-by-error 4"):
+        check_layer_choice(4, "lizard", softmax_by_error=4)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], None), (["--softmax-by", "kl:2"], "kl:2"), (["--softmax-by", "even:15"], "even:15"),
+    (["--softmax-by", "error:8"], "error:8"), (["--softmax-by-error", "8"], "error:8"),
+])
+def test_the_softmax_by_flag(flags, expected):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())  # the distill command's parser alone
+    args = parser.parse_args(["distill", "--model", "m", "--method", "still", "--out", "o", *flags])
+    assert config_from_args(args).softmax_by == expected
+
+
+def test_a_recipe_sets_softmax_by(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("extends: lizard\ndistill:\n  softmax_by: kl:2\n")
+    assert Recipe.load(path).distill_config(tmp_path / "model").softmax_by == "kl:2"
+    assert Recipe.load(path, ["distill.softmax_by=even:15"]).distill_config(tmp_path / "model").softmax_by == "even:15"
+    for bad, message in (("foo:2", "RULE one of"), ("kl:x", "whole number"), ("2", "RULE:N")):
+        with pytest.raises(RecipeError, match=f"recipe {path}: distill: .*{message}"):
+            Recipe.load(path, [f"distill.softmax_by={bad}"])
