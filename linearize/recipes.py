@@ -8,14 +8,17 @@
 A recipe is a YAML (or JSON) mapping that names its row and holds the `distill` settings
 (`DistillConfig` fields without `out`; absent or null for the teacher's own row), the `eval` settings
 (`linearize.eval.evaluate` arguments) and the teacher `model`. `extends: PARENT` starts from another
-recipe: mappings merge key by key, any other value (a list too) replaces the parent's, and `name` and
+recipe: mappings merge key by key (but `eval.task_limits` and `eval.task_lengths`, which name the tasks of
+one evaluation, replace the parent's whole), any other value (a list too) replaces the parent's, and `name` and
 `row` are never inherited (they default to the file's stem). PARENT is a path relative to the file, or
 relative to the shipped `recipes/` folder, or the name of a shipped recipe (`recipes/**/NAME.yaml`).
 
 The shipped recipes: the main rows in `recipes/`, the ablations in `recipes/ablations/`, the rows on the
-second teacher in `recipes/gemma3/`, and the bases they extend in `recipes/base/` (`eval.yaml`, the
-evaluation every row runs; `distill.yaml`, the training every student shares; `gemma3.yaml`, the Gemma
-rows' teacher and their evaluation to 128K), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
+second teacher in `recipes/gemma3/`, the hybrids' layer-selection rows (`distill.softmax_by`) in
+`recipes/hybrids/`, rows scored by generation too in `recipes/generative/`, and the bases they extend in
+`recipes/base/` (`eval.yaml`, the evaluation every row runs; `distill.yaml`, the training every student
+shares; `gemma3.yaml`, the Gemma rows' teacher and their evaluation to 128K; `hybrids.yaml`, the hybrid
+rows' evaluation: RULER at 4K, BABILong and niah_single to 16K), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
 name, and KEY=VALUE overrides of the resolved recipe (dotted keys, YAML values) for every recipe it runs.
 
 A run keeps everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and
@@ -170,12 +173,17 @@ def _resolve(path: Path, chain: tuple[Path, ...]) -> dict:
     return _merge(inherited, raw)
 
 
-def _merge(base: dict, child: dict) -> dict:
-    """`child` over `base`: mappings merge key by key; anything else in `child` replaces."""
+# Per-task mappings of an evaluation: a child's names the tasks of its own evaluation, so it replaces.
+REPLACED = {("eval", "task_limits"), ("eval", "task_lengths")}
+
+
+def _merge(base: dict, child: dict, path: tuple = ()) -> dict:
+    """`child` over `base`: mappings merge key by key (except those in REPLACED); anything else in
+    `child` replaces."""
     merged = dict(base)
     for key, value in child.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and (*path, key) not in REPLACED:
+            merged[key] = _merge(merged[key], value, (*path, key))
         else:
             merged[key] = value
     return merged
@@ -415,8 +423,11 @@ def _percent(value) -> str:
 def _row_cells(run_dir: Path) -> dict[str, str]:
     """Column name -> cell text for one finished run directory."""
     from .eval.api import RULER
+    from .eval.babilong import BABILONG_TASKS
+    from .eval.generative import ZEROSHOT_GEN
     from .eval.harness import AVERAGE_METRIC, ZEROSHOT
     from .eval.report import length_label
+    from .eval.ruler import RULER_TASKS
 
     record = json.loads((run_dir / "run.json").read_text())
     results = json.loads((run_dir / "eval.json").read_text())
@@ -432,6 +443,15 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
             cells[task] = _percent(tasks[task].get(AVERAGE_METRIC[task]))
     if "zeroshot_average" in results:
         cells["0-shot avg"] = _percent(results["zeroshot_average"]["value"])
+    # Generative scoring (docs/evaluation.md), only for rows that ran it: its average next to the 0-shot one.
+    if "zeroshot_gen_average" in results:
+        cells["gen avg"] = _percent(results["zeroshot_gen_average"]["value"])
+    for task in ZEROSHOT_GEN:
+        if task in tasks:
+            cells[task.removesuffix("_gen") + " gen"] = _percent(tasks[task].get("acc"))
+    if "squad_gen" in tasks:
+        cells["squad EM"] = _percent(tasks["squad_gen"].get("exact_match"))
+        cells["squad F1"] = _percent(tasks["squad_gen"].get("f1"))
     if "mmlu" in tasks:
         cells["mmlu"] = _percent(tasks["mmlu"].get("acc"))
     if "ppl" in tasks:
@@ -440,10 +460,13 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     for name, result in tasks.items():
         for r in result.get("by_length", []) if "grid" in result else []:
             cells[f"{name} {length_label(r['length'])}"] = _percent(r["score"])
-    ruler_lengths = [{r["length"]: r["score"] for r in tasks[name]["by_length"]} for name in RULER if name in tasks]
-    if len(ruler_lengths) == len(RULER):
-        for length in sorted(set.intersection(*(set(scores) for scores in ruler_lengths))):
-            cells[f"RULER {length_label(length)}"] = _percent(sum(s[length] for s in ruler_lengths) / len(RULER))
+    # A family's average at each length all its tasks ran at: the four RULER-style tasks of the main
+    # rows ("RULER"), RULER's own twelve ("RULER-12") and BABILong's five.
+    for label, family in (("RULER", RULER), ("RULER-12", RULER_TASKS), ("BABILong", BABILONG_TASKS)):
+        by_length = [{r["length"]: r["score"] for r in tasks[name]["by_length"]} for name in family if name in tasks]
+        if len(by_length) == len(family):
+            for length in sorted(set.intersection(*(set(scores) for scores in by_length))):
+                cells[f"{label} {length_label(length)}"] = _percent(sum(s[length] for s in by_length) / len(family))
     if results["provenance"].get("partial"):
         cells["row"] += " (partial)"
     return cells

@@ -75,6 +75,9 @@ def test_every_row_shares_its_teachers_one_evaluation_block(recipe):
     if hybrid:
         owners.add(HYBRIDS_BASE.resolve())
         base = {**base, **yaml.safe_load(HYBRIDS_BASE.read_text())["eval"]}
+    if recipe.source.parent == RECIPES_DIR / "generative":  # a row re-scored: its own tasks over its parent's
+        owners.add(recipe.source.resolve())
+        base = {**base, **yaml.safe_load(recipe.source.read_text())["eval"]}
     # A row may change only how many prompts go through at once, never what is measured.
     for path in files:
         if path not in owners:
@@ -105,6 +108,8 @@ def test_rows_set_only_what_they_change():
 
 
 def test_extends_merges_mappings_replaces_the_rest_and_never_inherits_name_or_row(tmp_path):
+    """Mappings merge, except an evaluation's per-task ones (task_limits, task_lengths), which name the
+    tasks of that evaluation and so replace the parent's."""
     write(tmp_path / "parent.yaml", {"name": "parent", "row": "Parent", "model": "m",
                                      "eval": {"tasks": "ppl", "task_limits": {"mmlu": 5, "ppl": 2}},
                                      "distill": {"method": "lizard", "softmax_layers": [1, 2, 3], "batch": 8,
@@ -113,7 +118,7 @@ def test_extends_merges_mappings_replaces_the_rest_and_never_inherits_name_or_ro
                                             "distill": {"softmax_layers": [4], "options": {"window": 32}}})
     child = Recipe.load(tmp_path / "sub" / "child.yaml")
     assert (child.name, child.row, child.model) == ("child", "child", "m")
-    assert child.eval == {"tasks": "ppl", "task_limits": {"mmlu": 7, "ppl": 2}}
+    assert child.eval == {"tasks": "ppl", "task_limits": {"mmlu": 7}}
     assert child.distill == {"method": "lizard", "softmax_layers": [4], "batch": 8,
                              "options": {"window": 32, "num_sinks": 2}}
     # A JSON recipe extends a YAML one (and the other way round), and null removes the parent's distill.

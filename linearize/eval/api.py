@@ -13,16 +13,21 @@ from functools import partial
 
 import torch
 
-from linearize.eval import harness, longcontext
+from linearize.eval import babilong, generative, harness, longcontext, ruler
 from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, greedy_generate
 from linearize.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity
 from linearize.eval.texts import essay_sentences
 
-LONGCONTEXT = tuple(longcontext.TASKS)
-# RULER-style tasks (the RULER scores of docs/evaluation.md average them at one length, 4K in the recipes).
+LONGCONTEXT = tuple(longcontext.TASKS)  # every long-context task: the synthetic six, RULER's and BABILong's
+SYNTHETIC = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "mqar")
+# The RULER-style tasks whose mean is the results tables' "RULER" column (recipes; 4K there). The
+# `ruler` shorthand is RULER's own task set (ruler.RULER_TASKS), averaged in the eval report.
 RULER = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
-SHORTHANDS = {"zeroshot": harness.ZEROSHOT, "longcontext": LONGCONTEXT, "ruler": RULER}
+SHORTHANDS = {"zeroshot": harness.ZEROSHOT, "longcontext": SYNTHETIC, "ruler": ruler.RULER_TASKS,
+              "babilong": babilong.BABILONG_TASKS}
+SHORTHANDS["zeroshot_gen"] = generative.ZEROSHOT_GEN  # the zero-shot questions answered by a generated letter
 KNOWN_TASKS = ("ppl", *harness.HARNESS_TASKS, *LONGCONTEXT)
+KNOWN_TASKS += generative.TASKS  # lm-eval tasks of ours (generate, then score)
 FORMAT = "linearize-eval/1"
 
 
@@ -48,13 +53,14 @@ def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
 
 
 def parse_lengths(lengths: str | Sequence[int | str]) -> list[int]:
-    """'1k,2k,512,32K' -> [512, 1024, 2048, 32768] (k = 1024), sorted, no repeats."""
+    """'1k,2k,512,32K' -> [512, 1024, 2048, 32768] (k = 1024), sorted, no repeats. 0 is BABILong's
+    length of the facts alone (other tasks refuse it in `check_prompt_lengths`)."""
     items = lengths.split(",") if isinstance(lengths, str) else list(lengths)
     parsed = set()
     for item in (str(i).strip() for i in items):
         match = re.fullmatch(r"(\d+)([kK]?)", item)
-        if not match or int(match[1]) == 0:
-            raise ValueError(f"Bad length {item!r}; use positive token counts such as 512, 4k or 32K.")
+        if not match:
+            raise ValueError(f"Bad length {item!r}; use token counts such as 512, 4k or 32K (0: BABILong's facts alone).")
         parsed.add(int(match[1]) * (1024 if match[2] else 1))
     if not parsed:
         raise ValueError("No lengths given; pass a comma-separated list such as 1k,2k,4k.")
@@ -83,20 +89,24 @@ def haystack_essay(task: str, essay: str | None) -> Sequence[str]:
 
 def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int], essay: str | None = None,
                          task_lengths: dict[str, list[int]] | None = None) -> None:
-    """Raise ValueError if the shortest length cannot hold a long-context task's prompt."""
+    """Raise ValueError if the shortest length cannot hold a long-context task's prompt (or is 0 for ppl)."""
+    if "ppl" in names and 0 in (task_lengths or {}).get("ppl", lengths):
+        raise ValueError("ppl cannot score windows of length 0 (0 is BABILong's length of the facts alone).")
     for name in (n for n in names if n in LONGCONTEXT):
         shortest = min((task_lengths or {}).get(name, lengths))
         longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay))
 
 
 def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | Sequence[int | str]]) -> dict[str, list[int]]:
-    """{task: lengths} for ppl or long-context tasks of this run, e.g. {"variable_tracking": "4k"}."""
+    """{task: lengths} for ppl or long-context tasks of this run, e.g. {"variable_tracking": "4k"}; a
+    shorthand (e.g. {"ruler": "4k"}) gives its tasks those lengths."""
     parsed = {}
-    for task, lengths in task_lengths.items():
-        if task not in names or (task != "ppl" and task not in LONGCONTEXT):
-            raise ValueError(f"task lengths name {task!r}, which is not ppl or a long-context task of this run "
-                             f"({', '.join(names)})")
-        parsed[task] = parse_lengths(lengths)
+    for key, lengths in task_lengths.items():
+        for task in SHORTHANDS.get(key, (key,)):
+            if task not in names or (task != "ppl" and task not in LONGCONTEXT):
+                raise ValueError(f"task lengths name {task!r}, which is not ppl or a long-context task of this "
+                                 f"run ({', '.join(names)})")
+            parsed[task] = parse_lengths(lengths)
     return parsed
 
 
@@ -180,6 +190,8 @@ def evaluate(
         }
         if (average := harness.zeroshot_average(results)) is not None:
             out["zeroshot_average"] = average
+        if (average := generative.zeroshot_gen_average(results)) is not None:
+            out["zeroshot_gen_average"] = average
         out["provenance"] |= {
             "started_at": started.isoformat(timespec="seconds"),
             "wall_time_s": time.perf_counter() - clock,

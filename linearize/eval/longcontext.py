@@ -13,22 +13,32 @@ first needle of several; further needles go to seeded random places (after it, f
 - variable_tracking (RULER vt): a 4-hop chain VAR A = 12345, VAR B = VAR A, ...; name them all.
 - mqar: multi-query associative recall over a haystack made only of key: value lines; four keys
   are queried at once.
-A prediction scores the fraction of expected answers it contains (RULER's string_match_all).
+
+RULER's 13 task names (`ruler.RULER_TASKS`, less qa_2) run the generators above where one is
+RULER's task (niah_single_1 is niah_single's variant 1, vt is variable_tracking with RULER's solved
+example first, ...) and those below and in ruler.py for the rest (niah_multikey_2/3: a haystack of
+distractor needles, word keys or UUID keys; niah_multiquery: four keys asked at once; cwe, fwe,
+qa_1), each with RULER's generation length. babilong.py has the BABILong tasks babilong_qa1..5.
+A prediction scores the fraction of expected answers it contains (RULER's string_match_all), but
+for qa_1 (any of the reference answers: RULER's string_match_part) and BABILong (its own rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import string
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
+from typing import NamedTuple
 
 from tqdm.auto import tqdm
 
-from linearize.eval.haystack import essay_units, fit, insert, noise_units
+from linearize.eval import babilong, ruler
+from linearize.eval.haystack import Sample, essay_units, fit, insert, noise_units
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
@@ -73,14 +83,7 @@ MQAR_INTRO = "Memorize the following key-value pairs. I will ask you for the val
 MQAR_QUESTION = "What are the values of the keys {keys}? The values of the keys {keys} are:"
 MQAR_QUERIES = 4
 VT_HOPS = 4
-
-
-@dataclass(frozen=True)
-class Sample:
-    prompt: str
-    answers: tuple[str, ...]
-    tokens: int  # prompt length in tokens, special tokens included
-    max_new_tokens: int
+VT_EXAMPLE_TOKENS = 470  # RULER's solved vt example: 500 tokens, less the 30 it may generate
 
 
 def score(prediction: str, answers: Sequence[str]) -> float:
@@ -89,10 +92,16 @@ def score(prediction: str, answers: Sequence[str]) -> float:
     return sum(answer.lower() in found for answer in answers) / len(answers)
 
 
+def score_all(prediction: str, sample: Sample) -> float:
+    """`score` of a sample's answers: the scorer of every task but qa_1 and BABILong's."""
+    return score(prediction, sample.answers)
+
+
 def make_sample(
     tokenizer, length: int, render: Callable[[int], str], answers: Callable[[int], Sequence[str]], task: str
 ) -> Sample:
-    """Fit `render` (n haystack units -> prompt) to `length`; `answers(n)` are that prompt's answers."""
+    """Fit `render` (n haystack units -> prompt) to `length`; `answers(n)` are that prompt's answers.
+    Room to generate: twice the answers' tokens, plus 8."""
     n, prompt, tokens = fit(tokenizer, length, render, task)
     answers = answers(n)
     answer_tokens = len(tokenizer(", ".join(answers), add_special_tokens=False).input_ids)
@@ -121,6 +130,25 @@ def passkey(tokenizer, length: int, depth: float, seed: int) -> Sample:
     return make_sample(tokenizer, length, render, lambda n: [key], "passkey")
 
 
+def uuid4(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def needle_units(rng: random.Random, kind: str, key: Callable[[], str], value: Callable[[], str],
+                 queried: Sequence[str]) -> Callable[[int], list[str]]:
+    """RULER's "needle" haystack: distractor needles for random keys (never a queried one), drawn
+    from one seeded stream so that every prompt length shares its prefix of them."""
+    lines: list[str] = []
+
+    def units(n: int) -> list[str]:
+        while len(lines) < n:
+            if (k := key()) not in queried:
+                lines.append(f"One of the special magic {kind} for {k} is: {value()}.")
+        return lines[:n]
+
+    return units
+
+
 def niah(
     tokenizer,
     length: int,
@@ -132,24 +160,40 @@ def niah(
     uuids: bool = False,
     distractor_keys: int = 0,
     values: int = 1,
+    queries: int = 1,
+    needle_haystack: bool = False,
+    uuid_keys: bool = False,
 ) -> Sample:
-    """RULER needle-in-a-haystack; `essay=None` uses the noise haystack."""
+    """RULER needle-in-a-haystack; `essay=None` uses the noise haystack, `needle_haystack` one of
+    distractor needles (one a line). `queries` keys are asked at once (RULER's multiquery); the last
+    needle sits at `depth`, the others at seeded random places."""
     rng = random.Random(seed)
     units = noise_units if essay is None else essay_units(essay, rng)
     kind = "uuids" if uuids else "numbers"
-    key, *others = word_keys(rng, 1 + distractor_keys)
+    count = queries + distractor_keys
+    keys = [uuid4(rng) for _ in range(count)] if uuid_keys else word_keys(rng, count)
+    queried, others = keys[:queries], keys[queries:]
 
     def value() -> str:
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4)) if uuids else str(rng.randint(1_000_000, 9_999_999))
+        return uuid4(rng) if uuids else str(rng.randint(1_000_000, 9_999_999))
 
-    answers = [value() for _ in range(values)]
-    needles = [(k, value()) for k in others] + [(key, v) for v in answers]
+    found = [[value() for _ in range(values)] for _ in queried]  # each queried key's values
+    answers = [v for vs in found for v in vs]
+    needles = [(k, value()) for k in others] + [(k, v) for k, vs in zip(queried, found) for v in vs]
     places = [rng.random() for _ in range(len(needles) - 1)] + [depth / 100]
     texts = [f"One of the special magic {kind} for {k} is: {v}." for k, v in needles]
+    key = ", ".join(queried[:-1]) + f", and {queried[-1]}" if queries > 1 else queried[0]
     intro, question = NIAH_INTRO.format(kind=kind), NIAH_QUESTION.format(kind=kind, key=key)
+    separator = " "
+    if needle_haystack:
+        stream = random.Random(f"{seed}:haystack")
+        units = needle_units(stream, kind, (lambda: uuid4(stream)) if uuid_keys else (lambda: word_keys(stream, 1)[0]),
+                             (lambda: uuid4(stream)) if uuids else (lambda: str(stream.randint(1_000_000, 9_999_999))),
+                             queried)
+        separator = "\n"
 
     def render(n: int) -> str:
-        return f"{intro}\n{' '.join(insert(units(n), list(zip(places, texts))))}\n{question}"
+        return f"{intro}\n{separator.join(insert(units(n), list(zip(places, texts))))}\n{question}"
 
     return make_sample(tokenizer, length, render, lambda n: answers, task)
 
@@ -171,8 +215,39 @@ def niah_multivalue(tokenizer, length: int, depth: float, seed: int, *, essay) -
     return niah(tokenizer, length, depth, seed, task="niah_multivalue", essay=essay, values=4)
 
 
-def variable_tracking(tokenizer, length: int, depth: float, seed: int) -> Sample:
+def niah_multikey_2(tokenizer, length: int, depth: float, seed: int) -> Sample:
+    """RULER niah_multikey_2: the needle for a word key in a haystack of distractor needles for other keys."""
+    return niah(tokenizer, length, depth, seed, task="niah_multikey_2", essay=None, needle_haystack=True)
+
+
+def niah_multikey_3(tokenizer, length: int, depth: float, seed: int) -> Sample:
+    """RULER niah_multikey_3: a UUID for a UUID key in a haystack of distractor needles (UUIDs both)."""
+    return niah(tokenizer, length, depth, seed, task="niah_multikey_3", essay=None, needle_haystack=True,
+                uuids=True, uuid_keys=True)
+
+
+def niah_multiquery(tokenizer, length: int, depth: float, seed: int, *, essay) -> Sample:
+    """RULER niah_multiquery: four keys, one number each, all asked at once, in an essay."""
+    return niah(tokenizer, length, depth, seed, task="niah_multiquery", essay=essay, queries=4)
+
+
+def variable_tracking(tokenizer, length: int, depth: float, seed: int, *, example: bool = False) -> Sample:
+    """`example`: RULER's vt, whose prompt starts with one solved example (its own chain, in about
+    VT_EXAMPLE_TOKENS of noise)."""
     rng = random.Random(seed)
+    names, value, chain = vt_chain(rng)
+    places = [depth / 100] + later_depths(rng, depth / 100, VT_HOPS)
+    question = VT_QUESTION.format(value=value, count=len(names))
+    solved = f"{vt_example(tokenizer, random.Random(f'{seed}:example'))}\n\n" if example else ""
+
+    def render(n: int) -> str:
+        return f"{solved}{VT_INTRO}\n\n{' '.join(insert(noise_units(n), list(zip(places, chain))))}\n{question}"
+
+    return make_sample(tokenizer, length, render, lambda n: names, "vt" if example else "variable_tracking")
+
+
+def vt_chain(rng: random.Random) -> tuple[list[str], str, list[str]]:
+    """The variable names of a VT_HOPS-hop chain, its value, and its assignments in order."""
     names = []
     while len(names) < VT_HOPS + 1:
         name = "".join(rng.choices(string.ascii_uppercase, k=5))
@@ -180,13 +255,19 @@ def variable_tracking(tokenizer, length: int, depth: float, seed: int) -> Sample
             names.append(name)
     value = str(rng.randint(10000, 99999))
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in pairwise(names)]
-    places = [depth / 100] + later_depths(rng, depth / 100, VT_HOPS)
+    return names, value, chain
+
+
+def vt_example(tokenizer, rng: random.Random) -> str:
+    """A variable-tracking prompt of at most VT_EXAMPLE_TOKENS tokens, followed by its answer."""
+    names, value, chain = vt_chain(rng)
+    places = sorted(rng.random() for _ in chain)
     question = VT_QUESTION.format(value=value, count=len(names))
 
     def render(n: int) -> str:
         return f"{VT_INTRO}\n\n{' '.join(insert(noise_units(n), list(zip(places, chain))))}\n{question}"
 
-    return make_sample(tokenizer, length, render, lambda n: names, "variable_tracking")
+    return f"{fit(tokenizer, VT_EXAMPLE_TOKENS, render, 'vt example')[1]} {' '.join(names)}"
 
 
 def mqar(tokenizer, length: int, depth: float, seed: int) -> Sample:
@@ -220,14 +301,42 @@ def mqar(tokenizer, length: int, depth: float, seed: int) -> Sample:
     return make_sample(tokenizer, length, render, lambda n: [pairs[i][1] for i in queries(size(n))], "mqar")
 
 
-# task -> (generator, needs essay sentences, variants)
-TASKS: dict[str, tuple[Callable[..., Sample], bool, tuple[int, ...]]] = {
-    "passkey": (passkey, False, ()),
-    "niah_single": (niah_single, True, (1, 2, 3)),
-    "niah_multikey": (niah_multikey, True, ()),
-    "niah_multivalue": (niah_multivalue, True, ()),
-    "variable_tracking": (variable_tracking, False, ()),
-    "mqar": (mqar, False, ()),
+class Task(NamedTuple):
+    """A long-context task: `generate(tokenizer, length, depth, seed, **options)` makes its samples."""
+
+    generate: Callable[..., Sample]
+    needs_essay: bool  # its generator takes the essay sentences (`essay=`)
+    variants: tuple[int, ...] = ()  # run each, `variant=` (niah_single)
+    options: tuple[tuple[str, object], ...] = ()  # more keyword arguments of `generate`
+    max_new_tokens: int | None = None  # the generation length, instead of the generator's own
+    score: Callable[[str, Sample], float] = score_all  # (prediction, sample) -> score in [0, 1]
+    depth: bool = True  # whether `depth` places something; if not, it only seeds (one more group of samples)
+
+
+NIAH_NEW, VT_NEW = ruler.MAX_NEW_TOKENS["niah"], ruler.MAX_NEW_TOKENS["vt"]
+TASKS: dict[str, Task] = {
+    "passkey": Task(passkey, False),
+    "niah_single": Task(niah_single, True, (1, 2, 3)),
+    "niah_multikey": Task(niah_multikey, True),
+    "niah_multivalue": Task(niah_multivalue, True),
+    "variable_tracking": Task(variable_tracking, False),
+    "mqar": Task(mqar, False),
+    # RULER's names (ruler.RULER_TASKS): a task above where it is RULER's, with RULER's generation length
+    # (niah_multivalue is RULER's name and stays the task above, as its results were).
+    "niah_single_1": Task(niah_single, False, options=(("variant", 1),), max_new_tokens=NIAH_NEW),
+    "niah_single_2": Task(niah_single, True, options=(("variant", 2),), max_new_tokens=NIAH_NEW),
+    "niah_single_3": Task(niah_single, True, options=(("variant", 3),), max_new_tokens=NIAH_NEW),
+    "niah_multikey_1": Task(niah_multikey, True, max_new_tokens=NIAH_NEW),
+    "niah_multikey_2": Task(niah_multikey_2, False, max_new_tokens=NIAH_NEW),
+    "niah_multikey_3": Task(niah_multikey_3, False, max_new_tokens=NIAH_NEW),
+    "niah_multiquery": Task(niah_multiquery, True, max_new_tokens=NIAH_NEW),
+    "vt": Task(variable_tracking, False, options=(("example", True),), max_new_tokens=VT_NEW),
+    "cwe": Task(ruler.cwe, True, depth=False),
+    "fwe": Task(ruler.fwe, False, depth=False),
+    "qa_1": Task(ruler.qa_1, False, score=ruler.score_any),
+    # BABILong: bAbI QA1-QA5 facts scattered through the essays.
+    **{name: Task(partial(babilong.generate, number), True, score=partial(babilong.score, number), depth=False)
+       for number, name in enumerate(babilong.BABILONG_TASKS, start=1)},
 }
 
 
@@ -240,9 +349,14 @@ def build_sample(
     task: str, tokenizer, length: int, depth: float, seed: int, *, variant: int | None = None, essay: Sequence[str] = ()
 ) -> Sample:
     """One prompt of `task`; `variant` only for niah_single, `essay` only for essay haystacks."""
-    generator, needs_essay, _ = TASKS[task]
-    options = ({"essay": essay} if needs_essay else {}) | ({"variant": variant} if variant is not None else {})
-    return generator(tokenizer, length, depth, seed, **options)
+    spec = TASKS[task]
+    options = dict(spec.options) | ({"essay": essay} if spec.needs_essay else {})
+    if variant is not None:
+        options["variant"] = variant
+    sample = spec.generate(tokenizer, length, depth, seed, **options)
+    if spec.max_new_tokens is not None:
+        sample = dataclasses.replace(sample, max_new_tokens=spec.max_new_tokens)
+    return sample
 
 
 def check_length(task: str, tokenizer, length: int, essay: Sequence[str] = ()) -> None:
@@ -270,9 +384,12 @@ def run_longcontext(
     length, so a real model batches prompts of similar size. `on_length`, if given, gets the result
     so far after every length but the last: `summarize` over the lengths done, marked `"partial": True`.
     Pass such a result's "samples" back as `finished` (same settings) and the lengths they hold are
-    kept, not generated again; the result is the one an uninterrupted sweep returns.
+    kept, not generated again; the result is the one an uninterrupted sweep returns. A task whose
+    `depth` places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
     """
-    variants = TASKS[task][2]
+    spec = TASKS[task]
+    variants = spec.variants
+    flags = {} if spec.depth else {"depth_free": True}  # the report labels its heatmap's rows accordingly
     records = []
     for index, length in enumerate(lengths):
         if kept := [r for r in finished if r["length"] == length]:
@@ -291,13 +408,12 @@ def run_longcontext(
         ]
         predictions = generate([s.prompt for s in built], max(s.max_new_tokens for s in built))
         for cell, sample, prediction in zip(cells, built, predictions):
-            answers = list(sample.answers)
-            records.append(cell | {"tokens": sample.tokens, "answers": answers, "prediction": prediction,
-                                   "score": score(prediction, answers)})
+            records.append(cell | {"tokens": sample.tokens, "answers": list(sample.answers), "prediction": prediction,
+                                   "score": spec.score(prediction, sample)})
         if on_length is not None and index < len(lengths) - 1:
             # A copy: `records` grows on, and the caller may hold on to the partial result.
-            on_length(summarize(list(records), lengths[: index + 1], depths, variants) | {"partial": True})
-    return summarize(records, lengths, depths, variants)
+            on_length(summarize(list(records), lengths[: index + 1], depths, variants) | flags | {"partial": True})
+    return summarize(records, lengths, depths, variants) | flags
 
 
 def mean(values) -> float:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
 from linearize.eval.api import task_settings
+from linearize.eval.babilong import BABILONG_TASKS
+from linearize.eval.generative import CHOICE_TASKS
+from linearize.eval.generative import TASKS as GENERATIVE_TASKS
 from linearize.eval.harness import AVERAGE_METRIC
+from linearize.eval.ruler import MISSING as RULER_MISSING
+from linearize.eval.ruler import RULER_TASKS
+
+# Task families reported together, a table and a task x length heatmap each: (title, plot name, tasks).
+FAMILIES = (("RULER", "ruler", RULER_TASKS), ("BABILong", "babilong", BABILONG_TASKS))
 
 
 def write_json(results: dict, out: str | Path) -> Path:
@@ -47,6 +56,9 @@ def write_plots(results: dict, out: Path) -> dict[str, Path]:
             plots["loss_by_position"] = plot_positions(result, out.with_name(f"{out.stem}.loss_by_position.png"))
         elif "grid" in result:
             plots[name] = plot_heatmap(name, result, out.with_name(f"{out.stem}.{name}.png"))
+    for title, key, names in FAMILIES:
+        if len(rows := family_rows(results["tasks"], names)) > 1:
+            plots[key] = plot_family(title, rows, out.with_name(f"{out.stem}.{key}.png"))
     return plots
 
 
@@ -91,8 +103,9 @@ def plot_heatmap(name: str, result: dict, path: Path) -> Path:
         for col, value in enumerate(depth_scores):
             ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
-    ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=f"{name}: score {result['score']:.3f}")
+    ax.set_yticks(range(len(depths)), [f"{d}" if result.get("depth_free") else f"{d}%" for d in depths])
+    ylabel = "seed group (no needle depth)" if result.get("depth_free") else "needle depth"
+    ax.set(xlabel="context length (tokens)", ylabel=ylabel, title=f"{name}: score {result['score']:.3f}")
     fig.colorbar(image, ax=ax, label="score")
     fig.savefig(path, dpi=120)
     return path
@@ -100,6 +113,38 @@ def plot_heatmap(name: str, result: dict, path: Path) -> Path:
 
 def fmt(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else ("–" if value is None else str(value))
+
+
+def generative_section(results: dict) -> list[str]:
+    """The generate-then-score tasks' table, their average, and the zero-shot tasks scored both ways."""
+    tasks = results["tasks"]
+    rows = [(n, tasks[n]) for n in GENERATIVE_TASKS if n in tasks]
+    if not rows:
+        return []
+    about = ("The answer generated greedily and read from the text (docs/evaluation.md, \"Generative scoring\"); "
+             "answered: the share of answers in which an option letter was found.")
+    lines = ["## Generative tasks", "", about, "",
+             "| task | acc | answered | exact match | F1 | samples | split | data | time (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows:
+        lines.append(
+            f"| {name} | {fmt(r.get('acc'))} | {fmt(r.get('answered'))} | {fmt(r.get('exact_match'))} "
+            f"| {fmt(r.get('f1'))} | {r['num_samples']} | {', '.join(r['split'])} | {', '.join(r['data'])} "
+            f"| {r['wall_time_s']:.1f} |"
+        )
+    if "zeroshot_gen_average" in results:
+        average = results["zeroshot_gen_average"]
+        lines += ["", (f"Generative zero-shot average: **{fmt(average['value'])}** "
+                       f"(acc of {', '.join(average['metrics'])}).")]
+    both = [(task.twin, name) for name, task in CHOICE_TASKS.items() if name in tasks and task.twin in tasks]
+    if both:
+        lines += ["", "| task | log-likelihood | generative |", "|---|---|---|"]
+        lines += [f"| {twin} | {fmt(tasks[twin].get(AVERAGE_METRIC[twin]))} ({AVERAGE_METRIC[twin]}) "
+                  f"| {fmt(tasks[name].get('acc'))} (acc) |" for twin, name in both]
+        if "zeroshot_average" in results and "zeroshot_gen_average" in results:
+            lines.append(f"| average | {fmt(results['zeroshot_average']['value'])} "
+                         f"| {fmt(results['zeroshot_gen_average']['value'])} |")
+    return [*lines, ""]
 
 
 def markdown(results: dict, plots: dict[str, Path]) -> str:
@@ -119,7 +164,7 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
                   + (f"Not run: {', '.join(missing)}. " if missing else "")
                   + (f"Cut short (its finished lengths below): {', '.join(cut)}. " if cut else "")
                   + "`linearize eval --resume` (or rerunning its recipe) continues it.", ""]
-    harness_rows = [(n, r) for n, r in tasks.items() if "lm_eval_task" in r]
+    harness_rows = [(n, r) for n, r in tasks.items() if "lm_eval_task" in r and n not in GENERATIVE_TASKS]
     if harness_rows:
         lines += ["## lm-eval tasks", "", "| task | acc | acc_norm | shots | samples | split | data | time (s) |"]
         lines += ["|---|---|---|---|---|---|---|---|"]
@@ -132,6 +177,7 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
             used = ", ".join(f"{t} {m}" for t, m in AVERAGE_METRIC.items())
             lines += ["", f"Zero-shot average: **{fmt(results['zeroshot_average']['value'])}** ({used})."]
         lines.append("")
+    lines += generative_section(results)
     if "ppl" in tasks:
         ppl = tasks["ppl"]
         lines += [f"## Perplexity on {Path(ppl['text']).name}", "", "| length | ppl | mean NLL | windows |"]
@@ -154,8 +200,71 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         lines.append("")
         lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows]
         lines.append("")
+    for title, key, names in FAMILIES:
+        if len(rows := family_rows(tasks, names)) > 1:
+            lines += family_section(title, key, names, rows, plots)
     versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
     lines += ["## Provenance", "", f"- versions: {versions}", f"- lengths {prov['lengths']}, depths {prov['depths']}"]
     if prov.get("task_lengths"):
         lines.append(f"- lengths of single tasks: {prov['task_lengths']}")
     return "\n".join(lines) + "\n"
+
+
+# --- task families (RULER, BABILong): a table and a task x length heatmap, with their average by length
+
+
+def family_rows(tasks: dict, names) -> list[tuple[str, dict]]:
+    """The (name, result) of the family's tasks that ran, in the family's order (a family gets its section
+    where two or more did: niah_multivalue alone, one of the six synthetic tasks too, is no RULER run)."""
+    return [(name, tasks[name]) for name in names if name in tasks and "grid" in tasks[name]]
+
+
+def family_lengths(rows: list[tuple[str, dict]]) -> list[int]:
+    return sorted({b["length"] for _, r in rows for b in r["by_length"]})
+
+
+def family_average(rows: list[tuple[str, dict]]) -> dict[int, float]:
+    """{length: mean score of the tasks} at each length that every task of `rows` has."""
+    scores = [{b["length"]: b["score"] for b in r["by_length"]} for _, r in rows]
+    shared = set.intersection(*(set(s) for s in scores))
+    return {length: sum(s[length] for s in scores) / len(scores) for length in sorted(shared)}
+
+
+def plot_family(title: str, rows: list[tuple[str, dict]], path: Path) -> Path:
+    """Task x length heatmap of a family's scores, their average in the last row."""
+    lengths, average = family_lengths(rows), family_average(rows)
+    labels = [name for name, _ in rows] + ["average"]
+    by_task = [{b["length"]: b["score"] for b in r["by_length"]} for _, r in rows] + [average]
+    grid = [[scores.get(length, float("nan")) for length in lengths] for scores in by_task]
+    fig = Figure(figsize=(1.1 * len(lengths) + 3, 0.45 * len(labels) + 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for row, scores in enumerate(grid):
+        for col, value in enumerate(scores):
+            ax.text(col, row, "–" if math.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.axhline(len(rows) - 0.5, color="black", linewidth=1)
+    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set(xlabel="context length (tokens)", title=f"{title}: score by task and length")
+    fig.colorbar(image, ax=ax, label="score")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def family_section(title: str, key: str, names, rows: list[tuple[str, dict]], plots: dict[str, Path]) -> list[str]:
+    """A family's Markdown: its tasks' scores by length and their average at each length all of them ran."""
+    lengths, average = family_lengths(rows), family_average(rows)
+    lines = [f"## {title}", "", "| task | " + " | ".join(map(length_label, lengths)) + " |",
+             "|---" * (len(lengths) + 1) + "|"]
+    for name, r in rows:
+        scores = {b["length"]: b["score"] for b in r["by_length"]}
+        lines.append(f"| {name}{' (partial)' if r.get('partial') else ''} | "
+                     + " | ".join(f"{scores[n]:.3f}" if n in scores else "–" for n in lengths) + " |")
+    lines.append("| **average** | " + " | ".join(f"**{average[n]:.3f}**" if n in average else "–" for n in lengths)
+                 + " |")
+    missing = RULER_MISSING if key == "ruler" else {}
+    note = (f"The average is over the {len(rows)} of {len(names) + len(missing)} {title} tasks run here, "
+            "at each length all of them ran")
+    if missing:
+        note += "; RULER's papers report it at 4K. Not run: " + ", ".join(f"{n} ({why})" for n, why in missing.items())
+    return [*lines, "", note + ".", "", f"![{title}]({plots[key].name})", ""]

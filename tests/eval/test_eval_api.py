@@ -6,9 +6,10 @@ import types
 
 import pytest
 
-from linearize.eval import api, command, evaluate, longcontext, write_report
+from linearize.eval import api, command, evaluate, longcontext, ruler, write_report
 from linearize.eval.harness import ZEROSHOT
-from linearize.eval.longcontext import TASKS as LONG_TASKS
+
+LONG_TASKS = api.SHORTHANDS["longcontext"]  # the six synthetic tasks (RULER's and BABILong's: their own tests)
 
 
 def test_parse_tasks_expands_shorthands_in_order_without_repeats():
@@ -31,7 +32,8 @@ def test_parse_tasks_passes_lm_eval_names_through():
 def test_parse_lengths():
     assert api.parse_lengths("1k,2k,512,32K") == [512, 1024, 2048, 32768]
     assert api.parse_lengths([4096, "1k", 4096]) == [1024, 4096]
-    for bad in ("1.5k", "0", "-1", "2m", "abc", ""):
+    assert api.parse_lengths("0,1k") == [0, 1024]  # 0: BABILong's facts alone
+    for bad in ("1.5k", "-1", "2m", "abc", ""):
         with pytest.raises(ValueError, match="Bad length|No lengths"):
             api.parse_lengths(bad)
 
@@ -227,7 +229,7 @@ def test_the_report_of_a_cut_run_says_what_is_missing(model, tokenizer, tmp_path
 
 
 def test_ruler_shorthand():
-    assert api.parse_tasks("ruler") == ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"]
+    assert api.parse_tasks("ruler") == list(ruler.RULER_TASKS)  # RULER's own names (tests/eval/test_ruler.py)
 
 
 def test_write_report(results, tmp_path):
@@ -340,3 +342,14 @@ def test_cli_bad_input_fails_before_loading(flags, message, fake_loading, tmp_pa
     with pytest.raises(ValueError, match=message):
         args.func(args)
     assert fake_loading == []
+
+
+def test_task_lengths_take_a_shorthand_for_its_tasks():
+    from linearize.eval.api import parse_task_lengths, parse_tasks
+    from linearize.eval.ruler import RULER_TASKS
+
+    names = parse_tasks("zeroshot,ruler,niah_single")
+    parsed = parse_task_lengths(names, {"ruler": "4k", "niah_single": "1k,2k"})
+    assert parsed == {**{task: [4096] for task in RULER_TASKS}, "niah_single": [1024, 2048]}
+    with pytest.raises(ValueError, match="not ppl or a long-context task"):
+        parse_task_lengths(names, {"zeroshot": "4k"})
