@@ -91,7 +91,8 @@ def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int]
                          task_lengths: dict[str, list[int]] | None = None) -> None:
     """Raise ValueError if the shortest length cannot hold a long-context task's prompt (or is 0 for ppl)."""
     if "ppl" in names and 0 in (task_lengths or {}).get("ppl", lengths):
-        raise ValueError("ppl cannot score windows of length 0 (0 is BABILong's length of the facts alone).")
+        raise ValueError("lengths: ppl cannot score windows of length 0 (0 is BABILong's length of the facts "
+                         "alone): drop 0 from the lengths, or give ppl its own with --task-lengths")
     for name in (n for n in names if n in LONGCONTEXT):
         shortest = min((task_lengths or {}).get(name, lengths))
         longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay))
