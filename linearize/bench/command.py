@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..config import LAYER_CHOICES, LAYERS_HELP, METHOD_CONFIGS
+from .shapes import SHAPES
 
 
 def sizes(text: str) -> list[int]:
@@ -30,6 +31,17 @@ def methods(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"expected methods among {', '.join(METHOD_CONFIGS)}, got {text!r}")
     return names
+
+
+TRAIN_MODES = ("full", "lora", "stage1", "stage2")  # bench.train.MODES, named here without importing torch
+
+
+def train_modes(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in TRAIN_MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected modes among {', '.join(TRAIN_MODES)}, got {text!r}")
+    return list(dict.fromkeys(names))
 
 
 def register(subparsers) -> None:
@@ -80,15 +92,38 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_serve)
 
-    p = sub.add_parser("train", help="tokens/s of distillation stages 1 and 2 vs a full fine-tune")
+    p = sub.add_parser("train", help="tokens/s and peak memory of distillation stages 1 and 2 vs fine-tunes of the "
+                                     "teacher, over sequence lengths, with and without gradient checkpointing")
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--model", default="smollm2", help="teacher: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
+    which = p.add_mutually_exclusive_group()
+    # No default here, or argparse could not tell `--shape X --model Y` from `--model Y`.
+    which.add_argument("--model", help="teacher to load: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or "
+                                       "a hub id (default smollm2)")
+    which.add_argument("--shape", choices=list(SHAPES),
+                       help="random bf16 weights of this shape, built on the GPU: llama3-8b, mistral-7b and qwen3-8b "
+                            "need one")
     p.add_argument("--method", default="lizard", choices=sorted(METHOD_CONFIGS))
-    p.add_argument("--seq-len", type=positive_int, help="default 2048")
-    p.add_argument("--batch", type=positive_int, help="sequences per optimizer step (default 8)")
-    p.add_argument("--steps", type=positive_int, help="timed optimizer steps per mode (default 10)")
+    p.add_argument("--modes", type=train_modes,
+                   help=f"comma-separated, among {', '.join(TRAIN_MODES)}: the teacher's full fine-tune, its LoRA "
+                        "fine-tune (r, alpha and targets as stage 2), distillation stages 1 and 2 (default: all; "
+                        "at the 8B shapes all but full, which does not fit one GPU; for liger, which has no "
+                        "stage 1, all but stage1)")
+    lengths = p.add_mutually_exclusive_group()
+    lengths.add_argument("--seq-lens", type=sizes, help="sequence lengths, e.g. 2k,8k (default 2k; 2k,8k at a --shape)")
+    lengths.add_argument("--seq-len", type=size, help="one sequence length (default 2048)")
+    batches = p.add_mutually_exclusive_group()
+    batches.add_argument("--tokens-per-step", type=size,
+                         help="tokens an optimizer step, the batch at each length being this / the length (default 16k: "
+                              "8 x 2K, 2 x 8K)")
+    batches.add_argument("--batch", type=positive_int, help="sequences per optimizer step at every length instead")
+    p.add_argument("--gradient-checkpointing", choices=["both", "on", "off"],
+                   help="activation checkpointing per decoder layer: each mode's points with it, without it, or both "
+                        "(default off; both at a --shape)")
+    p.add_argument("--steps", type=positive_int, help="timed optimizer steps per point (default 10; 6 at a --shape)")
+    p.add_argument("--time-limit", type=positive_float,
+                   help="seconds for the whole run; points that would end later are skipped (default 480)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option, as in distill (repeatable)")
-    p.add_argument("--profile", action="store_true", help="also write each mode's top ops (torch.profiler) to a file")
+    p.add_argument("--profile", action="store_true", help="also write each point's top ops (torch.profiler) to a file")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each optimizer step from a CUDA graph, as distill --cuda-graph trains")
     p.add_argument("--quick", action="store_true", help=quick_help)
@@ -158,10 +193,18 @@ def run_serve(args) -> None:
 
 
 def run_train(args) -> None:
+    import torch
+
+    from ..cli_args import CommandError
     from ..config import parse_set_options
     from . import train
 
+    if args.shape and SHAPES[args.shape].needs_gpu and not torch.cuda.is_available():
+        raise CommandError(f"bench train --shape {args.shape} builds a model of billions of parameters, which needs a "
+                           "GPU, and there is no CUDA device here: use --shape smollm2 or --model")
     options = parse_set_options(args.set or [], [args.method])
-    wrote(train.bench(args.out, model=args.model, method=args.method, options=options, quick=args.quick,
-                      profile=args.profile, cuda_graph=args.cuda_graph, seq_len=args.seq_len, batch=args.batch,
-                      steps=args.steps))
+    wrote(train.bench(args.out, model=args.model, shape=args.shape, method=args.method, options=options,
+                      modes=args.modes, quick=args.quick, profile=args.profile, cuda_graph=args.cuda_graph,
+                      seq_lens=args.seq_lens or ([args.seq_len] if args.seq_len else None),
+                      tokens_per_step=args.tokens_per_step, batch=args.batch, steps=args.steps,
+                      checkpointing=args.gradient_checkpointing, time_limit=args.time_limit))

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..cache import cache_nbytes, compact_softmax_layers
 from ..convert import convert
@@ -48,19 +47,10 @@ from .common import (
     write_outputs,
     write_profile,
 )
+from .shapes import random_model  # the shapes' table and builder, shared with bench train
 
 SOFTMAX = "softmax (sdpa)"
 DEFAULT_METHODS = ("lizard",)  # compared with softmax unless --methods names others
-
-# Random-weight models of known shapes. max_position_embeddings only has to cover the sweep: RoPE is computed on
-# the fly, and speed does not depend on its trained range.
-SHAPES = {
-    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True},
-    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
-}
-MAX_POSITIONS = 1 << 20
 
 # Short prefills are timed as the median of a few runs; long ones once (each takes seconds).
 SHORT_PREFILL_REPEATS = 3
@@ -70,15 +60,6 @@ FULL = {"contexts": parse_sizes("1k,2k,4k,8k,16k,32k,64k,128k,256k,512k,1m"), "b
         "teacher_max": 128 * 1024, "time_limit": 420.0, "compile_decode": None}
 QUICK = {"contexts": [64, 256], "batches": [1, 2], "batch_context": 64, "decode_steps": 3, "decode_warmup": 1,
          "prefill_chunk": 128, "teacher_max": 256, "time_limit": 120.0, "compile_decode": None}
-
-
-def random_model(shape: str, *, device="cpu", dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
-    """A Llama of a known shape (`SHAPES[shape]`, entries replaced by `overrides`, e.g. a layer count) with
-    random weights (seed 0) and SDPA attention."""
-    config = LlamaConfig(**dict(SHAPES[shape], **overrides), max_position_embeddings=MAX_POSITIONS)
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised in place: an 8B model never passes through host memory
-        return LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
 def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype):

@@ -116,23 +116,26 @@ def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(
         f"model.{name}.png" for name in ("prefill", "decode", "memory", "batch")}
 
 
-def test_train_times_both_stages_and_the_full_fine_tune(outputs):
+def test_train_times_both_stages_and_the_teachers_fine_tunes(outputs):
     results = load(outputs / "train", "train")
-    rows = {r["mode"]: r for r in results["rows"]}
+    rows = {r["key"]: r for r in results["rows"]}
+    assert list(rows) == ["full", "lora", "stage1", "stage2"] and len(results["rows"]) == 4  # one point each
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows.values())
-    full = rows.pop("full fine-tune (teacher)")["trained_parameters"]
-    assert [r["stage"] for r in rows.values()] == [1, 2]
+    assert [r["stage"] for r in rows.values()] == [None, None, 1, 2]
+    full = rows.pop("full")["trained_parameters"]
     assert all(0 < r["trained_parameters"] < full for r in rows.values())
+    assert rows["lora"]["trained_parameters"] == rows["stage2"]["trained_parameters"]  # the same adapters
+    assert {(r["seq_len"], r["batch"], r["gradient_checkpointing"]) for r in rows.values()} == {(64, 2, False)}
     assert results["settings"]["attention"] == "PyTorch ops"  # no GPU here: what the record must say
     assert results["settings"]["options"] == {"combine": "shared", "rope_in_window": "true"}
     # --cuda-graph on the CPU: every mode stepped eagerly, and its row and the table say why
     assert {r["step_path"] for r in rows.values()} == {"eager (parameters not on a CUDA device)"}
-    assert "- stage 2 (LoRA): step eager (parameters not on a CUDA device)" in (outputs / "train" / "train.md").read_text()
+    assert "- stage 2 (LoRA), 64: step eager (parameters not on a CUDA device)" in (outputs / "train" / "train.md").read_text()
 
 
-def test_train_profile_lists_each_modes_top_ops(outputs):
-    for mode in ("teacher", "1", "2"):
-        table = (outputs / "train" / f"profile-{mode}.txt").read_text()
+def test_train_profile_lists_each_points_top_ops(outputs):
+    for mode in ("full", "lora", "stage1", "stage2"):
+        table = (outputs / "train" / f"profile-{mode}-64.txt").read_text()
         assert "Self CPU" in table and "aten::mm" in table, mode
 
 
@@ -235,6 +238,14 @@ def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_p
     ["model", "--methods", "mamba"],
     ["model", "--shape", "smollm2", "--model", "smollm2"],
     ["train", "--steps", "0"],
+    ["train", "--shape", "smollm2", "--model", "smollm2"],
+    ["train", "--shape", "gpt5"],
+    ["train", "--modes", "stage1,stage3"],
+    ["train", "--seq-lens", "2k,x"],
+    ["train", "--seq-len", "2k", "--seq-lens", "2k,8k"],
+    ["train", "--batch", "2", "--tokens-per-step", "16k"],
+    ["train", "--gradient-checkpointing", "sometimes"],
+    ["train", "--time-limit", "0"],
     ["serve", "--clients", "0"],
     ["serve", "--methods", "mamba"],
     ["serve", "--max-tokens", "-1"],

@@ -1,0 +1,121 @@
+"""Next-token cross-entropy over a large vocabulary without the [tokens, vocab] logits.
+
+A causal LM's loss is usually taken on its full logits: for 16K tokens of Llama-3's 128K vocabulary
+those are 4 GiB in bf16, 8 GiB once HF upcasts them to float32 for the loss, and their gradient as
+much again; Qwen3's 152K vocabulary adds a fifth. `chunked_cross_entropy` takes the hidden states and
+the head's weight instead and goes over `chunk` tokens at a time: a chunk's logits, their
+log-sum-exp, the target's logit and, when a gradient will be wanted, the chunk's gradients w.r.t. the
+hidden states and the weight, computed there and then from the chunk's logits, which are then freed.
+The backward pass only scales those gradients by the incoming one. So at most one chunk's logits
+exist at a time, and the head's GEMMs are the plain loss's (one forward, one or two for the
+gradients), none recomputed.
+
+The arithmetic is the plain loss's, chunk by chunk: logits in the matmul's dtype (bf16 under autocast),
+upcast to float32, optionally soft-capped (Gemma 2: softcap * tanh(logits / softcap)), and the
+mean over the labels that are not `ignore_index`, as `F.cross_entropy(logits.float(), labels)`.
+Nothing reads back from the device, so a CUDA graph can hold it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100  # HF's and F.cross_entropy's default
+CHUNK = 1024  # tokens a chunk: 1024 x 128K float32 logits are 0.5 GiB
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the logits' matmul: autocast's where it is on (as an nn.Linear head gets), else the
+    operands' common dtype."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = CHUNK,
+                          ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits `hidden @ weight.T` ([..., hidden] @ [vocab, hidden]) against
+    `labels` ([...], the same leading shape), skipping `ignore_index`, as
+    `F.cross_entropy(F.linear(hidden, weight).float().flatten(0, -2), labels.flatten(), ignore_index=...)`
+    (with `softcap`, of softcap * tanh(logits / softcap)), `chunk` tokens at a time. A float32 scalar;
+    NaN where every label is ignored, as F.cross_entropy gives."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)} differ in their tokens")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"head weight {tuple(weight.shape)} does not take hidden states of {hidden.shape[-1]} features")
+    return _ChunkedCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
+                                      ignore_index, softcap, compute_dtype(hidden, weight))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, softcap, dtype):
+        want_hidden, want_weight = ctx.needs_input_grad[:2]  # all False under no_grad
+        valid = labels != ignore_index
+        targets = labels.masked_fill(~valid, 0)[:, None]
+        count = valid.sum()
+        # Each token's share of the mean (0 for ignored ones); clamped so that all-ignored gives zero gradients.
+        share = valid.float() / count.clamp(min=1)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                end = min(start + chunk, hidden.shape[0])
+                h = hidden[start:end].to(dtype)
+                logits = (h @ w.t()).float()
+                if softcap is not None:
+                    tanh = torch.tanh(logits / softcap)
+                    logits = tanh * softcap
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, targets[start:end]).squeeze(1)
+                total = total + ((lse - picked) * valid[start:end]).sum()
+                if not (want_hidden or want_weight):
+                    continue
+                # d loss / d logits: (softmax - one-hot at the target) times the token's share, in place.
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad.scatter_add_(1, targets[start:end], -valid[start:end, None].float())
+                grad.mul_(share[start:end, None])
+                if softcap is not None:
+                    grad.mul_(tanh.mul_(tanh).neg_().add_(1))  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
+                grad = grad.to(dtype)
+                if want_hidden:
+                    grad_hidden[start:end] = grad @ w
+                if want_weight:
+                    grad_weight += grad.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden.float() * grad_loss).to(hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def depending_on(value: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """`value`, with `others` put in its autograd graph: backward gives them zero gradients. For a loss
+    taken beside a module's output rather than from it: hooks that run when the output's gradient
+    arrives (FSDP2's pre-backward unshard of the root's weights) then still run."""
+    others = tuple(t for t in others if t.requires_grad)
+    return _DependingOn.apply(value, *others) if others and torch.is_grad_enabled() else value
+
+
+class _DependingOn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, *others):
+        ctx.others = [(t.shape, t.dtype, t.device) for t in others]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.others)
