@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
+from .config import ConfigError
 from .gguf_files import from_gguf, no_bpe_cleanup
 
 ALIASES = {"smollm2": assets.smollm2_hf, "gemma3": assets.gemma3_hf}
@@ -119,6 +120,8 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
     if kind == "dir":
         try:
             return auto_class.from_pretrained(where, **kwargs)
+        except ConfigError as e:  # the checkpoint's `linearize` settings (method options) are off
+            raise ModelSpecError(f"cannot load {where}: its config.json's linearize settings are invalid ({e})") from e
         except _CORRUPT_WEIGHTS as e:
             files = sorted(p.name for p in where.iterdir() if p.suffix in (".safetensors", ".bin"))
             named = where / files[0] if len(files) == 1 else f"{where} ({', '.join(files)})"

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import gguf
@@ -180,6 +181,22 @@ def test_folder_without_config_and_other_files_are_rejected(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match="neither a .gguf file nor a model folder"):
         load_tokenizer(tmp_path / "weights.bin")
+
+
+def test_a_checkpoint_with_bad_linearize_settings_names_its_config(tmp_path):
+    """A hand-edited (or corrupted) option in a linearized checkpoint's config.json is a one-line error
+    naming the file, not the method's own message alone."""
+    from tiny_models import TINY_OPTIONS, tiny_teacher
+
+    import linearize
+
+    model = linearize.convert(tiny_teacher(), "lizard", **TINY_OPTIONS["lizard"])
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["linearize"]["options"]["chunkOsize"] = config["linearize"]["options"].pop("chunk_size", 8)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelSpecError, match=r"config.json's linearize settings are invalid \(lizard has no option"):
+        load_model(str(tmp_path))
 
 
 def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
