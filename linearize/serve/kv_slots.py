@@ -154,8 +154,7 @@ class BatchedKVCache(Cache):
         self.types = layer_types(config)
         self.window = sliding_window_of(config)
         self.per_type = masks_per_layer_type(config)
-        parameter = next(model.parameters())
-        self.dtype, self.device = parameter.dtype, parameter.device
+        self.device = next(model.parameters()).device
         super().__init__(layers=[_RowsLayer(self, t == SLIDING) for t in self.types])
         self.shapes: list[tuple[int, int]] | None = None  # (KV heads, head dim) per layer, from the first prefill
         self.kv_dtype: torch.dtype | None = None
