@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from linearize.data.tokenize import text_prefix
+from linearize.decode import PREFILL_TOKENS
 from linearize.eval.generation import rows_per_batch
 
 DEFAULT_MAX_TOKENS = 65536
@@ -36,12 +37,29 @@ def text_tokens(tokenizer, path: str | Path) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False).input_ids, dtype=torch.long)
 
 
+def decoder_hidden(model, ids: torch.Tensor, call_length: int) -> torch.Tensor:
+    """The decoder's last hidden states [rows, L, d] for `ids` [rows, L], in calls of `call_length`
+    positions when L is longer. Later calls continue the cache (softmax KV, linear states), which
+    gives the one call's result; what one call builds stays bounded: a sliding-window layer's HF mask
+    for one call over a 128K window is 16 GiB. Shorter windows keep the one cacheless call, the
+    batches of `perplexity` bounding their tokens."""
+    from transformers import DynamicCache
+
+    decoder = model.get_decoder()
+    if ids.shape[1] <= call_length:
+        return decoder(input_ids=ids, use_cache=False).last_hidden_state
+    cache = DynamicCache(config=model.config)
+    parts = [decoder(input_ids=ids[:, start : start + call_length], past_key_values=cache, use_cache=True)
+             .last_hidden_state for start in range(0, ids.shape[1], call_length)]
+    return torch.cat(parts, 1)
+
+
 @torch.inference_mode()
-def token_nll(model, windows: torch.Tensor) -> torch.Tensor:
+def token_nll(model, windows: torch.Tensor, call_length: int = PREFILL_TOKENS) -> torch.Tensor:
     """Per-token negative log-likelihood [rows, L - 1] of each window's tokens 2..L: the decoder's
-    hidden states once, the output head over LOSS_TOKENS of them at a time."""
+    hidden states once (`decoder_hidden`), the output head over LOSS_TOKENS of them at a time."""
     ids = windows.to(model.device)
-    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    hidden = decoder_hidden(model, ids, call_length)[:, :-1]
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)
     head = model.get_output_embeddings()
     losses = [F.cross_entropy(head(hidden[start : start + LOSS_TOKENS]).float(), targets[start : start + LOSS_TOKENS],

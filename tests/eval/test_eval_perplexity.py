@@ -91,3 +91,26 @@ def test_a_tokenizer_that_starts_texts_with_bos_starts_every_window_with_it(mode
     row = result["by_length"][0]
     assert row["windows"] == 10
     assert row["nll"] == pytest.approx(hand_nll(model, windows).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "method", "layers"), [
+    ("llama", None, None), ("gemma3_text", None, None), ("gemma3_text", "lizard", "all"),
+    ("gemma3_text", "lizard", "full"), ("gemma3_text", "still", "full"), ("llama", "still", "all"),
+    ("llama", "lolcats", "all"), ("llama", "liger", "all"),
+])
+def test_a_window_longer_than_one_call_scores_as_in_one_call(arch, method, layers):
+    # Windows past `call_length` go through the cache in pieces, which bounds the masks one call
+    # builds; the loss of every token must be the one-call loss, sliding layers and linear states alike.
+    import linearize
+    from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+
+    from linearize.eval.perplexity import token_nll
+
+    model = tiny_teacher(arch)
+    if method is not None:
+        linearize.convert(model, method, layers=layers, **TINY_OPTIONS[method])
+        perturb_new_parameters(model)
+    windows = torch.randint(4, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    whole = token_nll(model, windows, call_length=40)
+    for call_length in (7, 16):
+        assert torch.allclose(token_nll(model, windows, call_length=call_length), whole, atol=1e-4, rtol=1e-4)
