@@ -20,9 +20,11 @@ case ${1:?start or wait} in
     echo "started: $*" ;;
   wait)
     end=$(($(date +%s) + ${2:?seconds}))
-    while [ ! -f "$BG/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    # Results are copied as each part ends, not only at the end: a call killed at its limit (the
+    # device tool lowers it to the session's device time left) still brings back what had finished.
+    while [ ! -f "$BG/done" ] && [ "$(date +%s)" -lt "$end" ]; do cp -ru "$BG/out/." "$OUT/"; sleep 5; done
     [ -f "$BG/done" ] && echo "finished" || echo "still running"
     tail -n 40 "$BG/log"
     for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
-    cp -r "$BG/out/." "$OUT/" ;;
+    cp -ru "$BG/out/." "$OUT/" ;;
 esac
