@@ -3,8 +3,10 @@ from itertools import pairwise
 
 import pytest
 import torch
+from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 
-from linearize.eval.perplexity import log_buckets, perplexity, text_tokens
+import linearize
+from linearize.eval.perplexity import log_buckets, perplexity, text_tokens, token_nll
 
 
 def hand_nll(model, windows: torch.Tensor) -> torch.Tensor:
@@ -101,11 +103,6 @@ def test_a_tokenizer_that_starts_texts_with_bos_starts_every_window_with_it(mode
 def test_a_window_longer_than_one_call_scores_as_in_one_call(arch, method, layers):
     # Windows past `call_length` go through the cache in pieces, which bounds the masks one call
     # builds; the loss of every token must be the one-call loss, sliding layers and linear states alike.
-    import linearize
-    from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
-
-    from linearize.eval.perplexity import token_nll
-
     model = tiny_teacher(arch)
     if method is not None:
         linearize.convert(model, method, layers=layers, **TINY_OPTIONS[method])
