@@ -18,11 +18,12 @@ tokens/s = batch * seq_len / median step time over the timed steps after the war
 `tokens_per_step / seq_len`, so every point trains on as many tokens a step (or `--batch` at every
 length). Peak memory is torch.cuda.max_memory_allocated over the point's steps, weights included.
 
-The model: `--model` loads the teacher as the trainer does (float32 on the CPU, moved to the device, its
-frozen projections then stored in bf16); `--shape` builds random weights of a known shape
-(`shapes.SHAPES`) in bf16 directly on the device (float32 on a CPU), and only the trained parameters
-become float32 master weights: frozen weights are held once, in bf16, with no gradient or AdamW state.
-Each mode's model is built once and serves its points (checkpointing is switched between them).
+The model: `--model` loads the teacher as the trainer does (in bf16 under bf16 autocast, float32 on a
+CPU, then moved to the device); `--shape` builds random weights of a known shape (`shapes.SHAPES`) in
+bf16 directly on the device (float32 on a CPU). Either way only the trained parameters become float32
+master weights, beside stage 1's new modules, which stay float32 in stage 2 as in the trainer: frozen
+weights are held once, in bf16, with no gradient or AdamW state. Each mode's model is built once and
+serves its points (checkpointing is switched between them).
 
 A point that runs out of memory is recorded as OOM and the run goes on with the next; a point that would
 end after the time limit (estimated from the last measured one) is skipped. The Markdown projects the
@@ -41,10 +42,12 @@ from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with A
 from ..train.config import DistillConfig
 from ..train.distillation import (
     build_student,
-    frozen_projections_to,
     linearized_layers,
+    linearized_student,
+    master_weights,
     prepare_stage,
     stage_loss,
+    weights_dtype,
 )
 from ..train.runtime import Runtime
 from ..train.step import WARMUP_STEPS, TrainStep, step_optimizer
@@ -123,36 +126,25 @@ def batch_of(settings: dict, seq_len: int) -> int:
     return settings["batch"] or settings["tokens_per_step"] // seq_len
 
 
-def master_weights(params) -> None:
-    """Trained parameters in float32 (AdamW steps them there), whatever the model was built in."""
-    for p in params:
-        if p.dtype != torch.float32:
-            p.data = p.data.float()
-
-
 def build(settings: dict, cfg: DistillConfig, mode: str, rt: Runtime, dtype: torch.dtype):
     """(model on the device, its trained parameters) for one mode, with gradient checkpointing off."""
     stage = MODES[mode][1]
-    if settings["model"]:  # as the trainer builds it: float32 on the CPU, then on the device
+    if settings["model"]:  # as the trainer builds it: loaded in the dtype it trains in, then on the device
         from ..loading import load_model
 
-        model = build_student(cfg, None) if stage else load_model(cfg.model)
+        weights = weights_dtype(rt, sharded=False)
+        model = build_student(cfg, None, dtype=weights) if stage else load_model(cfg.model, dtype=weights)
         if mode != "full":
             model, _ = prepare_stage(model, cfg, stage or 2)
         model.to(rt.device)
-        if rt.bf16:
-            frozen_projections_to(model, torch.bfloat16)  # as the trainer stores them (none for the full fine-tune)
-    else:  # bf16 on the device from the start; new and trained parameters float32, as the trainer has them
-        from ..convert import convert
-
+    else:  # in `dtype` on the device from the start; new and trained parameters float32, as the trainer has them
         model = random_model(settings["shape"], device=rt.device, dtype=dtype, **settings.get("shape_overrides", {}))
         if stage:
-            convert(model, cfg.method, softmax_layers=cfg.softmax_layers, layers=cfg.layers, **cfg.options)
-            master_weights(p for layer in linearized_layers(model) for p in layer.new_parameters())
+            model = linearized_student(model, cfg)
         if mode != "full":
             model, _ = prepare_stage(model, cfg, stage or 2)
     params = [p for p in model.parameters() if p.requires_grad]
-    master_weights(params)
+    master_weights(params)  # the full fine-tune's: prepare_stage made the other modes' float32
     return model.train(), params
 
 

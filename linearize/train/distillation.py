@@ -48,17 +48,53 @@ def linearized_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, LinearizedAttention)]
 
 
-def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None):
-    """Teacher -> linearized student (float32 master weights), with stage-1 modules if they exist.
+def master_weights(params) -> None:
+    """Parameters in float32, whatever the model was built in: AdamW steps trained ones there (a bf16
+    update of ~lr times a weight rounds to nothing). In place (`.data`), so a module, peft or an optimizer
+    holding a parameter keeps holding it."""
+    for p in params:
+        if p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def weights_dtype(rt: Runtime, sharded: bool) -> torch.dtype:
+    """The dtype the teacher is loaded and its frozen weights held in: bf16 for a bf16-autocast run, where
+    every matmul takes its weights in bf16 anyway, so a frozen weight needs no float32 copy (an 8B teacher:
+    16 GB less, on the host while loading and on the device), nor a cast at each call (autocast caches
+    casts of trained weights only). Every bf16 run but an FSDP2 one (a CPU run with --precision bf16 too)
+    loads so, and so no frozen weight needs a cast after the load. float32 otherwise, and under FSDP2
+    (`sharded`), which shards a layer's parameters in one dtype: there the float32 trained ones set the
+    dtype of all. What trains is float32 either way (`prepare_stage`), and so are buffers such as RoPE's
+    frequencies, which loading and `master_weights` leave alone (no `model.to(dtype)` anywhere)."""
+    return torch.bfloat16 if rt.bf16 and not sharded else torch.float32
+
+
+def linearized_student(teacher, cfg: DistillConfig, softmax_layers: list[int] | None = None):
+    """`convert` the teacher as `cfg` says (softmax in `softmax_layers`, default the config's), its new
+    modules float32 whatever the teacher's dtype: stage 1 trains them, and stage 2, which freezes them,
+    then runs the very modules stage 1 trained and the export saves, not bf16 roundings of them. `convert`
+    builds them in the teacher's dtype, so from a bf16 teacher they start at bf16 roundings of their
+    initial values (LoLCATs' window factor 0.1 at 0.1001), no worse an init."""
+    from ..convert import convert
+
+    softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
+    model = convert(teacher, cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
+    master_weights(p for layer in linearized_layers(model) for p in layer.new_parameters())
+    return model
+
+
+def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None,
+                  dtype: torch.dtype = torch.float32):
+    """Teacher, loaded in `dtype` (`weights_dtype`) -> linearized student (`linearized_student`: its new
+    modules float32), with stage-1 modules if they exist.
 
     `softmax_layers` (default: the config's) may hold more layers than stage 1 had; their stage-1
     modules are then left out.
     """
-    from ..convert import convert
     from ..loading import load_model
 
     softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
-    model = convert(load_model(cfg.model), cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
+    model = linearized_student(load_model(cfg.model, dtype=dtype), cfg, softmax_layers)
     if stage1_path is not None and stage1_path.exists():
         reverted = tuple(f".layers.{i}." for i in set(softmax_layers) - set(cfg.softmax_layers))
         tensors = {name: t for name, t in torch.load(stage1_path, map_location="cpu").items()
@@ -86,7 +122,8 @@ def parameter_groups(model, cfg: DistillConfig, stage: int) -> list[dict]:
 
 
 def prepare_stage(model, cfg: DistillConfig, stage: int):
-    """Freeze what this stage does not train; returns (model to call, names of trained parameters)."""
+    """Freeze what this stage does not train and hold what it trains in float32 (`master_weights`);
+    returns (model to call, names of trained parameters)."""
     for layer in linearized_layers(model):
         layer.attention_transfer = stage == 1
     if stage == 1:
@@ -100,32 +137,12 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
         names = {name for name, p in model.named_parameters() if "lora_" in name}
     for name, p in model.named_parameters():
         p.requires_grad_(name in names)
+    master_weights(p for p in model.parameters() if p.requires_grad)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not names:
         raise ValueError(f"stage {stage} of {cfg.method} has nothing to train")
     return model, names
-
-
-# The teacher's projections and MLP: HF and the linearized layers call them under autocast.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def frozen_projections_to(model, dtype: torch.dtype) -> int:
-    """Store the frozen teacher projections (peft's base layers of them included) in `dtype`, the
-    autocast dtype; returns how many. Autocast caches its casts only for weights that require grad,
-    so it cast each frozen one again at every call (~8 casts a layer and forward in stage 1, with the
-    target's o_proj), to the same values this stores once. Not under FSDP2, which shards a layer's
-    parameters in one dtype. The export rebuilds the model from the teacher: it never sees these."""
-    count = 0
-    for name, module in model.named_modules():
-        parts = name.split(".")
-        owner = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
-        if isinstance(module, nn.Linear) and owner in PROJECTIONS and not any(
-                p.requires_grad for p in module.parameters()):
-            module.to(dtype)
-            count += 1
-    return count
 
 
 def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
@@ -310,21 +327,20 @@ class Run:
             return  # finished in an earlier invocation
         state = state if state is not None and state["stage"] == stage else None
 
-        if stage == 2:
-            model = build_student(cfg, self.out / STAGE1_NAME, self.softmax_layers())
-        else:
-            model = build_student(cfg, None, self.preset_softmax)
-        model, names = prepare_stage(model, cfg, stage)
-        model.to(rt.device)
         # Stage 1's losses are taken inside each layer while the layer returns the teacher's output, so
         # FSDP2's unshard-for-backward hooks (set on layer outputs) never fire: there, every rank keeps a
         # whole replica and the few trained parameters' gradients are averaged by hand (one all-reduce,
         # which a CUDA graph can hold; FSDP2's hooks cannot be captured). Stage 2 does so too with fsdp=False.
         sharded = rt.distributed and stage == 2 and cfg.fsdp
+        dtype = weights_dtype(rt, sharded)
+        if stage == 2:
+            model = build_student(cfg, self.out / STAGE1_NAME, self.softmax_layers(), dtype)
+        else:
+            model = build_student(cfg, None, self.preset_softmax, dtype)
+        model, names = prepare_stage(model, cfg, stage)
+        model.to(rt.device)
         if sharded:
             shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
-        elif rt.bf16:
-            frozen_projections_to(model, torch.bfloat16)
         groups = parameter_groups(model, cfg, stage)
         params = [p for group in groups for p in group["params"]]
         uncapturable = None
@@ -461,6 +477,8 @@ class Run:
         """Write the final model (LoRA merged) as a loadable directory, on the main rank."""
         if not self.rt.main:
             return
+        # In float32 whatever the run's precision: the saved model is the teacher's weights in float32
+        # with the trained tensors (float32 master weights) merged in.
         model = build_student(self.cfg, self.out / STAGE1_NAME, self.softmax_layers())
         lora_path = self.out / "stage2_lora.pt"
         if lora_path.exists() and 2 in self.cfg.stages:

@@ -132,6 +132,25 @@ def test_a_shape_holds_frozen_weights_once_in_bf16_and_trains_float32_masters(mo
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if id(p) in new)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loaded_teacher_is_built_as_the_trainer_builds_it(teacher_dir, mode, bf16):
+    """`--model` under bf16 autocast (on the CPU here): the teacher loaded in bf16, only what AdamW steps
+    float32, stage 1's new modules float32 in stage 2 too, buffers float32; without it, all float32."""
+    settings = {"model": str(teacher_dir), "shape": None}
+    cfg = DistillConfig(model=str(teacher_dir), method="lizard", out="unused", options={"window": 8})
+    rt = Runtime(rank=0, world_size=1, device=torch.device("cpu"), bf16=bf16)
+    model, params = train_bench.build(settings, cfg, mode, rt, torch.float32)
+    trained = {id(p) for p in params}
+    assert trained and all(p.dtype == torch.float32 for p in params)
+    new = {id(p) for layer in train_bench.linearized_layers(model) for p in layer.new_parameters()}
+    assert bool(new) == (mode in ("stage1", "stage2")) and all(p.dtype == torch.float32 for p in model.parameters()
+                                                              if id(p) in new)
+    frozen = {p.dtype for p in model.parameters() if id(p) not in trained | new}
+    assert frozen == (set() if mode == "full" else {torch.bfloat16 if bf16 else torch.float32})
+    assert {b.dtype for b in model.buffers()} == {torch.float32}
+
+
 class OutOfMemoryAt32(train_bench.TrainStep):
     """A step that runs out of memory on batches of 32-token sequences."""
 

@@ -79,6 +79,75 @@ def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monk
     assert {(s, k): v for s, k, v in losses(resumed)} == {(s, k): v for s, k, v in losses(straight)}
 
 
+def recording_dtypes(monkeypatch) -> dict:
+    """`distillation.stage_loss`, noting at each stage's first call the model the trainer built: the dtypes of
+    its trained, stage-1 (new) and other frozen parameters and of its buffers, and stage 1's tensors' values."""
+    seen, real = {}, distill_module.stage_loss
+
+    def loss(model, ids, stage):
+        if stage not in seen:
+            new = distill_module.new_parameter_names(model)
+            params = dict(model.named_parameters())
+            seen[stage] = {"trained": {p.dtype for p in params.values() if p.requires_grad},
+                           "new": {params[n].dtype for n in new},
+                           "frozen": {p.dtype for n, p in params.items() if not p.requires_grad and n not in new},
+                           "buffers": {b.dtype for b in model.buffers()},
+                           "new_values": {n.removeprefix("base_model.model."): params[n].detach().clone() for n in new}}
+        return real(model, ids, stage)
+
+    monkeypatch.setattr(distill_module, "stage_loss", loss)
+    return seen
+
+
+def test_default_precision_on_the_cpu_keeps_every_tensor_float32(workspace, tmp_path, monkeypatch):
+    seen = recording_dtypes(monkeypatch)
+    distill(config(workspace, tmp_path / "run", max_tokens=4 * 32 * 2, eval_every=2), progress=False)
+    assert set(seen) == {1, 2}
+    for stage, dtypes in seen.items():
+        assert dtypes["trained"] and dtypes["new"] and dtypes["frozen"]
+        assert {*dtypes["trained"], *dtypes["new"], *dtypes["frozen"], *dtypes["buffers"]} == {torch.float32}, stage
+
+
+def test_a_bf16_run_trains_float32_masters_beside_a_bf16_teacher_resumes_and_exports_float32(workspace, tmp_path,
+                                                                                             monkeypatch):
+    """--precision bf16 (on the CPU here): each stage's model holds the frozen teacher in bf16, trains float32
+    (stage 1's modules, then LoRA) and keeps stage 1's modules float32 in stage 2, as saved. Interrupted and
+    resumed, the run equals the straight one; its export is the float32 teacher with the trained tensors in."""
+    from transformers import AutoModelForCausalLM
+
+    seen = recording_dtypes(monkeypatch)
+    straight = distill(config(workspace, tmp_path / "straight", precision="bf16"), progress=False)
+    assert set(seen) == {1, 2}
+    assert seen[1]["trained"] == seen[1]["new"] == {torch.float32}
+    assert seen[2]["trained"] == seen[2]["new"] == {torch.float32}
+    assert seen[1]["frozen"] == seen[2]["frozen"] == {torch.bfloat16}
+    assert seen[1]["buffers"] == seen[2]["buffers"] == {torch.float32}  # RoPE's frequencies
+    stage1 = torch.load(straight / "stage1_attention.pt")
+    assert {t.dtype for t in stage1.values()} == {torch.float32}
+    assert seen[2]["new_values"].keys() == stage1.keys()
+    assert all(torch.equal(seen[2]["new_values"][n], t) for n, t in stage1.items())
+
+    recording = distill_module.stage_loss
+    monkeypatch.setattr(distill_module, "stage_loss", interrupting_stage_loss(5))
+    with pytest.raises(KeyboardInterrupt):
+        distill(config(workspace, tmp_path / "resumed", precision="bf16"), progress=False)
+    seen.clear()
+    monkeypatch.setattr(distill_module, "stage_loss", recording)
+    resumed = distill(config(workspace, tmp_path / "resumed", precision="bf16"), resume=True, progress=False)
+    assert set(seen) == {2} and seen[2]["trained"] == {torch.float32} and seen[2]["frozen"] == {torch.bfloat16}
+    losses = lambda out: {(r["stage"], r["step"]): r["loss"] for r in log(out) if "loss" in r}
+    assert losses(resumed) == losses(straight)
+
+    teacher = dict(load_model(workspace / "teacher").named_parameters())
+    a = dict(AutoModelForCausalLM.from_pretrained(straight).named_parameters())
+    b = dict(AutoModelForCausalLM.from_pretrained(resumed).named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert {p.dtype for p in a.values()} == {torch.float32}
+    assert all(torch.equal(a[n], t) for n, t in stage1.items())
+    merged = {n for n in teacher if not torch.equal(a[n], teacher[n])}  # the LoRA merge, into float32 weights
+    assert merged and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in merged)
+
+
 def test_resume_refuses_a_different_run(workspace, tmp_path):
     distill(config(workspace, tmp_path / "run", stage="1"), progress=False)
     with pytest.raises(ResumeError, match="seq_len"):
@@ -126,40 +195,61 @@ def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_frozen_projections_in_bf16_change_nothing_under_autocast(workspace, stage):
-    """Autocast casts a frozen weight at every call; storing it cast gives the same loss and gradients,
-    and only the frozen teacher projections change dtype (never a trained tensor, the Lizard gate, the
-    feature maps, norms or embeddings)."""
+def test_a_bf16_student_holds_frozen_weights_in_bf16_and_trains_float32_masters(workspace, tmp_path, stage):
+    """Built for a bf16 run: the teacher's weights bf16, what the stage trains float32, stage 1's modules
+    float32 in both stages (in stage 2, exactly the tensors stage 1 saved), RoPE's frequencies float32.
+    Under autocast its loss is the float32 student's, to bf16 precision, and gradients reach the trained
+    tensors only."""
     from linearize.train.distillation import (
-        PROJECTIONS,
         build_student,
-        frozen_projections_to,
+        linearized_layers,
+        new_parameter_names,
         prepare_stage,
         stage_loss,
+        weights_dtype,
     )
+    from linearize.train.runtime import Runtime
 
+    # alpha at 1: a stage-1 loss well above zero (see test_both_stages_reduce_their_losses_and_export_a_model)
+    cfg = config(workspace, tmp_path / "unused", options={"window": 8, "num_sinks": 2, "alpha_init": 1.0})
+    rt = Runtime.start("cpu", "bf16")
+    assert rt.bf16 and weights_dtype(rt, sharded=False) == torch.bfloat16
+    assert weights_dtype(rt, sharded=True) == torch.float32
+    stage1 = None
+    if stage == 2:  # stage 1's modules moved off their init, saved in float32 as stage 1 saves them
+        student = build_student(cfg, None)
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for layer in linearized_layers(student):
+                for p in layer.new_parameters():
+                    p.add_(0.01 * torch.randn(p.shape, generator=generator))
+        stage1 = tmp_path / "stage1_attention.pt"
+        torch.save({n: p.detach().clone() for n, p in student.named_parameters() if n in new_parameter_names(student)},
+                   stage1)
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
-    cfg = config(workspace, workspace / "unused")
-    results = []
-    for cast in (False, True):
+    losses = []
+    for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        model, names = prepare_stage(build_student(cfg, None), cfg, stage)
+        model, names = prepare_stage(build_student(cfg, stage1, dtype=dtype), cfg, stage)
         model.train()
-        if cast:
-            layers = model.config.num_hidden_layers
-            assert frozen_projections_to(model, torch.bfloat16) == layers * len(PROJECTIONS)
-            bf16 = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
-            assert bf16 and not bf16 & names
-            assert all(n.split(".")[-2 if "base_layer" not in n else -3] in PROJECTIONS for n in bf16), bf16
+        new = new_parameter_names(model)
+        params = dict(model.named_parameters())
+        assert names and all(params[n].dtype == torch.float32 for n in names | new)
+        frozen = {n: p.dtype for n, p in params.items() if n not in names | new}
+        assert frozen and set(frozen.values()) == {dtype}, frozen
+        assert {b.dtype for b in model.buffers()} == {torch.float32}
+        if stage1 is not None:
+            saved = torch.load(stage1)
+            assert len(new) == len(saved)
+            for name in new:
+                assert torch.equal(params[name], saved[name.removeprefix("base_model.model.")]), name
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = stage_loss(model, ids, stage)
         loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if n in names}))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for name in grads_a:
-        assert torch.equal(grads_a[name], grads_b[name]), name
+        assert {n for n, p in params.items() if p.grad is not None} == names
+        assert all(params[n].grad.dtype == torch.float32 for n in names)
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=3e-2), losses
 
 
 @pytest.mark.parametrize("stage", [1, 2])

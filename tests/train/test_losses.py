@@ -135,21 +135,24 @@ def test_stage2_loss_is_the_models_own_loss_without_full_logits(arch):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_stage2_loss_of_a_linearized_student_with_lora_is_its_own_loss(autocast):
-    """The distillation's stage 2: LoRA on the student's q/k/v, frozen projections in bf16 under autocast
-    as the trainer stores them; only the adapters get gradients."""
-    from linearize.convert import convert
+    """The distillation's stage 2: LoRA on the student's q/k/v; under autocast, the teacher's weights in
+    bf16 as a bf16 run loads them (its buffers float32, as loading leaves them). Only the adapters get
+    gradients."""
     from linearize.train import DistillConfig
-    from linearize.train.distillation import frozen_projections_to, prepare_stage, stage_loss
+    from linearize.train.distillation import linearized_student, prepare_stage, stage_loss
 
     cfg = DistillConfig(model="tiny", method="lizard", out="unused", options=TINY_OPTIONS["lizard"])
-    model, names = prepare_stage(convert(tiny_teacher(), "lizard", **cfg.options), cfg, 2)
+    teacher = tiny_teacher()
+    if autocast:
+        for p in teacher.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    model, names = prepare_stage(linearized_student(teacher, cfg), cfg, 2)
     model.train()
+    assert {p.dtype for n, p in model.named_parameters() if n in names} == {torch.float32}
     with torch.no_grad():  # lora_B starts at zero, which would leave lora_A without a gradient
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
-    if autocast:
-        frozen_projections_to(model, torch.bfloat16)
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ours = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 2), ids)
