@@ -13,7 +13,7 @@ case ${1:?start or wait} in
     mkdir -p "$BG/out"
     rm -f "$BG/done"
     # A later call replaces the working tree under it: the detached parts run from their own copy.
-    rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes scripts pyproject.toml "$BG/repo/"
+    rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes pyproject.toml "$BG/repo/"
     cd "$BG/repo" && export PYTHONPATH="/tmp/site:$BG/repo"
     setsid bash -c 'export CHAINS="$0" OUT="$0/out" DEADLINE=$(($(date +%s) + $1)) STEP_LIMIT=$1; shift; bash experiments/gpu/together.sh "$@"; touch '"$BG"'/done' \
       "$BG" "$seconds" "$@" > "$BG/log" 2>&1 < /dev/null &
