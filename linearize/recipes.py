@@ -44,7 +44,7 @@ import yaml
 # `linearize.eval.evaluate`'s arguments, and "set": inference options of the distilled model for this
 # evaluation (`convert.set_inference_options`).
 EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "harness_batch",
-             "seed", "set"}
+             "seed", "set", "chat_template"}
 RECIPE_KEYS = ("name", "row", "model", "distill", "eval")
 SUFFIXES = (".yaml", ".yml", ".json")
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # the shipped recipes (a source checkout)
@@ -116,6 +116,8 @@ class Recipe:
                     parse(self.eval[key])
             api.parse_task_lengths(tasks, self.eval.get("task_lengths") or {})
             api.check_task_limits(tasks, self.eval.get("task_limits") or {})
+            if "chat_template" in self.eval:
+                api.check_chat_template(self.eval["chat_template"])
         except (ValueError, TypeError, AttributeError) as e:
             raise RecipeError(f"recipe {where}: eval: {e}") from None
 

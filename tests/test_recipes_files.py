@@ -204,7 +204,7 @@ def test_overrides_set_dotted_keys_as_yaml_values():
 
 @pytest.mark.parametrize("override, message", [
     ("distill.max_token=5", r"override 'distill.max_token=5': unknown key 'distill.max_token' \('distill' takes "),
-    ("eval.sample=1", r"unknown key 'eval.sample' \('eval' takes batch, depths, "),
+    ("eval.sample=1", r"unknown key 'eval.sample' \('eval' takes batch, chat_template, depths, "),
     ("colour=red", r"unknown key 'colour' \(a recipe takes distill, eval, model, name, row\)"),
     ("distill.max_tokens", r"override 'distill.max_tokens' is not KEY=VALUE"),
     ("=3", r"is not KEY=VALUE"),

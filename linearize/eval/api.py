@@ -143,6 +143,7 @@ def evaluate(
     task_limits: dict[str, int] | None = None,
     task_lengths: dict[str, str | Sequence[int | str]] | None = None,
     resume: dict | None = None,
+    chat_template: bool = False,
 ) -> dict:
     """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
 
@@ -163,6 +164,7 @@ def evaluate(
     short goes on from its first unfinished length, ending with the result an uninterrupted run gives;
     its `wall_time_s` then adds up the runs' time up to their last saved length. Only what was done with
     this run's settings is kept (SETTINGS, and a task's own lengths and limit); the rest runs again.
+    `chat_template` puts the generative tasks' prompts in the tokenizer's chat template (`run_harness`).
     """
     names = parse_tasks(tasks)
     task_limits = dict(task_limits or {})
@@ -179,9 +181,12 @@ def evaluate(
     if harness_batch is not None and harness_batch < 1:
         raise ValueError(f"harness_batch must be a positive integer, got {harness_batch!r}")
     harness_batch = harness_batch or batch
+    check_chat_template(chat_template, tokenizer)
     settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed)
     settings["harness_batch"] = harness_batch
     settings["task_lengths"] = task_lengths
+    if chat_template:  # recorded only when on, so that results written without the key read as off
+        settings["chat_template"] = True
 
     def assemble(results: dict, complete: bool) -> dict:
         out = {
@@ -237,7 +242,7 @@ def evaluate(
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(
                 model, tokenizer, [n for n in harness_tasks if n not in results], limit=limit, task_limits=task_limits,
-                batch=harness_batch, seed=seed, data_dir=data_dir, on_task=finished,
+                batch=harness_batch, seed=seed, data_dir=data_dir, on_task=finished, chat_template=chat_template,
             )
             continue
         results[name]["wall_time_s"] = time.perf_counter() - start  # the harness times its tasks itself
@@ -249,9 +254,21 @@ SETTINGS = ("model", "method_config", "depths", "samples_per_cell", "seed")
 
 
 def task_settings(provenance: dict, task: str) -> dict:
-    """What decides one task's result besides the shared SETTINGS: its example cap and its lengths."""
+    """What decides one task's result besides the shared SETTINGS: its example cap and its lengths, and
+    for a generative task whether its prompts were in the chat template."""
     limits, lengths = provenance.get("task_limits") or {}, provenance.get("task_lengths") or {}
-    return {"limit": limits.get(task, provenance.get("limit")), "lengths": lengths.get(task, provenance.get("lengths"))}
+    own = {"limit": limits.get(task, provenance.get("limit")), "lengths": lengths.get(task, provenance.get("lengths"))}
+    if task in generative.TASKS:
+        own["chat_template"] = bool(provenance.get("chat_template"))
+    return own
+
+
+def check_chat_template(chat_template, tokenizer=None) -> None:
+    """A bool, and with a tokenizer given, one that has a chat template when asked for."""
+    if not isinstance(chat_template, bool):
+        raise TypeError(f"chat_template must be true or false, got {chat_template!r}")
+    if chat_template and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
 
 
 def resumable_tasks(previous: dict, current_provenance: dict) -> tuple[dict[str, dict], dict[str, dict]]:

@@ -62,6 +62,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the results in --out from an earlier run (without it, an existing FILE.json "
                         "is refused, never overwritten)")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="put the generative tasks' prompts (zeroshot_gen, squad_gen) in the model's chat template "
+                        "as one user turn, for an instruct model; log-likelihood tasks keep the bare text")
     parser.set_defaults(func=run)
     return parser
 
@@ -103,13 +106,14 @@ def run(args) -> int:
 
     tokenizer = load_tokenizer(args.model)
     api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay, task_lengths)
+    _flag("--chat-template", api.check_chat_template, args.chat_template, tokenizer)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device, inference_options=options)
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
         on_progress=partial(write_json, out=args.out), task_limits=task_limits, task_lengths=task_lengths,
-        resume=previous,
+        resume=previous, chat_template=args.chat_template,
     )
     for path in write_report(results, args.out):
         print(f"wrote {path}")

@@ -177,14 +177,17 @@ def budgeted_lm(model, tokenizer, batch: int, max_batch_tokens: int = HARNESS_BA
 
 
 def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=None, batch=8, seed=0,
-                data_dir=None, on_task: Callable[[str, dict], None] | None = None) -> dict:
+                data_dir=None, on_task: Callable[[str, dict], None] | None = None, chat_template: bool = False) -> dict:
     """Run each task through `lm_eval.simple_evaluate`; returns {task: metrics and provenance}.
 
     `tasks` are our names (see HARNESS_TASKS and generative.TASKS) or any lm-eval task name. `limit`
     caps the documents per task (per subtask for groups), as lm-eval's --limit does; `task_limits`
     {task: cap} overrides it.
     `batch` requests a forward at most (fewer for long ones: `budgeted_lm`). `on_task(task, result)`,
-    if given, gets each task's result as soon as it is done.
+    if given, gets each task's result as soon as it is done. `chat_template` wraps each prompt of the
+    generative tasks in the tokenizer's chat template (lm-eval's `apply_chat_template`), as one user
+    turn: an instruct model answers there, where on the bare prompt it may end its turn at once. The
+    log-likelihood tasks keep the bare text, which is what the results rows compare.
     """
     from lm_eval import simple_evaluate
 
@@ -207,6 +210,7 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
                 task_manager=manager,
                 bootstrap_iters=100_000 if task in CLOSED_FORM_STDERR else 0,
                 log_samples=task in generative.TASKS,  # their generations are kept (some of them)
+                apply_chat_template=chat_template and task in generative.TASKS,
                 random_seed=seed,
                 numpy_random_seed=seed,
                 torch_random_seed=seed,

@@ -1,6 +1,7 @@
 """Generate-then-score tasks: prompts, answer reading, SQuAD scoring, and the tasks end to end through lm-eval."""
 
 import argparse
+import copy
 import gzip
 import json
 import sys
@@ -421,3 +422,56 @@ def test_evaluate_reports_both_averages(writer, tokenizer, gen_olmo):
     assert "zeroshot_average" not in results
     assert 0.0 <= results["zeroshot_gen_average"]["value"] <= 1.0
     assert set(results["provenance"]["lm_eval_task_versions"]) == set(ZEROSHOT_GEN)
+
+
+CHAT = "{% for m in messages %}<user>{{ m['content'] }}</user>\n{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+
+
+def test_chat_template_wraps_the_generative_prompts_alone(writer, tokenizer, gen_olmo):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT
+    templated = []
+    render = chat.apply_chat_template
+
+    def spy(conversation, *args, **kwargs):
+        templated.append(conversation[-1]["content"])
+        return render(conversation, *args, **kwargs)
+
+    chat.apply_chat_template = spy
+    tasks = ["piqa_gen", "squad_gen", "piqa"]
+    wrapped = harness.run_harness(writer, chat, tasks, limit=4, batch=2, data_dir=gen_olmo, chat_template=True)
+    # One user turn a generative document, none for the log-likelihood task's requests.
+    assert len(templated) == 8 and all(text.endswith("Answer:") for text in templated)
+    chat.apply_chat_template = render
+    bare = harness.run_harness(writer, chat, tasks, limit=4, batch=2, data_dir=gen_olmo)
+
+    def turn(prompt: str) -> str:
+        return chat.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+
+    task, docs = CHOICE_TASKS["piqa_gen"], fixture_docs("piqa_gen")
+    squad_docs = [local_tasks.squad_doc(squad_record(i, d)["doc"]) for i, d in enumerate(SQUAD_DOCS)]
+    for name, prompts, tokens in (("piqa_gen", [task.prompt(d) for d in docs], generative.CHOICE_TOKENS),
+                                  ("squad_gen", [squad_prompt(d) for d in squad_docs], generative.SQUAD_TOKENS)):
+        # What the model wrote on each prompt as one user turn, greedily and alone, up to a newline.
+        alone = greedy_generate(writer, chat, [turn(p) for p in prompts], tokens, batch=1)
+        assert [s["generation"] for s in wrapped[name]["samples"]] == [text.split("\n")[0] for text in alone]
+    assert [s["generation"] for s in wrapped["piqa_gen"]["samples"]] != [s["generation"] for s in bare["piqa_gen"]["samples"]]
+    assert wrapped["piqa"]["acc"] == bare["piqa"]["acc"]  # log-likelihood scoring keeps the bare text
+
+
+def test_chat_template_needs_one_and_a_bool(writer, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="no chat template"):
+        evaluate(writer, tokenizer, "zeroshot_gen", limit=1, chat_template=True)
+    with pytest.raises(TypeError, match="true or false"):
+        evaluate(writer, tokenizer, "zeroshot_gen", limit=1, chat_template="yes")
+
+
+def test_resuming_keeps_generative_results_only_under_the_same_chat_template():
+    from linearize.eval import api
+
+    shared = {key: None for key in api.SETTINGS} | {"tasks": ["piqa", "piqa_gen"], "limit": 4, "lengths": [1024]}
+    previous = {"provenance": shared, "tasks": {"piqa": {"acc": 0.5}, "piqa_gen": {"acc": 0.25}}}
+    kept, _ = api.resumable_tasks(previous, shared | {"chat_template": True})
+    assert set(kept) == {"piqa"}  # the generative task's prompts change, the log-likelihood task's do not
+    kept, _ = api.resumable_tasks(previous, shared)
+    assert set(kept) == {"piqa", "piqa_gen"}
