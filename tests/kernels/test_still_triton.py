@@ -1,7 +1,9 @@
 """The STILL kernels equal the reference op (`still_parallel(fresh=True, keep_state=False)`), in the
 output and the gradients of q, k, v, both feature maps' outputs and the gate; and a STILL model run
 through them gives the PyTorch path's (backend "torch") logits, gradients, cached state and greedy
-tokens.
+tokens. A call continuing a filled state through them equals `still_parallel(fresh=False)` (y and the
+state after); a fresh call split into kernel blocks equals one pass; a tiny model's prompt prefilled
+in pieces gives the one call's logits.
 
 Without a GPU they run in Triton's interpreter, in a worker subprocess (interpreted.py), one test a case."""
 
@@ -12,7 +14,7 @@ from interpreted import cases
 from test_lizard_triton import HAS_TRITON
 
 from linearize.ops.gla_window.testing import within_tolerance
-from linearize.ops.still.testing import StillCase, compare_still
+from linearize.ops.still.testing import StillCase, compare_continued, compare_still
 
 bf16 = torch.bfloat16
 
@@ -36,6 +38,20 @@ GPU_CASES = {
 
 FAST_CASES = ("L100-gqa-gate",)
 
+# A fresh call over `prefix` tokens fills the state, the case's L tokens continue it. Slots overflow
+# in both calls (evictions inside the continued one) unless said otherwise; row 1 is left-padded.
+CONTINUED_CASES = {
+    "L100-after50-gqa-gate": StillCase(L=100, prefix=50),
+    "L100-after50-gqa-gate-bf16": StillCase(L=100, prefix=50, dtype=bf16),
+    "L130-after40-mha-nogate-d64": StillCase(L=130, prefix=40, HKV=4, D=64, F=64, gate=False),
+    "L70-after5-pad12": StillCase(L=70, prefix=5, pad=12),  # padding on both sides of the cut
+    "L30-after20-slots64": StillCase(L=30, prefix=20, slots=64),  # the slots hold every pick: no eviction
+    "L70-after33-random-pad10": StillCase(L=70, prefix=33, routing="random", pad=10),
+    "L40-after17-recency-nogate": StillCase(L=40, prefix=17, routing="recency", gate=False),
+    "L3-after9-nopad": StillCase(L=3, prefix=9, pad=0),
+}
+FAST_CONTINUED = ("L100-after50-gqa-gate",)
+
 
 def _check(case: StillCase, out: dict):
     assert out["path"] == "kernel", out["path"]
@@ -47,6 +63,57 @@ def test_interpreter(name, interpreter):
     code = ("from linearize.ops.still.testing import compare_still\nfrom test_still_triton import INTERPRETER_CASES\n"
             f"result = compare_still(INTERPRETER_CASES[{name!r}], 'cpu')")
     _check(INTERPRETER_CASES[name], interpreter.run(code, f"still {name}"))
+
+
+def _check_continued(case: StillCase, out: dict):
+    assert out["path"] == "kernel" and out["calls"] == 1, out
+    assert out["y"] < (1e-2 if case.dtype == bf16 else 1e-5), out
+    assert out["dtype"] == str(case.dtype), out
+    # The routing and the state run in float32 PyTorch either way: the same state, up to rounding.
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-6, out
+
+
+@pytest.mark.parametrize("name", cases(CONTINUED_CASES, FAST_CONTINUED))
+def test_continued_call_interpreter(name, interpreter):
+    code = ("from linearize.ops.still.testing import compare_continued\n"
+            "from test_still_triton import CONTINUED_CASES\n"
+            f"result = compare_continued(CONTINUED_CASES[{name!r}], 'cpu')")
+    _check_continued(CONTINUED_CASES[name], interpreter.run(code, f"still continued {name}"))
+
+
+def test_a_continued_call_needing_gradients_takes_the_reference(interpreter):
+    """The kernels' continued form has no backward: with a gradient wanted, `still` runs the reference."""
+    code = ("from linearize.ops.still.testing import compare_continued\n"
+            "from test_still_triton import CONTINUED_CASES\n"
+            "result = compare_continued(CONTINUED_CASES['L100-after50-gqa-gate'], 'cpu', requires_grad=True)")
+    out = interpreter.run(code, "still continued with gradients")
+    assert out["calls"] == 0 and out["differentiable"] and out["y"] < 1e-6, out
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-6, out
+
+
+@pytest.mark.parametrize("name, block", [("L130-gqa-gate", 48), ("L100-mha-nogate-pad10", 64)])
+def test_a_long_fresh_call_in_kernel_blocks_equals_one_pass(name, block, interpreter):
+    """KERNEL_BLOCK made tiny: the first block fresh, the others continued, against one `still_parallel`
+    pass and against the one-call kernel pass (y and the state after)."""
+    case = {"L130-gqa-gate": "StillCase(L=130)", "L100-mha-nogate-pad10": "StillCase(L=100, HKV=4, gate=False, pad=10)"}
+    code = ("from linearize.ops.still.testing import StillCase, compare_blocks\n"
+            f"result = compare_blocks({case[name]}, {block}, 'cpu')")
+    out = interpreter.run(code, f"still blocks {name}")
+    L = 130 if name == "L130-gqa-gate" else 100
+    assert out["fresh_calls"] == 1 and out["calls"] == -(-L // block) - 1, out
+    assert out["y"] < 1e-5 and out["y_old"] < 1e-5 and out["y_scored"] < 1e-5 and not out["scored_state"], out
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-5 and out["state_old"] < 1e-5, out
+
+
+@pytest.mark.interpreter
+def test_still_model_prefilled_in_pieces_through_the_kernels_gives_one_calls_logits(interpreter):
+    """Calls of 7 tokens continuing the cache (row 1's first one all padding), and one call in kernel
+    blocks of 16: the logits and the state of one call."""
+    out = interpreter.run("from linearize.ops.still.testing import check_pieces\nresult = check_pieces('cpu')",
+                          "still model in pieces")
+    assert out["piece_calls"] == 10 and out["block_calls"] == 4, out  # two layers: 5 and 2 continued calls each
+    assert out["pieces"] < 1e-5 and out["blocked"] < 1e-5, out
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-5, out
 
 
 def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path(interpreter):
@@ -65,6 +132,22 @@ def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path(int
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_gpu(name):
     _check(GPU_CASES[name], compare_still(GPU_CASES[name], "cuda"))
+
+
+GPU_CONTINUED_CASES = {
+    **CONTINUED_CASES,
+    "L1100-after900-w128-c64-slots768": StillCase(L=1100, prefix=900, H=8, HKV=2, D=64, F=64, window=128, chunk=64,
+                                                  per_chunk=48, slots=768, pad=37),
+    "L300-after200-d128-bf16": StillCase(L=300, prefix=200, H=4, HKV=1, D=128, F=128, window=64, chunk=64,
+                                         per_chunk=8, slots=64, dtype=bf16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("name", GPU_CONTINUED_CASES)
+def test_continued_call_gpu(name):
+    _check_continued(GPU_CONTINUED_CASES[name], compare_continued(GPU_CONTINUED_CASES[name], "cuda"))
 
 
 @pytest.mark.gpu

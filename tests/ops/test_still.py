@@ -8,7 +8,7 @@ import torch
 
 from linearize.config import ConfigError, StillConfig, make_method_config
 from linearize.feature_maps import NormPreservingFeatureMap
-from linearize.ops.common import repeat_kv
+from linearize.ops.common import exp_weights, repeat_kv
 from linearize.ops.still import naive as still
 
 B, H, HKV, D, F = 2, 4, 2, 8, 3
@@ -431,3 +431,53 @@ def test_inductor_compiled_step_equals_the_eager_one_as_slots_overflow(routing):
                 torch.testing.assert_close(compiled_state[name], eager_state[name], atol=1e-10, rtol=1e-9)
             evicted |= bool(eager_state["sal_used"].all()) and t > budget
     assert evicted
+
+
+def _combined_attention(q, fq, keys, values, fk, fold, key_valid, scale, eps):
+    """What the fresh-pass kernel computes over a combined sequence, in PyTorch: query row i sees key
+    j <= i, with softmax while i < fold[j], linear from fold[j] on; y_soft, y_lin over den (with eps)."""
+    n_rep = q.shape[1] // keys.shape[1]
+    N = q.shape[2]
+    i = torch.arange(N)[:, None]
+    j = torch.arange(N)[None, :]
+    ft, ok = repeat_kv(fold, n_rep)[:, :, None, :], repeat_kv(key_valid, n_rep)[:, :, None, :]
+    seen = (j <= i) & ok
+    soft, lin = seen & (i < ft), seen & (ft <= i)
+    scores = (q @ repeat_kv(keys, n_rep).transpose(-1, -2)) * scale
+    weights, _ = exp_weights(scores.masked_fill(~soft, float("-inf")))
+    lam = (fq @ fk.transpose(-1, -2)) * lin
+    den = weights.sum(-1) + lam.sum(-1) + eps
+    values = repeat_kv(values, n_rep)
+    return (weights @ values) / den[..., None], (lam @ values) / den[..., None], den
+
+
+@pytest.mark.parametrize("routing", still.ROUTINGS)
+@pytest.mark.parametrize("gate", [True, False])
+def test_continued_routing_in_combined_indices_gives_the_parallel_form(routing, gate):
+    """`continued_routing` (what the kernels take for a call continuing a state): its fold times, as
+    indices of the combined sequence [slots, window, new tokens] with zero queries before the new
+    ones, under the kernel's masks, plus the carried S and z, give `still_parallel(fresh=False)`'s y,
+    and its state is the parallel form's. Slots overflow in both calls; the call starts at 17."""
+    (q, k, v, g), valid, phi_q, phi_k = setup(40, gate=gate)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": routing, "scale": D**-0.5, "eps": 1e-6}
+    cut = slice(0, 17), slice(17, None)
+    part = [(q[:, :, s], k[:, :, s], v[:, :, s], valid[:, s], None if g is None else g[:, :, s]) for s in cut]
+    with torch.no_grad():
+        _, state = still.still_parallel(*part[0], state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
+        assert state["sal_used"].all()  # full: the next call evicts
+        y_ref, s_ref = still.still_parallel(*part[1], state, phi_q, phi_k, start=17, **opts)
+        qn, kn, vn, valid_n, gn = part[1]
+        keys, values, key_valid, fold, fk, s_new = still.continued_routing(qn, kn, vn, valid_n, state, phi_k, start=17,
+                                                                           **opts)
+        P, L = keys.shape[2] - qn.shape[2], qn.shape[2]
+        assert P == 5 + 3 and fold.shape == key_valid.shape == (B, HKV, P + L)
+        fq = phi_q(qn)
+        zeros = lambda t: torch.cat([t.new_zeros(*t.shape[:2], P, t.shape[3]), t], 2)
+        y_soft, y_lin, den = (t[:, :, P:] for t in _combined_attention(zeros(qn), zeros(fq), keys, values, fk, fold,
+                                                                       key_valid, opts["scale"], opts["eps"]))
+        den = den[..., None]
+        lin = den * y_lin + fq @ state["S"]
+        y = (den * y_soft + (lin if gn is None else gn * lin)) / (den + (fq @ state["z"][..., None]))
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-10)
+    for name in s_ref:
+        torch.testing.assert_close(s_new[name], s_ref[name], atol=1e-12, rtol=1e-10, msg=name)

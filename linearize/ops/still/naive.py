@@ -465,6 +465,39 @@ def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, rou
     return new - start, next_state
 
 
+def continued_routing(q, k, v, valid, state, phi_k, *, start, window, chunk, per_chunk, routing, scale, eps,
+                      keep_state=True):
+    """The routing of a call over L tokens continuing `state`, for the kernels to run the attention
+    over the combined sequence: the K salient slots, the W - 1 window keys, then the L new tokens
+    (P = K + W - 1 keys before the new ones, so the call's query i sits at combined index P + i).
+
+    Returns its keys and values [B, H_kv, P + L, d], their validity [B, H_kv, P + L] (unused slots
+    and padding invalid), each key's fold time as a combined index (key j softmax-visible to the
+    combined queries j..E_j - 1, linear from E_j; NEVER for the keys that stay), fk = phi_k of each
+    query head's keys [B, H, P + L, F], and the state after the call (None without `keep_state`).
+    The routing and the state are `still_parallel(fresh=False)`'s; the keys folded before the call
+    are in `state["S"]` and `state["z"]`, which the caller adds."""
+    keys, values, key_valid, scores, chosen, _, fold_time, slot_ids, slots = _route(
+        q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk, routing=routing,
+        scale=scale, eps=eps, fresh=False, keep_state=keep_state)
+    n_rep = q.shape[1] // k.shape[1]
+    all_keys = torch.cat([state["sal_k"], keys], dim=2)
+    all_values = torch.cat([state["sal_v"], values], dim=2)
+    all_valid = torch.cat([state["sal_used"], key_valid[:, None, :].expand(-1, k.shape[1], -1)], dim=2)
+    # `_route`'s fold times are absolute (query t at time t; the slots arrived before the call, the
+    # window's and new keys at their positions start - W + 1 ..): time t is combined index t - start + P.
+    P = state["sal_used"].shape[-1] + window - 1
+    fold = torch.where(fold_time == NEVER, NEVER, fold_time - start + P)
+    fk = phi_k(repeat_kv(all_keys, n_rep))
+    if not keep_state:
+        return all_keys, all_values, all_valid, fold, fk, None
+    folded = (fold_time != NEVER) & all_valid
+    fk_folded = fk * repeat_kv(folded, n_rep)[..., None].to(q.dtype)
+    next_state = _next_state(state, (keys, values, key_valid, scores, chosen), (all_keys, all_values), slot_ids,
+                             slots, fk_folded, repeat_kv(all_values, n_rep), valid, window - 1)
+    return all_keys, all_values, all_valid, fold, fk, next_state
+
+
 def _next_state(state, combined, slot_sources, slot_ids, slots, fk_folded, values_rep, valid, W1):
     """The state after a parallel call: `combined` its (keys, values, validity, scores, selections)
     from `_scored_window`; `slot_sources` the keys and values the slots are gathered from (the old

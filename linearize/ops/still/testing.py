@@ -1,8 +1,13 @@
-"""Check the STILL kernels against the reference op: `compare_still` (what the tests use).
+"""Check the STILL kernels against the reference op (what the tests use).
 
-Reference: `naive.still_parallel(fresh=True, keep_state=False)` in float64 on the same (rounded)
-inputs, with the feature maps' outputs fq, fk given as tensors, so their gradients are compared too.
-Relative Frobenius errors of y and of every gradient, as `gla_window.testing.compare` reports them.
+`compare_still`: a fresh pass, against `naive.still_parallel(fresh=True, keep_state=False)` in
+float64 on the same (rounded) inputs, with the feature maps' outputs fq, fk given as tensors, so their
+gradients are compared too. Relative Frobenius errors of y and of every gradient, as
+`gla_window.testing.compare` reports them.
+`compare_continued`: a call continuing a filled state through `still`'s kernel path, against
+`still_parallel(fresh=False)` on the same state and inputs: y and every entry of the state after.
+`compare_blocks`: a fresh call split into kernel blocks, against one `still_parallel` pass and the
+one-call kernel pass. `check_pieces`: a tiny STILL model's prompt prefilled in pieces.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import dataclasses
 
 import torch
 
+from .. import still as dispatch
 from ..gla_window.testing import _rel
 from . import naive as still
 from . import unsupported_reason
@@ -34,6 +40,7 @@ class StillCase:
     pad: int = 3  # left padding of the second row
     routing: str = "saliency"
     dtype: torch.dtype = torch.float32
+    prefix: int = 0  # `compare_continued`: tokens of the first (fresh) call, which fills the state
 
 
 def make_inputs(case: StillCase, device, seed=0):
@@ -88,3 +95,159 @@ def compare_still(case: StillCase, device="cuda", seed=0):
     errors = {name: (_rel(ours[i], exact[i]), _rel(fp32[i], exact[i]))
               for i, name in enumerate(NAMES) if exact[i] is not None}
     return {"path": reason or "kernel", "errors": errors}
+
+
+class FeatureMap(torch.nn.Module):
+    """A fixed positive feature map, softmax(x W) [.., F] (the kernels' paths read `out_dim`, and the
+    continued path applies phi_k to the state's stored keys, so a map rather than given outputs)."""
+
+    def __init__(self, D, F, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("weight", torch.randn(D, F, generator=g) * D**-0.5)
+        self.out_dim = F
+
+    def forward(self, x):
+        return (x @ self.weight.to(x.device, x.dtype)).softmax(-1)
+
+
+def _state_errors(ours: dict, ref: dict) -> dict:
+    """Same entries, integer and boolean ones equal, the largest relative error of the float ones."""
+    return {"state_names": sorted(ours) == sorted(ref),
+            "state_exact": all(torch.equal(ours[n], ref[n]) for n in ref if not ref[n].is_floating_point()),
+            "state": max(_rel(ours[n], ref[n]) for n in ref if ref[n].is_floating_point() and ref[n].norm() > 0)}
+
+
+def _counting_parts(calls: list):
+    """Count `still_attention_parts` calls (the continued kernel path) while the context is open."""
+    import contextlib
+
+    from . import triton as kernels
+
+    @contextlib.contextmanager
+    def counting():
+        parts = kernels.still_attention_parts
+        kernels.still_attention_parts = lambda *a, **k: calls.append(1) or parts(*a, **k)
+        try:
+            yield
+        finally:
+            kernels.still_attention_parts = parts
+
+    return counting()
+
+
+def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False):
+    """A fresh call over `case.prefix` tokens fills a state (the reference's); a call over the next
+    `case.L` continues it, through `still` (the kernels, operands in `case.dtype`) and through
+    `still_parallel(fresh=False)` in float32. Relative error of y, the state's errors, the path, and
+    how many kernel calls ran. `requires_grad`: q needs a gradient in the call through `still` (which
+    then takes the reference, the kernels' continued form having no backward)."""
+    case_all = dataclasses.replace(case, L=case.prefix + case.L, dtype=torch.float32)
+    (q, k, v, _, _, gate), valid, _ = make_inputs(case_all, device, seed)
+    phi_q, phi_k = FeatureMap(case.D, case.F, seed + 1).to(device), FeatureMap(case.D, case.F, seed + 2).to(device)
+    options = _options(case)
+    first, rest = slice(0, case.prefix), slice(case.prefix, None)
+
+    def part(s):
+        return q[:, :, s], k[:, :, s], v[:, :, s], valid[:, s], None if gate is None else gate[:, :, s]
+
+    state = naive_init(case, device)
+    calls = []
+    with torch.no_grad():
+        _, state = still.still_parallel(*part(first), state, phi_q, phi_k, start=0, **options, fresh=True)
+        ref_y, ref_state = still.still_parallel(*part(rest), state, phi_q, phi_k, start=case.prefix, **options)
+        inputs = part(rest)
+        with _counting_parts(calls), torch.set_grad_enabled(requires_grad):
+            inputs = (inputs[0].clone().requires_grad_(requires_grad), *inputs[1:])
+            y, new_state = dispatch.still(*inputs, state, phi_q, phi_k, fresh=False, start=case.prefix,
+                                          caching=True, dtype=case.dtype, **options)
+    reason = unsupported_reason(q, k, case.F)
+    return {"path": reason or "kernel", "calls": len(calls), "y": _rel(y.detach(), ref_y), "dtype": str(y.dtype),
+            "differentiable": y.requires_grad,
+            **_state_errors(new_state, ref_state)}
+
+
+def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
+    """A fresh call over `case.L` tokens through `still` with KERNEL_BLOCK = `block`, against one
+    `still_parallel` fresh pass and against the one-call kernel pass: relative errors of y and of the
+    state after, how many fresh and continued kernel calls the caching call ran, and a scoring call's
+    y (caching off) and whether it returned a state."""
+    from . import triton as kernels
+
+    (q, k, v, _, _, gate), valid, _ = make_inputs(dataclasses.replace(case, dtype=torch.float32), device, seed)
+    phi_q, phi_k = FeatureMap(case.D, case.F, seed + 1).to(device), FeatureMap(case.D, case.F, seed + 2).to(device)
+    options = _options(case)
+    inputs = (q, k, v, valid, gate, naive_init(case, device), phi_q, phi_k)
+    fresh_calls, calls = [], []
+    one_call = kernels.still_attention_triton
+    kept = dispatch.KERNEL_BLOCK
+    with torch.no_grad():
+        ref_y, ref_state = still.still_parallel(*inputs, start=0, **options, fresh=True)
+        old_y, old_state = dispatch._fresh_pass_through_kernels(*inputs, start=0, caching=True, dtype=case.dtype,
+                                                                **options)
+        kernels.still_attention_triton = lambda *a, **k: fresh_calls.append(1) or one_call(*a, **k)
+        dispatch.KERNEL_BLOCK = block
+        try:
+            with _counting_parts(calls):
+                y, new_state = dispatch.still(*inputs, fresh=True, start=0, caching=True, dtype=case.dtype, **options)
+            fresh_count = len(fresh_calls)
+            # A scoring pass: no state kept after the last block.
+            y_scored, no_state = dispatch.still(*inputs, fresh=True, start=0, caching=False, dtype=case.dtype,
+                                                **options)
+        finally:
+            dispatch.KERNEL_BLOCK = kept
+            kernels.still_attention_triton = one_call
+    vs_ref, vs_old = _state_errors(new_state, ref_state), _state_errors(new_state, old_state)
+    return {"fresh_calls": fresh_count, "calls": len(calls), "y": _rel(y, ref_y), "y_old": _rel(y, old_y),
+            "y_scored": _rel(y_scored, ref_y), "scored_state": no_state is not None,
+            "state_names": vs_ref["state_names"], "state_exact": vs_ref["state_exact"] and vs_old["state_exact"],
+            "state": vs_ref["state"], "state_old": vs_old["state"]}
+
+
+def naive_init(case: StillCase, device):
+    """The empty float32 state for the case's shapes."""
+    return still.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, case.slots, device=device)
+
+
+def check_pieces(device="cpu", length=40, piece=7, block=16):
+    """A tiny STILL model (tests/tiny_models.py, importable as `tiny_models`) under the default backend,
+    without gradients: one cached call over a left-padded prompt against the same prompt in calls of
+    `piece` tokens, each continuing the cache (logits, and the state after), and against one call with
+    KERNEL_BLOCK = `block`. Relative errors and the kernel calls each way ran."""
+    from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+    from transformers import DynamicCache
+
+    import linearize
+
+    model = tiny_teacher()
+    linearize.convert(model, "still", **TINY_OPTIONS["still"])
+    perturb_new_parameters(model)
+    model.to(device)
+    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # row 1's first piece is all padding
+
+    def run(step):
+        cache = DynamicCache(config=model.config)
+        logits = [model(input_ids=ids[:, lo : lo + step], attention_mask=mask[:, : lo + step], past_key_values=cache,
+                        use_cache=True).logits for lo in range(0, length, step)]
+        return torch.cat(logits, 1), [layer.state for layer in cache.layers]
+
+    calls = []
+    kept = dispatch.KERNEL_BLOCK
+    with torch.no_grad():
+        one, one_states = run(length)
+        with _counting_parts(calls):
+            pieces, states = run(piece)
+            piece_calls = len(calls)
+            dispatch.KERNEL_BLOCK = block
+            try:
+                blocked, blocked_states = run(length)
+            finally:
+                dispatch.KERNEL_BLOCK = kept
+    pairs = [(s, r) for s, r in zip(states, one_states, strict=True)] + list(zip(blocked_states, one_states,
+                                                                                   strict=True))
+    errors = [_state_errors(s, r) for s, r in pairs]
+    return {"piece_calls": piece_calls, "block_calls": len(calls) - piece_calls, "pieces": _rel(pieces, one),
+            "blocked": _rel(blocked, one), "state_names": all(e["state_names"] for e in errors),
+            "state_exact": all(e["state_exact"] for e in errors), "state": max(e["state"] for e in errors)}

@@ -1,5 +1,9 @@
-"""Triton kernels for STILL's attention in a fresh pass (training, scoring): flash-attention style, one
-program per block of queries walking the keys, so no [L, L] score or mask is ever stored.
+"""Triton kernels for STILL's attention over a sequence given each key's fold time: flash-attention
+style, one program per block of queries walking the keys, so no [L, L] score or mask is ever stored.
+A fresh pass (training, scoring, a prefill) runs them as they are (`still_attention_triton`,
+differentiable); a call continuing a state runs the forward over [the state's softmax-visible keys,
+the new tokens] (`still_attention_parts`: the output's parts, no autograd), `ops.still` adding the
+carried linear state.
 
 Each key j is softmax-visible from its arrival until its fold time E_j (from the routing in
 `ops.still`, relative to the pass) and linear after it:
@@ -211,26 +215,36 @@ def supports(q, k, features: int) -> str | None:
     return None
 
 
+def _forward(q, k, v, fq, fk, gate, fold, valid, scale, eps, save, parts_dtype):
+    """`_fwd_kernel` over the inputs cast to q's dtype: the cast inputs (q, k, v, fq, fk, fold, valid)
+    and the outputs (y, y_soft, y_lin, m, l_soft, den, arg); y_soft and y_lin in `parts_dtype`, and
+    only y written without `save`."""
+    B, H, L, D = q.shape
+    HKV, F = k.shape[1], fq.shape[-1]
+    dtype = q.dtype
+    q, k, v, fq, fk = (t.to(dtype).contiguous() for t in (q, k, v, fq, fk))
+    g = gate.float().contiguous() if gate is not None else q  # placeholder, unread without a gate
+    fold = fold.clamp(max=NEVER).to(torch.int32).contiguous()
+    valid = valid.to(torch.int8).contiguous()
+    y = torch.empty_like(q)
+    parts = (torch.empty_like(q, dtype=parts_dtype), torch.empty_like(q, dtype=parts_dtype)) if save else (y, y)
+    m, l_soft, den = (torch.empty(B, H, L, device=q.device, dtype=torch.float32) for _ in range(3))
+    arg = torch.empty(B, H, L, device=q.device, dtype=torch.int32)
+    block = block_size(dtype, D, F)
+    _fwd_kernel[(B * H, triton.cdiv(L, block))](q, k, v, fq, fk, g, fold, valid, y, *parts, m, l_soft, den, arg, L, H,
+                                                HKV, scale, eps, D=D, F=F, BM=block, BN=block, GATE=gate is not None,
+                                                SAVE=save, DT=DOT_DTYPES[dtype])
+    return (q, k, v, fq, fk, fold, valid), (y, *parts, m, l_soft, den, arg)
+
+
 class StillAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, gate, fold, valid, scale, eps, save):
-        B, H, L, D = q.shape
-        HKV, F = k.shape[1], fq.shape[-1]
-        dtype = q.dtype
         ctx.dtypes = [t.dtype for t in (k, v, fq, fk)]
-        q, k, v, fq, fk = (t.to(dtype).contiguous() for t in (q, k, v, fq, fk))
-        g = gate.float().contiguous() if gate is not None else q  # placeholder, unread without a gate
-        fold = fold.clamp(max=NEVER).to(torch.int32).contiguous()
-        valid = valid.to(torch.int8).contiguous()
-        y = torch.empty_like(q)
-        y_soft, y_lin = (torch.empty_like(q), torch.empty_like(q)) if save else (y, y)
-        m, l_soft, den = (torch.empty(B, H, L, device=q.device, dtype=torch.float32) for _ in range(3))
-        arg = torch.empty(B, H, L, device=q.device, dtype=torch.int32)
-        block = block_size(dtype, D, F)
-        _fwd_kernel[(B * H, triton.cdiv(L, block))](q, k, v, fq, fk, g, fold, valid, y, y_soft, y_lin, m, l_soft, den,
-                                                    arg, L, H, HKV, scale, eps, D=D, F=F, BM=block, BN=block,
-                                                    GATE=gate is not None, SAVE=save, DT=DOT_DTYPES[dtype])
+        inputs, (y, y_soft, y_lin, m, l_soft, den, arg) = _forward(q, k, v, fq, fk, gate, fold, valid, scale, eps,
+                                                                   save, q.dtype)
         if save:
+            q, k, v, fq, fk, fold, valid = inputs
             ctx.save_for_backward(q, k, v, fq, fk, gate, fold, valid, y_soft, y_lin, m, l_soft, den, arg)
             ctx.scale = scale
         return y
@@ -277,3 +291,14 @@ def still_attention_triton(q, k, v, fq, fk, gate, fold, valid, *, scale, eps=1e-
     # Keep what the backward needs only when there will be one (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, fq, fk, gate))
     return StillAttentionFunction.apply(q, k, v, fq, fk, gate, fold, valid, float(scale), float(eps), save)
+
+
+def still_attention_parts(q, k, v, fq, fk, fold, valid, *, scale, eps=1e-6):
+    """The pieces of `still_attention_triton`'s y without a gate, forward only (no autograd): y_soft
+    = acc_soft / den and y_lin = acc_lin / den [B, H, L, d] in float32, and den = l_soft + l_lin + eps
+    [B, H, L] (l_soft and acc_soft shifted by the row max of the softmax set, the linear terms not).
+    A caller adds terms the kernel does not see (a carried linear state) to acc = y * den and den."""
+    with torch.no_grad():
+        _, (_, y_soft, y_lin, _, _, den, _) = _forward(q, k, v, fq, fk, None, fold, valid, float(scale), float(eps),
+                                                       True, torch.float32)
+    return y_soft, y_lin, den
