@@ -283,3 +283,47 @@ def check_still(device, dtype=torch.float32, length=45):
                   "state": max(_rel(a, b) for a, b in pairs if b.is_floating_point() and b.norm() > 0),
                   "state_exact": all(torch.equal(a, b) for a, b in pairs if not b.is_floating_point()),
                   "same_tokens": torch.equal(tokens, ref_tokens)}
+
+
+def check_still_pieces(device="cpu", length=40, piece=7, block=16):
+    """A tiny STILL model under the default backend, without gradients: one cached call over a
+    left-padded prompt against the same prompt in calls of `piece` tokens, each continuing the cache
+    (logits, and the state after), and against one call with KERNEL_BLOCK = `block`. Relative errors
+    and the kernel calls each way ran."""
+    from tiny_models import TINY_OPTIONS
+
+    from linearize.ops import still as dispatch
+    from linearize.ops.still.testing import counting_parts, state_errors
+
+    model = tiny_teacher()
+    linearize.convert(model, "still", **TINY_OPTIONS["still"])
+    perturb_new_parameters(model)
+    model.to(device)
+    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # row 1's first piece is all padding
+
+    def run(step):
+        cache = DynamicCache(config=model.config)
+        logits = [model(input_ids=ids[:, lo : lo + step], attention_mask=mask[:, : lo + step], past_key_values=cache,
+                        use_cache=True).logits for lo in range(0, length, step)]
+        return torch.cat(logits, 1), [layer.state for layer in cache.layers]
+
+    calls = []
+    kept = dispatch.KERNEL_BLOCK
+    with torch.no_grad():
+        one, one_states = run(length)
+        with counting_parts(calls):
+            pieces, states = run(piece)
+            piece_calls = len(calls)
+            dispatch.KERNEL_BLOCK = block
+            try:
+                blocked, blocked_states = run(length)
+            finally:
+                dispatch.KERNEL_BLOCK = kept
+    pairs = [(s, r) for s, r in zip(states, one_states, strict=True)] + list(zip(blocked_states, one_states,
+                                                                                   strict=True))
+    errors = [state_errors(s, r) for s, r in pairs]
+    return {"piece_calls": piece_calls, "block_calls": len(calls) - piece_calls, "pieces": _rel(pieces, one),
+            "blocked": _rel(blocked, one), "state_names": all(e["state_names"] for e in errors),
+            "state_exact": all(e["state_exact"] for e in errors), "state": max(e["state"] for e in errors)}

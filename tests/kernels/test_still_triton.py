@@ -109,7 +109,7 @@ def test_a_long_fresh_call_in_kernel_blocks_equals_one_pass(name, block, interpr
 def test_still_model_prefilled_in_pieces_through_the_kernels_gives_one_calls_logits(interpreter):
     """Calls of 7 tokens continuing the cache (row 1's first one all padding), and one call in kernel
     blocks of 16: the logits and the state of one call."""
-    out = interpreter.run("from linearize.ops.still.testing import check_pieces\nresult = check_pieces('cpu')",
+    out = interpreter.run("import attention_kernel_check as c\nresult = c.check_still_pieces('cpu')",
                           "still model in pieces")
     assert out["piece_calls"] == 10 and out["block_calls"] == 4, out  # two layers: 5 and 2 continued calls each
     assert out["pieces"] < 1e-5 and out["blocked"] < 1e-5, out

@@ -7,7 +7,8 @@ gradients are compared too. Relative Frobenius errors of y and of every gradient
 `compare_continued`: a call continuing a filled state through `still`'s kernel path, against
 `still_parallel(fresh=False)` on the same state and inputs: y and every entry of the state after.
 `compare_blocks`: a fresh call split into kernel blocks, against one `still_parallel` pass and the
-one-call kernel pass. `check_pieces`: a tiny STILL model's prompt prefilled in pieces.
+one-call kernel pass. `counting_parts` and `state_errors` serve the model-level check
+(tests/attention_kernel_check.py `check_still_pieces`), which needs the tests' tiny models.
 """
 
 from __future__ import annotations
@@ -111,14 +112,14 @@ class FeatureMap(torch.nn.Module):
         return (x @ self.weight.to(x.device, x.dtype)).softmax(-1)
 
 
-def _state_errors(ours: dict, ref: dict) -> dict:
+def state_errors(ours: dict, ref: dict) -> dict:
     """Same entries, integer and boolean ones equal, the largest relative error of the float ones."""
     return {"state_names": sorted(ours) == sorted(ref),
             "state_exact": all(torch.equal(ours[n], ref[n]) for n in ref if not ref[n].is_floating_point()),
             "state": max(_rel(ours[n], ref[n]) for n in ref if ref[n].is_floating_point() and ref[n].norm() > 0)}
 
 
-def _counting_parts(calls: list):
+def counting_parts(calls: list):
     """Count `still_attention_parts` calls (the continued kernel path) while the context is open."""
     import contextlib
 
@@ -157,14 +158,14 @@ def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False
         _, state = still.still_parallel(*part(first), state, phi_q, phi_k, start=0, **options, fresh=True)
         ref_y, ref_state = still.still_parallel(*part(rest), state, phi_q, phi_k, start=case.prefix, **options)
         inputs = part(rest)
-        with _counting_parts(calls), torch.set_grad_enabled(requires_grad):
+        with counting_parts(calls), torch.set_grad_enabled(requires_grad):
             inputs = (inputs[0].clone().requires_grad_(requires_grad), *inputs[1:])
             y, new_state = dispatch.still(*inputs, state, phi_q, phi_k, fresh=False, start=case.prefix,
                                           caching=True, dtype=case.dtype, **options)
     reason = unsupported_reason(q, k, case.F)
     return {"path": reason or "kernel", "calls": len(calls), "y": _rel(y.detach(), ref_y), "dtype": str(y.dtype),
             "differentiable": y.requires_grad,
-            **_state_errors(new_state, ref_state)}
+            **state_errors(new_state, ref_state)}
 
 
 def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
@@ -188,7 +189,7 @@ def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
         kernels.still_attention_triton = lambda *a, **k: fresh_calls.append(1) or one_call(*a, **k)
         dispatch.KERNEL_BLOCK = block
         try:
-            with _counting_parts(calls):
+            with counting_parts(calls):
                 y, new_state = dispatch.still(*inputs, fresh=True, start=0, caching=True, dtype=case.dtype, **options)
             fresh_count = len(fresh_calls)
             # A scoring pass: no state kept after the last block.
@@ -197,7 +198,7 @@ def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
         finally:
             dispatch.KERNEL_BLOCK = kept
             kernels.still_attention_triton = one_call
-    vs_ref, vs_old = _state_errors(new_state, ref_state), _state_errors(new_state, old_state)
+    vs_ref, vs_old = state_errors(new_state, ref_state), state_errors(new_state, old_state)
     return {"fresh_calls": fresh_count, "calls": len(calls), "y": _rel(y, ref_y), "y_old": _rel(y, old_y),
             "y_scored": _rel(y_scored, ref_y), "scored_state": no_state is not None,
             "state_names": vs_ref["state_names"], "state_exact": vs_ref["state_exact"] and vs_old["state_exact"],
@@ -207,47 +208,3 @@ def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
 def naive_init(case: StillCase, device):
     """The empty float32 state for the case's shapes."""
     return still.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, case.slots, device=device)
-
-
-def check_pieces(device="cpu", length=40, piece=7, block=16):
-    """A tiny STILL model (tests/tiny_models.py, importable as `tiny_models`) under the default backend,
-    without gradients: one cached call over a left-padded prompt against the same prompt in calls of
-    `piece` tokens, each continuing the cache (logits, and the state after), and against one call with
-    KERNEL_BLOCK = `block`. Relative errors and the kernel calls each way ran."""
-    from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
-    from transformers import DynamicCache
-
-    import linearize
-
-    model = tiny_teacher()
-    linearize.convert(model, "still", **TINY_OPTIONS["still"])
-    perturb_new_parameters(model)
-    model.to(device)
-    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0  # row 1's first piece is all padding
-
-    def run(step):
-        cache = DynamicCache(config=model.config)
-        logits = [model(input_ids=ids[:, lo : lo + step], attention_mask=mask[:, : lo + step], past_key_values=cache,
-                        use_cache=True).logits for lo in range(0, length, step)]
-        return torch.cat(logits, 1), [layer.state for layer in cache.layers]
-
-    calls = []
-    kept = dispatch.KERNEL_BLOCK
-    with torch.no_grad():
-        one, one_states = run(length)
-        with _counting_parts(calls):
-            pieces, states = run(piece)
-            piece_calls = len(calls)
-            dispatch.KERNEL_BLOCK = block
-            try:
-                blocked, blocked_states = run(length)
-            finally:
-                dispatch.KERNEL_BLOCK = kept
-    pairs = [(s, r) for s, r in zip(states, one_states, strict=True)] + list(zip(blocked_states, one_states,
-                                                                                   strict=True))
-    errors = [_state_errors(s, r) for s, r in pairs]
-    return {"piece_calls": piece_calls, "block_calls": len(calls) - piece_calls, "pieces": _rel(pieces, one),
-            "blocked": _rel(blocked, one), "state_names": all(e["state_names"] for e in errors),
-            "state_exact": all(e["state_exact"] for e in errors), "state": max(e["state"] for e in errors)}
