@@ -217,25 +217,24 @@ def test_runs_from_before_the_sweep_still_render():
     assert any(line.startswith("| 2K | this GPU (NVIDIA H200) |") for line in lines)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_an_8b_shape_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
+def refused_in_one_line(capsys, out: Path, *argv, names: str) -> None:
+    """`bench train ... --out out` exits 2 with one line naming `names`, and writes no `out`."""
     from linearize.cli import main
 
-    assert main(["bench", "train", "--shape", "llama3-8b", "--quick", "--out", str(tmp_path / "out")]) == 2
+    assert main(["bench", "train", *map(str, argv), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "needs a GPU" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "out").exists()
+    assert names in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_an_8b_shape_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
+    refused_in_one_line(capsys, tmp_path / "out", "--shape", "llama3-8b", "--quick", names="needs a GPU")
 
 
 def test_tokens_per_step_that_a_length_does_not_divide_is_refused_in_one_line(teacher_dir, tmp_path, capsys):
-    from linearize.cli import main
-
-    argv = ["bench", "train", "--model", str(teacher_dir), "--quick", "--seq-lens", "48", "--tokens-per-step", "64",
-            "--out", str(tmp_path / "out")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "not a multiple of the sequence length" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "out").exists()
+    refused_in_one_line(capsys, tmp_path / "out", "--model", teacher_dir, "--quick", "--seq-lens", "48",
+                        "--tokens-per-step", "64", names="not a multiple of the sequence length")
 
 
 def test_release_step_drops_what_a_cut_short_step_left_on_the_model():
@@ -253,14 +252,8 @@ def test_release_step_drops_what_a_cut_short_step_left_on_the_model():
 
 
 def test_liger_times_stage_2_and_refuses_stage_1_in_one_line(teacher_dir, tmp_path, capsys):
-    from linearize.cli import main
-
     run("bench", "train", "--out", tmp_path / "liger", "--model", teacher_dir, "--method", "liger", "--quick",
         "--steps", "1", "--modes", "stage2", "--set", "window=8")
     assert [r["status"] for r in load(tmp_path / "liger")["rows"]] == ["ok"]
-    argv = ["bench", "train", "--model", str(teacher_dir), "--method", "liger", "--quick", "--modes", "stage1,stage2",
-            "--out", str(tmp_path / "out")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "liger adds no parameters for stage 1" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "out").exists()
+    refused_in_one_line(capsys, tmp_path / "out", "--model", teacher_dir, "--method", "liger", "--quick", "--modes",
+                        "stage1,stage2", names="liger adds no parameters for stage 1")
