@@ -134,15 +134,13 @@ def build(settings: dict, cfg: DistillConfig, mode: str, rt: Runtime, dtype: tor
 
         weights = weights_dtype(rt, sharded=False)
         model = build_student(cfg, None, dtype=weights) if stage else load_model(cfg.model, dtype=weights)
-        if mode != "full":
-            model, _ = prepare_stage(model, cfg, stage or 2)
-        model.to(rt.device)
     else:  # in `dtype` on the device from the start; new and trained parameters float32, as the trainer has them
         model = random_model(settings["shape"], device=rt.device, dtype=dtype, **settings.get("shape_overrides", {}))
         if stage:
             model = linearized_student(model, cfg)
-        if mode != "full":
-            model, _ = prepare_stage(model, cfg, stage or 2)
+    if mode != "full":
+        model, _ = prepare_stage(model, cfg, stage or 2)
+    model.to(rt.device)  # a loaded teacher's move (a shape's is built there)
     params = [p for p in model.parameters() if p.requires_grad]
     master_weights(params)  # the full fine-tune's: prepare_stage made the other modes' float32
     return model.train(), params
