@@ -54,24 +54,39 @@ def still(q, k, v, valid, gate, state, phi_q, phi_k, *, fresh, start, caching, d
     if not fresh and L == 1:
         return step(q, k, v, valid, gate, state, phi_q, phi_k, **options)
     if unsupported_reason(q, k, phi_q.out_dim) is None:
-        kernel_options = {"start": start, "caching": caching, "dtype": dtype or q.dtype, **options}
+        dtype = dtype or q.dtype
         if not _wants_gradients(q, k, v, gate, phi_q, phi_k):
-            return _through_kernels_in_blocks(q, k, v, valid, gate, state, phi_q, phi_k, fresh=fresh,
-                                              **kernel_options)
+            def through_kernels(*block, start, fresh, keep):
+                run = _fresh_pass_through_kernels if fresh else _continued_through_kernels
+                return run(*block, phi_q, phi_k, start=start, caching=keep, dtype=dtype, **options)
+
+            return _in_blocks(KERNEL_BLOCK, through_kernels, q, k, v, valid, gate, state, start=start, fresh=fresh,
+                              caching=caching)
         if fresh:
             # Training: one differentiable pass (the continued calls' kernels have no backward).
-            return _fresh_pass_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, **kernel_options)
-    # Long inputs go through the parallel form in blocks, each continuing from the state the previous
-    # one left (the same results, bounded memory).
+            return _fresh_pass_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, start=start,
+                                               caching=caching, dtype=dtype, **options)
+
+    # Long inputs go through the parallel form in blocks too (the same results, bounded memory).
+    def parallel(*block, start, fresh, keep):
+        return still_parallel(*block, phi_q, phi_k, **options, start=start, fresh=fresh, keep_state=keep)
+
+    return _in_blocks(MAX_PARALLEL, parallel, q, k, v, valid, gate, state, start=start, fresh=fresh, caching=caching)
+
+
+def _in_blocks(size, run, q, k, v, valid, gate, state, *, start, fresh, caching):
+    """`run(q, k, v, valid, gate, state, start=, fresh=, keep=)` over blocks of `size` tokens, each
+    continuing from the state the previous one left (only the first fresh, when `fresh` is; the state
+    kept after every block but the last, and after that one when `caching`): (y, the state after)."""
+    L = q.shape[2]
     outputs = []
-    for lo in range(0, L, MAX_PARALLEL):
-        part = slice(lo, lo + MAX_PARALLEL)
-        y, state = still_parallel(q[:, :, part], k[:, :, part], v[:, :, part], valid[:, part],
-                                  None if gate is None else gate[:, :, part], state, phi_q, phi_k, **options,
-                                  start=start + lo, fresh=fresh and lo == 0,
-                                  keep_state=caching or lo + MAX_PARALLEL < L)
+    for lo in range(0, L, size):
+        part = slice(lo, lo + size)
+        y, state = run(q[:, :, part], k[:, :, part], v[:, :, part], valid[:, part],
+                       None if gate is None else gate[:, :, part], state,
+                       start=start + lo, fresh=fresh and lo == 0, keep=caching or lo + size < L)
         outputs.append(y)
-    return torch.cat(outputs, 2), state
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2)), state
 
 
 def _wants_gradients(q, k, v, gate, phi_q, phi_k) -> bool:
@@ -81,23 +96,6 @@ def _wants_gradients(q, k, v, gate, phi_q, phi_k) -> bool:
     if any(t is not None and t.requires_grad for t in (q, k, v, gate)):
         return True
     return any(p.requires_grad for phi in (phi_q, phi_k) if isinstance(phi, torch.nn.Module) for p in phi.parameters())
-
-
-def _through_kernels_in_blocks(q, k, v, valid, gate, state, phi_q, phi_k, *, fresh, start, caching, dtype,
-                               **options):
-    """Blocks of KERNEL_BLOCK tokens through the kernels, each from the state the previous left (the
-    first one fresh when `fresh`): (y, the state after the call, None unless `caching`)."""
-    L = q.shape[2]
-    outputs = []
-    for lo in range(0, L, KERNEL_BLOCK):
-        part = slice(lo, lo + KERNEL_BLOCK)
-        block = (q[:, :, part], k[:, :, part], v[:, :, part], valid[:, part],
-                 None if gate is None else gate[:, :, part], state, phi_q, phi_k)
-        keep = caching or lo + KERNEL_BLOCK < L
-        run = _fresh_pass_through_kernels if fresh and lo == 0 else _continued_through_kernels
-        y, state = run(*block, start=start + lo, caching=keep, dtype=dtype, **options)
-        outputs.append(y)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2)), state
 
 
 def _continued_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, start, caching, dtype, **options):
