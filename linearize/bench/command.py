@@ -25,23 +25,22 @@ def size(text: str) -> int:
     return values[0]
 
 
-def methods(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHOD_CONFIGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"expected methods among {', '.join(METHOD_CONFIGS)}, got {text!r}")
-    return names
+def names_among(what: str, choices, *, unique: bool = False):
+    """An argparse type: one or more comma-separated names among `choices` (repeats dropped when `unique`)."""
+    def parse(text: str) -> list[str]:
+        names = [m.strip() for m in text.split(",") if m.strip()]
+        unknown = [m for m in names if m not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"expected {what} among {', '.join(choices)}, got {text!r}")
+        return list(dict.fromkeys(names)) if unique else names
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
 
 
+methods = names_among("methods", METHOD_CONFIGS)
 TRAIN_MODES = ("full", "lora", "stage1", "stage2")  # bench.train.MODES, named here without importing torch
-
-
-def train_modes(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in TRAIN_MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"expected modes among {', '.join(TRAIN_MODES)}, got {text!r}")
-    return list(dict.fromkeys(names))
+train_modes = names_among("modes", TRAIN_MODES, unique=True)
 
 
 def register(subparsers) -> None:
