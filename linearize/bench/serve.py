@@ -6,8 +6,12 @@ A point (clients N, prompt length P) submits N requests of P random tokens at on
 `linearize.serve.engine.Engine` of `max_batch` slots (N, capped), and reads every request's tokens
 as they arrive, as the web layer's streaming responses do. It records the output tokens per second
 over the point's wall time, time to first token (submit to first token) and inter-token latency (the
-gaps between a request's consecutive tokens) at p50 and p99, and the peak device memory. The engine
-runs in this process without HTTP: the scheduler, its slots and the model are what is measured.
+gaps between a request's consecutive tokens) at p50 and p99, and the peak device memory. It splits the
+wall time at the moment every request has its first token (`all_prefilled_s`): before it the engine
+still prefills prompts between decode steps, after it only decodes, and `decode_tokens_per_s` is the
+output rate over that tail alone. Output tokens/s over the whole point is what a user sees; the tail's
+rate is what the constant-size state buys once the prompts are in. The engine runs in this process
+without HTTP: the scheduler, its slots and the model are what is measured.
 
 A linearized model's requests hold one fixed-size state slot each, stepped together ("slots"); the
 softmax teacher's requests hold one row each of a batched KV cache, whose keys and values grow with every
@@ -97,10 +101,15 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
     tokens = sum(len(r["arrivals"]) for r in records)
     ttft = [(r["arrivals"][0] - r["submitted"]) * 1e3 for r in records]
     gaps = [(b - a) * 1e3 for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    all_prefilled = max(r["arrivals"][0] for r in records)
+    tail_tokens = sum(t > all_prefilled for r in records for t in r["arrivals"])
+    tail_s = started + wall - all_prefilled
     return {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "peak_running": engine.peak_running,
             "kv_budget_bytes": engine.kv_budget_bytes if engine.mode == "kv" else None,
-            "wall_s": wall, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / wall, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "all_prefilled_s": all_prefilled - started,
+            "decode_tokens_per_s": tail_tokens / tail_s if tail_tokens else None,
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
             "peak_bytes": peak_bytes(device)}
 
@@ -125,10 +134,11 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
         results["models"].append({"name": variant, "linearize": getattr(net.config, "linearize", None)})
         stopped = None
         for prompt_length in settings["prompt_lengths"]:
-            last_s = None
+            last = None  # (clients, wall seconds) of the last point measured at this length
             for clients in settings["clients"]:
                 point = {"model": variant, "clients": clients, "prompt_length": prompt_length}
-                estimate = None if last_s is None else last_s * 2  # at least: twice the clients
+                # At least proportional to the clients: every request's prompt is prefilled.
+                estimate = None if last is None else last[1] * clients / last[0]
                 if stopped is not None:
                     point.update(status="skipped", reason=stopped)
                 elif estimate is not None and time.monotonic() + estimate > deadline:
@@ -137,7 +147,7 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
                     try:
                         point.update(measure_point(net, clients=clients, prompt_length=prompt_length,
                                                    settings=settings, device=device))
-                        last_s = point["wall_s"]
+                        last = (clients, point["wall_s"])
                     except OOM as e:
                         point.update(status="oom", error=str(e).splitlines()[0])
                         stopped = f"a smaller point ran out of memory ({size_label(prompt_length)} x {clients})"
@@ -163,17 +173,21 @@ def tables(results: dict) -> list[str]:
     for clients, length in keys:
         cells = [cell(by.get((v, clients, length)), lambda r: number(r["output_tokens_per_s"])) for v in variants]
         lines.append(f"| {clients} | {size_label(length)} | " + " | ".join(cells) + " |")
-    lines += ["", "Latency and memory:", "",
-              "| model | clients | prompt | TTFT p50 / p99 ms | ITL p50 / p99 ms | peak memory | batching |",
-              "|---|---|---|---|---|---|---|"]
+    caption = ("Latency, phases and memory (all prefilled: when the last request got its first token, as a share "
+               "of the wall time; decode tokens/s: the output rate after it):")
+    header = ("| model | clients | prompt | TTFT p50 / p99 ms | ITL p50 / p99 ms | all prefilled | decode tokens/s "
+              "| peak memory | batching |")
+    lines += ["", caption, "", header, "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         if p["status"] != "ok":
             continue
         itl = "–" if p["itl_p50_ms"] is None else f"{number(p['itl_p50_ms'])} / {number(p['itl_p99_ms'])}"
+        decode = "–" if p["decode_tokens_per_s"] is None else number(p["decode_tokens_per_s"])
+        prefilled = f"{100 * p['all_prefilled_s'] / p['wall_s']:.0f}%"
         memory = human_bytes(p["peak_bytes"]) if p["peak_bytes"] is not None else "– (CPU)"
         lines.append(f"| {p['model']} | {p['clients']} | {size_label(p['prompt_length'])} | "
-                     f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])} | {itl} | {memory} | "
-                     f"{batching(p)} |")
+                     f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])} | {itl} | {prefilled} | {decode} | "
+                     f"{memory} | {batching(p)} |")
     return lines
 
 

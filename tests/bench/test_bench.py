@@ -1,6 +1,7 @@
 """`linearize bench` on CPU with --quick: every subcommand writes json/md/png; GPU-only rows are skipped cleanly."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -297,8 +298,37 @@ def test_serve_measures_the_engine_for_softmax_and_lizard(teacher_dir, tmp_path)
         assert p["output_tokens"] == p["clients"] * settings["max_tokens"]
         assert p["output_tokens_per_s"] > 0 and p["ttft_p99_ms"] >= p["ttft_p50_ms"] > 0
         assert p["mode"] == ("kv" if p["model"] == model_bench.SOFTMAX else "slots")
+        assert 0 < p["all_prefilled_s"] <= p["wall_s"]
+        assert p["decode_tokens_per_s"] is None or p["decode_tokens_per_s"] > 0
     markdown = (tmp_path / "serve" / "serve.md").read_text()
     assert "Output tokens/s" in markdown and "batched KV" in markdown and "slots |" in markdown
+    assert "decode tokens/s" in markdown
+
+
+def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tmp_path, monkeypatch):
+    """A point's time is estimated in proportion to its clients from the last one measured: at 4x the
+    clients, a point a third of the first model's share (half the limit) long predicts 4/3 of it, and
+    is skipped; the second model gets the time the first left, all of it here, and runs both."""
+    from linearize.bench import serve as serve_bench
+
+    time_limit = 60.0
+    measured = []
+
+    def fake_point(net, *, clients, prompt_length, settings, device):
+        measured.append(clients)
+        # A sixth of the time limit, whatever the clients, and at once.
+        return {"status": "ok", "mode": "slots", "slots": clients, "peak_running": clients, "kv_budget_bytes": None,
+                "wall_s": time_limit / 6, "output_tokens": clients, "output_tokens_per_s": 1.0, "all_prefilled_s": 1.0,
+                "decode_tokens_per_s": None, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "itl_p50_ms": None,
+                "itl_p99_ms": None, "peak_bytes": None}
+
+    monkeypatch.setattr(serve_bench, "measure_point", fake_point)
+    monkeypatch.setattr(serve_bench, "build", lambda settings, variant, device, dtype: SimpleNamespace(config=None))
+    serve_bench.bench(tmp_path / "serve", quick=True, clients=[1, 4], time_limit=time_limit)
+    points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
+    assert measured == [1, 1, 4]
+    assert [p["status"] for p in points] == ["ok", "skipped", "ok", "ok"]
+    assert {p["reason"] for p in points if p["status"] == "skipped"} == {"would pass the time limit"}
 
 
 def test_serve_percentiles_interpolate():
