@@ -63,7 +63,7 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def _fusable(linears: list[nn.Module]) -> bool:
+def fusable(linears: list[nn.Module | None]) -> bool:
     """Plain Linear layers (not peft's LoRA layers, not quantized ones, none that accelerate offloads
     or hooks) on one device, in one dtype."""
     if not all(type(m) is nn.Linear and not hasattr(m, "_hf_hook") and not m._forward_pre_hooks
@@ -80,10 +80,10 @@ def fuse_projections(model) -> Callable[[], None] | None:
     for layer in model.get_decoder().layers:
         attention = layer.self_attn
         qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
-        if isinstance(attention, LinearizedAttention) and attention.fused_qkv is None and _fusable(qkv):
+        if isinstance(attention, LinearizedAttention) and attention.fused_qkv is None and fusable(qkv):
             # The method's own input projections join where they can (not in another dtype, say).
             extra = attention.input_projections()
-            attention.fused_qkv = FusedProjection(qkv + extra if _fusable(qkv + extra) else qkv)
+            attention.fused_qkv = FusedProjection(qkv + extra if fusable(qkv + extra) else qkv)
 
             def unfuse_attention(attention=attention):
                 attention.fused_qkv.undo()
@@ -92,7 +92,7 @@ def fuse_projections(model) -> Callable[[], None] | None:
             undos.append(unfuse_attention)
         mlp = layer.mlp
         gated = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        if gated and not isinstance(mlp, FusedGatedMLP) and _fusable([mlp.gate_proj, mlp.up_proj]):
+        if gated and not isinstance(mlp, FusedGatedMLP) and fusable([mlp.gate_proj, mlp.up_proj]):
             layer.mlp = FusedGatedMLP(mlp)
 
             def unfuse_mlp(layer=layer, original=mlp):

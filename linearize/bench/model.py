@@ -9,6 +9,11 @@ prefill and again before the decode; `cache_bytes` is `linearize.cache_nbytes` o
 Each model gets two sweeps: batch at `batch_context`, then context at batch 1. Speed needs no trained weights,
 so `--shape` builds random ones.
 
+The GEMM floor (`gemm_floor_point`) is measured on the teacher's own weights in the same run, at every context
+of the batch-1 sweep: the time of each layer's projections and MLP alone, over the same tokens in the same
+calls as a linear model's prefill. No attention can prefill faster than that, so a method's prefill is
+reported as a multiple of it.
+
 A point that runs out of memory is recorded as OOM and the larger points of its sweep are skipped; a point that
 would end past the model's share of the time limit (estimated from the previous point, cost taken to grow with the
 number of tokens) is skipped too, so a sweep ends on time whatever the device.
@@ -26,7 +31,7 @@ from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with A
 from ..cache import cache_nbytes, compact_softmax_layers
 from ..convert import convert
 from ..decode import StaticDecoder, fully_linearized
-from ..fused_projections import fuse_projections
+from ..fused_projections import FusedProjection, fusable, fuse_projections
 from .common import (
     GIB,
     cell,
@@ -50,6 +55,7 @@ from .common import (
 from .shapes import random_model  # the shapes' table and builder, shared with bench train
 
 SOFTMAX = "softmax (sdpa)"
+FLOOR = "GEMM floor"  # not a model: the teacher's projections and MLPs alone (`gemm_floor_point`)
 DEFAULT_METHODS = ("lizard",)  # compared with softmax unless --methods names others
 
 # Short prefills are timed as the median of a few runs; long ones once (each takes seconds).
@@ -80,8 +86,8 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
 
 
 def prefill_chunk(variant: str, context: int, batch: int, settings: dict) -> int:
-    """Tokens per sequence in one prefill call: all of them for softmax; for a linear model,
-    `prefill_chunk` tokens across the batch, so that its activations stay bounded at any batch too."""
+    """Tokens per sequence in one prefill call: all of them for softmax; for a linear model (and the
+    GEMM floor), `prefill_chunk` tokens across the batch, so that its activations stay bounded at any batch."""
     return context if variant == SOFTMAX else max(1, settings["prefill_chunk"] // batch)
 
 
@@ -148,9 +154,55 @@ def measure_point(model, *, batch: int, context: int, chunk: int, settings: dict
                 decode_peak_bytes=peak_bytes(device), decode_path=path)
 
 
+def gemm_floor_point(model, *, batch: int, context: int, chunk: int, settings: dict, device: torch.device) -> dict:
+    """The prefill's GEMM floor at one point: for every decoder layer of the (unconverted) teacher, its
+    attention's projections and its MLP (GEMMs and activation) on random activations of the point's
+    tokens, in calls of `chunk` tokens a sequence as a linear model's prefill, and fused as a linear
+    model runs them: q, k and v as one GEMM, gate and up as another. Attention itself, norms,
+    residuals, embedding and head are left out: they are what a method adds."""
+    layers = model.get_decoder().layers
+    dtype = next(model.parameters()).dtype
+    undo_mlp = fuse_projections(model)  # only the MLPs: the teacher's attention is not a linearized one
+    qkv = {}
+    for i, layer in enumerate(layers):
+        parts = [getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if fusable(parts):
+            qkv[i] = FusedProjection(parts)
+    try:
+        # Each layer's GEMMs on one input: the fused q/k/v, then every other Linear of its attention.
+        others = [[m for m in layer.self_attn.modules()
+                   if isinstance(m, torch.nn.Linear) and m not in (qkv[i].linears if i in qkv else ())]
+                  for i, layer in enumerate(layers)]
+        tokens = batch * min(chunk, context)
+        # Random inputs once per width, outside the timing (o_proj's input width is the attention's).
+        widths = {model.config.hidden_size} | {m.in_features for linears in others for m in linears}
+        inputs = {width: torch.randn(tokens, width, device=device, dtype=dtype) for width in widths}
+        x = inputs[model.config.hidden_size]
+
+        def run():
+            for start in range(0, context, chunk):
+                rows = batch * (min(start + chunk, context) - start)
+                for i, layer in enumerate(layers):
+                    if i in qkv:
+                        qkv[i].split(x[:rows])
+                    for linear in others[i]:
+                        linear(inputs[linear.in_features][:rows])
+                    layer.mlp(x[:rows])
+
+        repeats = SHORT_PREFILL_REPEATS if batch * context <= settings["prefill_chunk"] else 1
+        ms = statistics.median(wall_ms(run, device) for _ in range(repeats))
+    finally:
+        for fused in qkv.values():
+            fused.undo()
+        if undo_mlp is not None:
+            undo_mlp()
+    return {"prefill_ms": ms, "prefill_repeats": repeats, "prefill_calls": -(-context // chunk)}
+
+
 def sweep(model, variant: str, name: str, points: list[tuple[int, int]], settings: dict, device, deadline: float,
-          results: dict, out: Path) -> None:
-    """Measure (batch, context) points in increasing size until OOM or until the deadline would pass."""
+          results: dict, out: Path, *, measure) -> None:
+    """Measure (batch, context) points in increasing size until OOM or until the deadline would pass;
+    `measure` is `measure_point` or `gemm_floor_point`."""
     stop, previous = None, None  # why the rest is skipped; (tokens, seconds) of the last measured point
     for batch, context in points:
         row = {"model": variant, "sweep": name, "batch": batch, "context": context}
@@ -165,8 +217,8 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
             started = time.monotonic()
             try:
                 chunk = prefill_chunk(variant, context, batch, settings)
-                row.update(status="ok", **measure_point(model, batch=batch, context=context, chunk=chunk,
-                                                        settings=settings, device=device))
+                row.update(status="ok", **measure(model, batch=batch, context=context, chunk=chunk,
+                                                  settings=settings, device=device))
             except Exception as e:  # noqa: BLE001 (OOM or a broken model: record it, go on with the next sweep)
                 row.update(failure(e))
                 stop = f"{row['status']} at batch {batch}, context {size_label(context)}"
@@ -208,9 +260,13 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
             measure_point(net, batch=1, context=first, chunk=prefill_chunk(variant, first, 1, settings),
                           settings=settings, device=device)
             batch_points = [(b, settings["batch_context"]) for b in settings["batches"]]
-            sweep(net, variant, "batch", batch_points, settings, device, deadline, results, out)
+            sweep(net, variant, "batch", batch_points, settings, device, deadline, results, out, measure=measure_point)
             sweep(net, variant, "context", [(1, c) for c in settings["contexts"]], settings, device, deadline,
-                  results, out)
+                  results, out, measure=measure_point)
+            if variant == SOFTMAX:
+                # On the teacher's weights before any conversion, chunked as the linear models prefill.
+                sweep(net, FLOOR, "context", [(1, c) for c in settings["contexts"]], settings, device, deadline,
+                      results, out, measure=gemm_floor_point)
             if profile:
                 context, chunk = profile_point(variant, settings)
                 measure_point(net, batch=1, context=context, chunk=chunk, settings=settings, device=device,
@@ -239,6 +295,18 @@ def tables(results: dict) -> list[str]:
         return lines + [""]
 
     context_keys = [(1, c) for c in contexts]
+    floor = {c: by[(FLOOR, "context", 1, c)] for c in contexts if (FLOOR, "context", 1, c) in by}
+
+    def prefill_cell(p):
+        measured = floor.get(p["context"])
+        if measured is None or measured["status"] != "ok":
+            return number(p["prefill_ms"])
+        return f"{number(p['prefill_ms'])} ({p['prefill_ms'] / measured['prefill_ms']:.2f}x)"
+
+    floor_note = (" In brackets: the prefill as a multiple of the GEMM floor at that context (the teacher's "
+                  "projections and MLPs alone, in the linear models' calls)." if floor else "")
+    floor_lines = [f"| {size_label(c)} | " + cell(floor[c], lambda p: number(p["prefill_ms"])) + " |"
+                   for c in contexts if c in floor]
     lines = [
         (f"{settings['dtype']}; softmax prefills in one forward, linear models in calls of "
          f"{size_label(settings['prefill_chunk'])} tokens "
@@ -247,8 +315,8 @@ def tables(results: dict) -> list[str]:
          f"{settings['decode_steps']} steps after {settings['decode_warmup']} warm-up steps. Peak memory is "
          f"torch.cuda.max_memory_allocated (weights included).{options_note(settings)}"),
         "",
-        *table("**Prefill latency, batch 1** (ms)", "context", context_keys, "context",
-               lambda p: number(p["prefill_ms"])),
+        *table(f"**Prefill latency, batch 1** (ms).{floor_note}", "context", context_keys, "context", prefill_cell),
+        *([f"**{FLOOR}, batch 1** (ms)", "", "| context | ms |", "|---|---|", *floor_lines, ""] if floor_lines else []),
         *table("**Decode, batch 1** (tokens/s · peak GiB while decoding · cache size)", "context", context_keys,
                "context", lambda p: f"{number(p['decode_tokens_per_s'])} · {gib(p['decode_peak_bytes'])} · "
                                     f"{human_bytes(p['cache_bytes'])}"),
@@ -260,12 +328,14 @@ def tables(results: dict) -> list[str]:
     return lines + [f"- not measured: {r}" for r in reasons] + ([""] if reasons else [])
 
 
-def plot(results: dict, out: Path, name: str, sweep: str, curves, ylabel: str, log_y: bool = True) -> Path:
-    """One line per model and curve over the sweep's x values; `curves` maps a legend suffix to a value getter."""
+def plot(results: dict, out: Path, name: str, sweep: str, curves, ylabel: str, log_y: bool = True,
+         extra: tuple[str, ...] = ()) -> Path:
+    """One line per model (and per name in `extra`, the GEMM floor) and curve over the sweep's x values;
+    `curves` maps a legend suffix to a value getter."""
     x_key = "context" if sweep == "context" else "batch"
     fig = Figure(figsize=(6.5, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    for model in [m["name"] for m in results["models"]]:
+    for model in [m["name"] for m in results["models"]] + list(extra):
         for suffix, value in curves.items():
             xy = [(p[x_key], value(p)) for p in results["points"]
                   if p["model"] == model and p["sweep"] == sweep and p["status"] == "ok" and value(p) is not None]
@@ -295,7 +365,7 @@ def plots(results: dict, out: Path) -> list[Path]:
         return lambda p: None if p[key] is None else p[key] / GIB
 
     return [
-        plot(results, out, "prefill", "context", {"": lambda p: p["prefill_ms"]}, "prefill ms"),
+        plot(results, out, "prefill", "context", {"": lambda p: p["prefill_ms"]}, "prefill ms", extra=(FLOOR,)),
         plot(results, out, "decode", "context", {"": lambda p: p["decode_tokens_per_s"]}, "decode tokens/s"),
         plot(results, out, "memory", "context",
              {" decode": in_gib("decode_peak_bytes"), " prefill": in_gib("prefill_peak_bytes")}, "peak GiB",

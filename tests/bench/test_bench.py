@@ -99,8 +99,17 @@ def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(
     results = load(outputs / "model", "model")
     assert [m["name"] for m in results["models"]] == [model_bench.SOFTMAX, "lizard"]
     assert results["models"][1]["linearize"]["options"]["combine"] == "shared"  # --set reached the model
-    points = results["points"]
-    assert all(p["status"] == "ok" for p in points)
+    assert all(p["status"] == "ok" for p in results["points"])
+    floor = [p for p in results["points"] if p["model"] == model_bench.FLOOR]
+    points = [p for p in results["points"] if p["model"] != model_bench.FLOOR]
+    # The floor at every context of the batch-1 sweep, in the calls a linear model prefills in.
+    assert [(p["sweep"], p["batch"], p["context"]) for p in floor] == [
+        ("context", 1, c) for c in results["settings"]["contexts"]]
+    assert [p["prefill_calls"] for p in floor] == [
+        -(-c // results["settings"]["prefill_chunk"]) for c in results["settings"]["contexts"]]
+    assert all(p["prefill_ms"] > 0 for p in floor)
+    markdown = (outputs / "model" / "model.md").read_text()
+    assert f"**{model_bench.FLOOR}, batch 1** (ms)" in markdown and "x) |" in markdown
     context = {(p["model"], p["context"]): p for p in points if p["sweep"] == "context"}
     short, long = results["settings"]["contexts"]
     assert context["lizard", short]["cache_bytes"] == context["lizard", long]["cache_bytes"]
@@ -138,6 +147,33 @@ def test_train_profile_lists_each_points_top_ops(outputs):
     for mode in ("full", "lora", "stage1", "stage2"):
         table = (outputs / "train" / f"profile-{mode}-64.txt").read_text()
         assert "Self CPU" in table and "aten::mm" in table, mode
+
+
+def test_the_gemm_floor_does_the_projections_and_mlp_flops_and_nothing_else(teacher_dir):
+    """Every matmul FLOP of the floor is a projection's or an MLP's, at every layer and token, in
+    calls of the linear models' chunk: 2 x tokens x their weights, per timed repeat. The fusing it
+    times them under is undone after: the teacher's weights are its own again, equal and unshared."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from linearize.fused_projections import projections_fused
+    from linearize.loading import load_model
+
+    model = load_model(str(teacher_dir), dtype=torch.float32)
+    layers = model.get_decoder().layers
+    weights = sum(m.weight.numel() for layer in layers for part in (layer.self_attn, layer.mlp)
+                  for m in part.modules() if isinstance(m, torch.nn.Linear))
+    settings = dict(model_bench.QUICK)
+    context, chunk = 3 * settings["prefill_chunk"] + 5, settings["prefill_chunk"]
+    with torch.inference_mode(), FlopCounterMode(display=False) as flops:
+        point = model_bench.gemm_floor_point(model, batch=1, context=context, chunk=chunk, settings=settings,
+                                             device=torch.device("cpu"))
+    assert point["prefill_calls"] == 4 and point["prefill_repeats"] == 1 and point["prefill_ms"] > 0
+    assert flops.get_total_flops() == 2 * context * weights
+    assert not projections_fused(model) and type(layers[0].mlp).__name__ == "LlamaMLP"
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == len(list(model.parameters()))
+    reloaded = load_model(str(teacher_dir), dtype=torch.float32).state_dict()
+    assert all(torch.equal(value, reloaded[name]) for name, value in model.state_dict().items())
 
 
 def test_model_profile_lists_each_models_top_ops_in_prefill_and_decode(outputs):
@@ -223,9 +259,10 @@ def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_p
     monkeypatch.setattr(model_bench, "measure_point", out_of_memory_from_128)
     model_bench.bench(tmp_path / "oom", model=str(teacher_dir), methods=["lizard"], quick=True,
                       contexts=[64, 128, 256], batches=[1])
-    statuses = [p["status"] for p in json.loads((tmp_path / "oom" / "model.json").read_text())["points"]
-                if p["sweep"] == "context"]
+    points = json.loads((tmp_path / "oom" / "model.json").read_text())["points"]
+    statuses = [p["status"] for p in points if p["sweep"] == "context" and p["model"] != model_bench.FLOOR]
     assert statuses == ["ok", "oom", "skipped"] * 2
+    assert [p["status"] for p in points if p["model"] == model_bench.FLOOR] == ["ok"] * 3  # a sweep of its own
 
     monkeypatch.setattr(model_bench, "measure_point", measure)
     model_bench.bench(tmp_path / "late", model=str(teacher_dir), methods=["lizard"], quick=True, time_limit=1e-3)
