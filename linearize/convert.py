@@ -60,13 +60,12 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
     return model
 
 
-def check_layer_choice(num_layers: int, method: str, softmax_layers=(), softmax_by_error: int = 0,
-                       kept=(), softmax_by: str | None = None) -> None:
+def check_layer_choice(num_layers: int, method: str, softmax_layers=(), kept=(),
+                       softmax_by: str | None = None) -> None:
     """Refuse a command's choice of softmax layers that leaves no layer for `method` (ConfigError):
     `softmax_layers` naming every layer, `kept` (the sliding layers `--layers full` keeps) all of them,
-    or `softmax_by` ("RULE:N", as `DistillConfig` checked it) or its older spelling `softmax_by_error`
-    (N) choosing N more layers back to softmax than stay linear: they choose among the linearized
-    layers only. Indices out of range are refused too. (`convert` itself accepts an all-softmax model.)"""
+    or `softmax_by` ("RULE:N", as `DistillConfig` checked it) choosing N more layers back to softmax
+    than stay linear: they choose among the linearized layers only. Indices out of range are refused too. (`convert` itself accepts an all-softmax model.)"""
     chosen = sorted({int(i) for i in softmax_layers or ()})
     bad = [i for i in chosen if not 0 <= i < num_layers]
     if bad:
@@ -79,14 +78,11 @@ def check_layer_choice(num_layers: int, method: str, softmax_layers=(), softmax_
     if linear == 0:
         raise ConfigError(f"--softmax-layers names all {num_layers} of the model's layers: no layer left to "
                           f"linearize with {method}")
-    if softmax_by_error:
-        flag, count = f"--softmax-by-error {softmax_by_error}", softmax_by_error
-    elif softmax_by:
-        flag, count = f"--softmax-by {softmax_by}", int(softmax_by.rpartition(":")[2])
-    else:
+    if not softmax_by:
         return
+    count = int(softmax_by.rpartition(":")[2])
     if count >= linear:
-        raise ConfigError(f"{flag}: the model has {linear} linearized layer(s), so it would leave no layer to "
+        raise ConfigError(f"--softmax-by {softmax_by}: the model has {linear} linearized layer(s), so it would leave no layer to "
                           f"{method}; pick fewer than {linear}")
 
 

@@ -265,7 +265,7 @@ NUMERIC = {
     "generate": ["--max-new-tokens", "--temperature", "--seed"],
     "eval": ["--limit", "--lengths", "--samples", "--batch", "--seed", "--depths"],
     "distill": ["--max-tokens", "--seq-len", "--batch", "--grad-accum", "--lr", "--head-lr-scale",
-                "--save-every", "--eval-every", "--seed", "--softmax-by-error", "--softmax-layers"],
+                "--save-every", "--eval-every", "--seed", "--softmax-layers"],
 }
 SET_KEYS = ["window", "eps", "gate_temperature", "num_sinks", "feature_dim", "chunk_size", "alpha_init",
             "gate_bias_init"]

@@ -54,8 +54,6 @@ def register(subparsers) -> None:
                         "with the highest stage-1 error), kl (after stage 1, the N whose restoring to softmax "
                         "brings the output distribution closest to the teacher's, KL-guided selection) or even "
                         "(before training, N evenly spaced); e.g. kl:2")
-    p.add_argument("--softmax-by-error", type=int, default=0, metavar="N",
-                   help="the older spelling of --softmax-by error:N")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100, help="optimizer steps between validations")
@@ -95,8 +93,7 @@ def config_from_args(args):
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
-                         softmax_layers=args.softmax_layers, softmax_by=args.softmax_by,
-                         softmax_by_error=args.softmax_by_error, layers=args.layers,
+                         softmax_layers=args.softmax_layers, softmax_by=args.softmax_by, layers=args.layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
                          fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,

@@ -63,8 +63,6 @@ class DistillConfig:
     # whose restoring alone to softmax brings the model's next-token distribution closest to the teacher's
     # (KL-guided layer selection, arXiv 2512.20569); "even:N" before training, N evenly spaced ones.
     softmax_by: str | None = None
-    # The older spelling of softmax_by="error:N" (saved run configs hold it); 0: unset.
-    softmax_by_error: int = 0
     # Stage 2 under torchrun: FSDP2 (the default), or (fsdp=False) a whole replica on every rank with the
     # gradients averaged in one all-reduce a step, as stage 1 always trains: then steps can be CUDA graphs.
     fsdp: bool = True
@@ -95,22 +93,12 @@ class DistillConfig:
             raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
-        if isinstance(self.softmax_by_error, bool) or not isinstance(self.softmax_by_error, int):
-            raise TypeError(f"softmax_by_error must be a whole number, got {self.softmax_by_error!r}")
-        if self.softmax_by_error < 0:
-            raise ValueError(f"softmax_by_error must be >= 0, got {self.softmax_by_error}")
-        if self.softmax_by_error:
-            if self.softmax_by is not None and self.softmax_by != f"error:{self.softmax_by_error}":
-                raise ValueError(f"softmax_by_error {self.softmax_by_error} and softmax_by {self.softmax_by!r} "
-                                 "both choose softmax layers: pick one (softmax_by_error N is softmax_by error:N)")
-            self.softmax_by = f"error:{self.softmax_by_error}"
         if self.softmax_by is not None:
             rule, count = parse_softmax_by(self.softmax_by)
             self.softmax_by = f"{rule}:{count}"
             if rule in AFTER_STAGE1 and self.stage != "both":
-                name = f"softmax_by_error {self.softmax_by_error}" if self.softmax_by_error else \
-                    f"softmax_by {self.softmax_by}"
-                raise ValueError(f"{name} picks layers by {AFTER_STAGE1[rule]}: it needs both stages (--stage both)")
+                raise ValueError(f"softmax_by {self.softmax_by} picks layers by {AFTER_STAGE1[rule]}: it needs both "
+                                 "stages (--stage both)")
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
             raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
                              "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")
@@ -151,13 +139,16 @@ class DistillConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> DistillConfig:
-        return cls(**json.loads(Path(path).read_text()))
+        fields = json.loads(Path(path).read_text())
+        # A saved config may give the error rule as `softmax_by_error: N` (0: none), which is softmax_by "error:N".
+        count = fields.pop("softmax_by_error", 0)
+        if count and fields.get("softmax_by") is None:
+            fields["softmax_by"] = f"error:{count}"
+        return cls(**fields)
 
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
-        # softmax_by_error is how softmax_by was spelled: softmax_by holds the choice either way.
-        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph",
-                "softmax_by_error"}
+        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

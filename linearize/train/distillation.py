@@ -279,9 +279,8 @@ class Run:
         self.preset_softmax = sorted(self.cfg.softmax_layers)
         if layers is not None:
             kept = layers_to_keep(config, self.cfg.layers)
-            alias = bool(self.cfg.softmax_by_error)  # then the message names the flag as it was given
-            check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, self.cfg.softmax_by_error,
-                               kept=kept, softmax_by=None if alias else self.cfg.softmax_by)
+            check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, kept=kept,
+                               softmax_by=self.cfg.softmax_by)
             selection = self.cfg.selection
             if selection is not None and selection[0] == "even":
                 linearized = sorted(set(range(layers)) - set(self.cfg.softmax_layers) - set(kept))
@@ -461,8 +460,7 @@ class Run:
         if selection is None or selection[0] == "even":
             return list(self.preset_softmax)
         record = json.loads((self.out / LAYER_ERRORS_NAME).read_text())
-        picked = record["picked"] if "picked" in record else record["softmax_by_error"]  # a file from before softmax_by
-        return sorted(set(self.preset_softmax) | set(picked))
+        return sorted(set(self.preset_softmax) | set(record["picked"]))
 
     def finish_stage(self, model, stage: int, names: set[str], sharded: bool) -> None:
         tensors = checkpoint.trained_tensors(model, names, sharded)

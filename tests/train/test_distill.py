@@ -276,7 +276,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(workspace, sta
 
 
 def test_softmax_by_error_reverts_the_worst_stage1_layer(workspace, tmp_path):
-    out = distill(config(workspace, tmp_path / "run", softmax_by_error=1), progress=False)
+    out = distill(config(workspace, tmp_path / "run", softmax_by="error:1"), progress=False)
     record = json.loads((out / "stage1_layer_errors.json").read_text())
     errors = {int(k): v for k, v in record["mse"].items()}
     assert set(errors) == {0, 1} and all(v > 0 for v in errors.values())
@@ -289,7 +289,7 @@ def test_softmax_by_error_reverts_the_worst_stage1_layer(workspace, tmp_path):
 
 def test_softmax_by_error_needs_stage_one(workspace, tmp_path):
     with pytest.raises(ValueError, match="needs both stages"):
-        config(workspace, tmp_path / "run", softmax_by_error=1, stage="2")
+        config(workspace, tmp_path / "run", softmax_by="error:1", stage="2")
 
 
 def test_cuda_graph_on_the_cpu_trains_as_the_default_and_logs_why_it_stepped_eagerly(workspace, tmp_path):

@@ -174,14 +174,15 @@ def test_even_is_chosen_before_training_and_needs_no_second_stage(workspace, tmp
     assert AutoModelForCausalLM.from_pretrained(out).config.linearize["softmax_layers"] == [1]
 
 
-def test_the_old_spelling_is_error_n(workspace, tmp_path):
-    cfg = config(workspace, tmp_path / "run", softmax_by_error=1)
-    assert cfg.softmax_by == "error:1"
-    out = distill(cfg, progress=False)
+def test_a_run_saved_with_softmax_by_error_resumes_as_error_n(workspace, tmp_path):
+    out = distill(config(workspace, tmp_path / "run", softmax_by="error:1"), progress=False)
     record = scores_of(out)
     errors = {int(k): v for k, v in record["mse"].items()}
     assert record["picked"] == [max(errors, key=errors.get)] and "kl_restored" not in record
-    # Resuming the finished run with the new spelling is the same run.
+    # The same run, its config saved with the error rule as `softmax_by_error: 1`.
+    saved = json.loads((out / "distill_config.json").read_text())
+    del saved["softmax_by"]
+    (out / "distill_config.json").write_text(json.dumps({**saved, "softmax_by_error": 1}))
     assert distill(config(workspace, tmp_path / "run", softmax_by="error:1"), resume=True, progress=False) == out
 
 
@@ -219,8 +220,6 @@ def test_softmax_by_settings():
     assert make().softmax_by is None and make().selection is None
     assert make(softmax_by="kl:2").selection == ("kl", 2)
     assert make(softmax_by=" even:02").softmax_by == "even:2"
-    assert make(softmax_by_error=3).softmax_by == "error:3"
-    assert make(softmax_by_error=3, softmax_by="error:3").softmax_by == "error:3"
     assert make(softmax_by="even:2", stage="1").selection == ("even", 2)  # even needs no stage 1 scores
     for bad, message in (("kl:x", "whole number >= 1"), ("kl:0", "whole number >= 1"), ("foo:2", "RULE one of"),
                          ("kl", "RULE one of"), ("", "RULE one of")):
@@ -232,13 +231,13 @@ def test_softmax_by_settings():
         for stage in ("1", "2"):
             with pytest.raises(ValueError, match="needs both stages"):
                 make(softmax_by=f"{rule}:1", stage=stage)
-    with pytest.raises(ValueError, match="pick one"):
-        make(softmax_by_error=2, softmax_by="kl:2")
+    with pytest.raises(TypeError, match="softmax_by_error"):
+        make(softmax_by_error=2)  # saved configs only: `from_json` reads it as error:N
 
 
-def test_an_old_runs_saved_config_still_loads_as_error_n(tmp_path):
+def test_a_saved_config_with_softmax_by_error_loads_as_error_n(tmp_path):
     saved = json.loads(DistillConfig(model="m", method="lizard", out="o").to_json())
-    del saved["softmax_by"]  # written before softmax_by existed
+    del saved["softmax_by"]
     saved["softmax_by_error"] = 8
     (tmp_path / "distill_config.json").write_text(json.dumps(saved))
     old = DistillConfig.from_json(tmp_path / "distill_config.json")
@@ -254,13 +253,13 @@ def test_check_layer_choice_counts_the_linearized_layers():
         check_layer_choice(6, "lizard", kept=[0, 2, 4], softmax_by="even:3")
     with pytest.raises(ConfigError, match="--softmax-by kl:2: the model has 2 linearized"):
         check_layer_choice(4, "still", softmax_layers=[0, 1], softmax_by="kl:2")
-    with pytest.raises(ConfigError, match="--softmax-by-error 4"):
-        check_layer_choice(4, "lizard", softmax_by_error=4)
+    with pytest.raises(ConfigError, match="--softmax-by error:4: the model has 4 linearized"):
+        check_layer_choice(4, "lizard", softmax_by="error:4")
 
 
 @pytest.mark.parametrize("flags,expected", [
     ([], None), (["--softmax-by", "kl:2"], "kl:2"), (["--softmax-by", "even:15"], "even:15"),
-    (["--softmax-by", "error:8"], "error:8"), (["--softmax-by-error", "8"], "error:8"),
+    (["--softmax-by", "error:8"], "error:8"),
 ])
 def test_the_softmax_by_flag(flags, expected):
     parser = argparse.ArgumentParser()
