@@ -28,7 +28,7 @@ from .config import ConfigError, inference_options_help
 
 def cmd_convert(args) -> None:
     from .config import parse_set_options
-    from .convert import check_layer_choice, convert, layers_to_keep
+    from .convert import check_layer_choice, convert, kept_sliding_layers
     from .loading import load_config, load_model, load_tokenizer
 
     options = parse_set_options(args.set or [], [args.method])
@@ -36,7 +36,7 @@ def cmd_convert(args) -> None:
     config = load_config(args.model)
     layers = getattr(config, "num_hidden_layers", None)  # None: convert names the model type
     if layers is not None:
-        check_layer_choice(layers, args.method, args.softmax_layers, kept=layers_to_keep(config, args.layers))
+        check_layer_choice(layers, args.method, args.softmax_layers, kept=kept_sliding_layers(config, args.layers))
     with atomic_output_dir(args.out) as scratch:
         model = load_model(args.model, dtype=args.dtype)
         convert(model, args.method, softmax_layers=args.softmax_layers, layers=args.layers, **options)

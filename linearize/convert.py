@@ -86,7 +86,7 @@ def check_layer_choice(num_layers: int, method: str, softmax_layers=(), kept=(),
                           f"{method}; pick fewer than {linear}")
 
 
-def layers_to_keep(config, layers: str) -> list[int]:
+def kept_sliding_layers(config, layers: str) -> list[int]:
     """The sliding layers `layers` ("all" or "full") keeps softmax, for `check_layer_choice`; none for a
     model type `convert` does not take (it names the type itself)."""
     try:

@@ -140,6 +140,8 @@ class DistillConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> DistillConfig:
         fields = json.loads(Path(path).read_text())
+        if not isinstance(fields, dict):
+            raise TypeError(f"expected a JSON object of DistillConfig fields, got {type(fields).__name__}")
         # A saved config may give the error rule as `softmax_by_error: N` (0: none), which is softmax_by "error:N".
         count = fields.pop("softmax_by_error", 0)
         if count and fields.get("softmax_by") is None:

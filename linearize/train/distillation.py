@@ -270,7 +270,7 @@ class Run:
     def _check_layers(self) -> None:
         """The softmax layers chosen leave some layer linear: checked on the teacher's config, before
         anything is written."""
-        from ..convert import check_layer_choice, layers_to_keep
+        from ..convert import check_layer_choice, kept_sliding_layers
         from ..loading import load_config
 
         config = load_config(self.cfg.model)
@@ -278,7 +278,7 @@ class Run:
         # The layers softmax from the start: the config's, and with softmax_by even:N those it picks.
         self.preset_softmax = sorted(self.cfg.softmax_layers)
         if layers is not None:
-            kept = layers_to_keep(config, self.cfg.layers)
+            kept = kept_sliding_layers(config, self.cfg.layers)
             check_layer_choice(layers, self.cfg.method, self.cfg.softmax_layers, kept=kept,
                                softmax_by=self.cfg.softmax_by)
             selection = self.cfg.selection
@@ -299,7 +299,7 @@ class Run:
             with open(self.out / LOG_NAME, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def validate(self, model, stage: int) -> tuple[float, dict[int, float]]:
+    def validation_losses(self, model, stage: int) -> tuple[float, dict[int, float]]:
         """Mean validation loss and, in stage 1, each linearized layer's mean MSE {layer index: MSE}."""
         layers = linearized_layers(model) if stage == 1 else []
         totals, count = torch.zeros(1 + len(layers), dtype=torch.float64), 0
@@ -367,7 +367,7 @@ class Run:
 
         snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
         if step == 0:
-            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": self.validate(model, stage)[0]})
+            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": self.validation_losses(model, stage)[0]})
         batches = forever(loader)
         bar = tqdm(total=total, initial=step, desc=f"stage {stage}", disable=not self.progress, unit="step")
         model.train()
@@ -400,7 +400,7 @@ class Run:
                 bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{speed:,.0f}")
                 bar.update(1)
                 if step % cfg.eval_every == 0 or step == total:
-                    val_loss, layer_errors = self.validate(model, stage)
+                    val_loss, layer_errors = self.validation_losses(model, stage)
                     self.log({"stage": stage, "step": step, "tokens": tokens, "split": "val", "val_loss": val_loss})
                 if step % cfg.save_every == 0 and step < total:
                     save()
@@ -413,7 +413,7 @@ class Run:
         bar.close()
         self.finish_stage(model, stage, names, sharded)
         if stage == 1:  # the last step validated, unless this invocation resumed past it
-            self.write_layer_scores(model, layer_errors if layer_errors is not None else self.validate(model, 1)[1])
+            self.write_layer_scores(model, layer_errors if layer_errors is not None else self.validation_losses(model, 1)[1])
         save(done=True)
 
     def write_layer_scores(self, model, errors: dict[int, float]) -> None:
