@@ -35,9 +35,9 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 class _Package(types.ModuleType):
-    """`linearize.convert` stays the function when the submodule of that name is imported (as the
-    eager `from .convert import convert` made it): the import system's setattr of a submodule onto its
-    package is ignored for names the package exports."""
+    """`linearize.convert` is the exported function, not the submodule of that name, whether or not
+    that submodule has been imported (by the lazy export or by any of our modules): the import
+    system's setattr of a submodule onto its package is ignored for names the package exports."""
 
     def __setattr__(self, name, value):
         if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":

@@ -252,10 +252,6 @@ def make_method_config(method: str, **options) -> MethodConfig:
     return cfg
 
 
-def method_name(cfg: MethodConfig) -> str:
-    return next(name for name, cls in METHOD_CONFIGS.items() if isinstance(cfg, cls))
-
-
 def parse_set_options(pairs: list[str], methods: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
     """`["window=64", "gate=vector"]` -> {"window": "64", "gate": "vector"}, checked against each of
     `methods` (a bad option fails before anything is loaded)."""

@@ -3,7 +3,8 @@
 Each supported architecture gets a config subclass with its own `model_type` (so AutoConfig can
 tell a linearized checkpoint from its teacher) carrying one extra field, `linearize`:
 {"method": ..., "options": {...}, "softmax_layers": [...], "distilled": bool} (`distilled`: false from
-`convert`, true from distill's export; absent in checkpoints from before it). The model subclass builds the teacher
+`convert`, true from distill's export; a saved checkpoint may lack it, and then nothing is known of its
+training, so no "not distilled" note is printed). The model subclass builds the teacher
 architecture, then swaps the attention of every non-softmax layer, so the checkpoint's keys (teacher
 projections + the new modules) load with no missing or unexpected entries. Importing this module
 registers them with AutoConfig and AutoModelForCausalLM.

@@ -1,4 +1,5 @@
-"""Speed and memory measurements: `linearize bench kernels|model|train`, merged into docs by `report`.
+"""Speed and memory measurements: `linearize bench kernels|model|train|serve`; `report` merges the first
+three into docs.
 
 Each benchmark writes DIR/<name>.json (every number, the device, versions, settings and the exact command),
 DIR/<name>.md (tables) and PNG plots; `python -m linearize.bench.report DIR...` puts the tables into

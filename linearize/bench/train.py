@@ -294,7 +294,9 @@ def attention_path(method: str, device: torch.device) -> str:
     return f"Triton kernel, {Config.default(torch.bfloat16)}"
 
 
-# Tables. Rows of runs from before the sweep (one length, no checkpointing, no `key`) read as such.
+# Tables. A row without `key`, `seq_len` or `gradient_checkpointing` (a run of one length without
+# checkpointing, as the train.json files under docs/results/h200/ are) takes its key from its mode's
+# label, its length from the settings, and checkpointing off.
 LABEL_KEYS = {label: key for key, (label, _) in MODES.items()}
 
 

@@ -103,10 +103,6 @@ def find_requests(root: Path, relative: str) -> Path | None:
     return None
 
 
-def find_lambada_requests(root: Path) -> Path | None:
-    return find_requests(root, LAMBADA_REQUESTS)
-
-
 # lm-eval `dataset_path` -> (request records under the olmo root, the hook that loads them, their split).
 REQUEST_DATASETS = {
     LAMBADA_PATH: (LAMBADA_REQUESTS, load_lambada_requests, "test"),

@@ -322,7 +322,8 @@ TASKS: dict[str, Task] = {
     "variable_tracking": Task(variable_tracking, False),
     "mqar": Task(mqar, False),
     # RULER's names (ruler.RULER_TASKS): a task above where it is RULER's, with RULER's generation length
-    # (niah_multivalue is RULER's name and stays the task above, as its results were).
+    # (niah_multivalue is RULER's name too, and is the task above with the suite's generation length,
+    # so its results compare with the suite's other rows).
     "niah_single_1": Task(niah_single, False, options=(("variant", 1),), max_new_tokens=NIAH_NEW),
     "niah_single_2": Task(niah_single, True, options=(("variant", 2),), max_new_tokens=NIAH_NEW),
     "niah_single_3": Task(niah_single, True, options=(("variant", 3),), max_new_tokens=NIAH_NEW),

@@ -25,9 +25,10 @@ from linearize.eval.generation import rows_per_batch
 
 DEFAULT_MAX_TOKENS = 65536
 DEFAULT_BUCKETS = 48
-# Tokens whose logits exist at once (8192 x 49152 in float32: 1.6 GB). The whole forward's logits,
-# as `model(...).logits` gives them, were 6 GB for 65536 tokens, and a float32 copy of all of a
-# batch's rows at once (128 rows of 512) 13 GB more: evaluations side by side ran out of memory on one H200.
+# Tokens whose logits exist at once (8192 x 49152 in float32: 1.6 GB), which bounds the loss's memory:
+# the whole forward's logits, as `model(...).logits` gives them, take 6 GB for 65536 tokens, and a float32
+# copy of all of a batch's rows at once (128 rows of 512) 13 GB more, too much beside other evaluations
+# sharing the GPU.
 LOSS_TOKENS = 8192
 PPL_BATCH_TOKENS = 65536  # tokens per forward pass
 

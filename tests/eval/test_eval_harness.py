@@ -34,7 +34,7 @@ def test_tasks_without_a_local_copy_are_left_to_the_hub(manager, tmp_path):
 
 
 def test_lambada_text_is_context_plus_continuation(fake_olmo):
-    requests = local_tasks.find_lambada_requests(fake_olmo)
+    requests = local_tasks.find_requests(fake_olmo, local_tasks.LAMBADA_REQUESTS)
     test = local_tasks.load_lambada_requests(str(requests))["test"]
     assert test[0]["text"] == "The crew of ship 0 looked at the whale"
 

@@ -96,7 +96,7 @@ def test_rulers_names_run_the_suites_generators_with_rulers_generation_lengths(t
         assert new.prompt == old.prompt and new.answers == old.answers and new.max_new_tokens == 128
     assert build("niah_multikey_1", tokenizer, 2048, 50, 7, essay).prompt == \
         build("niah_multikey", tokenizer, 2048, 50, 7, essay).prompt
-    assert lc.TASKS["niah_multivalue"].max_new_tokens is None  # RULER's name, the suite's task as it was
+    assert lc.TASKS["niah_multivalue"].max_new_tokens is None  # RULER's name, the suite's own task
     vt, old = build("vt", tokenizer, 2048, 50, 7, essay), build("variable_tracking", tokenizer, 2048, 50, 7, essay)
     assert vt.answers == old.answers and vt.max_new_tokens == 30
     assert vt.prompt.count(lc.VT_INTRO) == 2 and vt.prompt.index(lc.VT_INTRO) == 0  # a solved example first

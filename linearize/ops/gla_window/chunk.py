@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common import carried_window, exp_weights, extend_window, repeat_kv
-from .naive import _combine, gla_window_step, init_state
+from .naive import _combine
 
 
 def _gla_chunks_scalar(fq, fk, log_g, v, S, z, chunk):
@@ -128,13 +128,3 @@ def gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     }
     return y, new_state
 
-
-def gla_window_call(fq, fk, log_g, qw, kw, v, valid, state, *, chunk, **options):
-    """One call of the op in the form that fits it: the recurrent step for a single token after a
-    state, the chunked form otherwise, from an empty state when `state` is None. (y, new state)."""
-    if state is None:
-        state = init_state(fq.shape[0], fq.shape[1], kw.shape[1], fq.shape[-1], v.shape[-1], options["window"],
-                           device=fq.device)
-    elif fq.shape[2] == 1:
-        return gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, **options)
-    return gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **options, chunk=chunk)
