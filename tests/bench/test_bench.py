@@ -36,6 +36,7 @@ def outputs(tmp_path_factory, teacher_dir):
         "--profile", "--compile-decode", "aot_eager")
     run("bench", "train", "--out", root / "train", "--model", teacher_dir, "--quick", "--profile", "--cuda-graph",
         "--set", "combine=shared", "--set", "rope_in_window=true")
+    run("bench", "serve", "--out", root / "serve", "--model", teacher_dir, "--quick", "--set", "window=8")
     return root
 
 
@@ -203,11 +204,11 @@ def test_op_count_counts_dispatched_ops_and_views_apart():
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nHow to rerun.\n")
-    dirs = [outputs / name for name in ("kernels", "model", "train")]
+    dirs = [outputs / name for name in ("kernels", "model", "train", "serve")]
     assert report_main([*map(str, dirs), "--doc", str(doc)]) == 0
     first = doc.read_text()
     assert first.startswith("# Benchmarks\n\nHow to rerun.\n")
-    for name in ("kernels", "model", "train"):
+    for name in ("kernels", "model", "train", "serve"):
         results = json.loads((outputs / name / f"{name}.json").read_text())
         assert f"### {results['title']}" in first
         if name == "model":  # its run had --set options: they name its section, so other options get another
