@@ -16,7 +16,7 @@ While it is open, the model's q/k/v and gate/up projections run fused (`lineariz
 the graph replays fused kernels for the glue between the projections (RMSNorm, SiLU, casts, the gate)
 instead of ~1,500 small ones at the Llama-3-8B shape. STILL's step is too large for that: dynamo
 unrolls the layers, and inductor took over 6 minutes on its 30 on the H200. There only the attention
-step is compiled, once, and every layer calls the same compiled function (`compile_attention_steps`).
+step is compiled, once, and every layer calls the same compiled function (`compile_still_steps`).
 A step that fails to compile runs uncompiled.
 """
 
@@ -82,10 +82,10 @@ class StaticDecoder:
         self.compile_backend = compile_backend
         self.compile_error: str | None = None
         self._compiled = None
-        self._uncompile = None  # puts back the attention steps `compile_attention_steps` replaced
+        self._uncompile = None  # puts back the attention steps `compile_still_steps` replaced
         if compile_backend is not None and method in GRAPH_METHODS:
             # STILL's layers take one compiled attention step; the other methods compile the whole step.
-            self._uncompile = compile_attention_steps(model, compile_backend)
+            self._uncompile = compile_still_steps(model, compile_backend)
             self._compiled = self._forward if self._uncompile else torch.compile(self._forward, backend=compile_backend)
 
     @property
@@ -202,7 +202,7 @@ class StaticDecoder:
             restore()
 
 
-def compile_attention_steps(model, backend: str):
+def compile_still_steps(model, backend: str):
     """Give every STILL layer one `torch.compile`d step function. Dynamo guards it on the inputs'
     shapes and dtypes, not on which layer's tensors they are, so it compiles once for all layers
     (what a whole-step compile, unrolled over the layers, cannot). Returns the undo, or None for a

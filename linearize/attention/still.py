@@ -21,7 +21,7 @@ class StillAttention(LinearizedAttention):
             nn.init.zeros_(self.gate.weight)
             nn.init.zeros_(self.gate.bias)
         self._param_like(self)
-        # The one-token step; `linearize.decode.compile_attention_steps` swaps in one compiled function
+        # The one-token step; `linearize.decode.compile_still_steps` swaps in one compiled function
         # shared by every layer.
         self.decode_step = still.still_step
 

