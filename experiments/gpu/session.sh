@@ -71,17 +71,13 @@ case $part in
     step fsdp 540 python experiments/gpu/fsdp_check.py --gpus 2 --steps 16 --batch "${1:-16}" --cases "${cases//+/,}" \
       --out "$res/fsdp" ;;
   model)
-    # The best Lizard (recipes/ablations/lizard-rope-shared.yaml), or METHOD with its defaults, prefilling in one
-    # call as the evaluation's generation does (STILL's kernels take fresh passes only); at the 8B
+    # The best Lizard (recipes/ablations/lizard-rope-shared.yaml), or METHOD with its defaults, each
+    # prefilling in 16K-token calls that continue its cache, beside the GEMM floor; at the 8B
     # shape the batch sweep runs at the 32K context that the decode target names.
     shape=${1:-llama3-8b}
     method=${4:-lizard}
     extra=(--methods "$method")
-    if [ "$method" = lizard ]; then
-      extra+=(--set combine=shared --set rope_in_window=true)
-    else
-      extra+=(--prefill-chunk 128k)
-    fi
+    [ "$method" = lizard ] && extra+=(--set combine=shared --set rope_in_window=true)
     [ "$shape" = llama3-8b ] && extra+=(--batch-context 32k --batches 1,16,64)
     [ "${2:-}" = compile ] && extra+=(--compile-decode)
     # A third word narrows the sweep: CONTEXTS/BATCHES with + between values (together.sh splits
