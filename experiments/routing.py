@@ -3,8 +3,8 @@
 A retrieval prompt is answered from the last prompt token. STILL can copy the needle's tokens from
 there only in the (layer, KV head) pairs whose softmax set still holds them; a needle folded into the
 linear state survives only as a blur. The routing is discrete and depends on q and k alone, so it is
-replayed here from each layer's RoPE'd q and k (`still.fresh_routing`, the rule training, prefill and
-decoding share) under any `StillConfig`, without training a model per routing variant.
+replayed here from each layer's RoPE'd q and k (`linearize.ops.still.routing.fresh_routing`, the rule
+training, prefill and decoding share) under any `StillConfig`, without training a model per routing variant.
 
 Visible is not the same as attended to: `needle_mass` weighs, on a model as it is (STILL, Lizard with one shared
 normaliser, or a softmax teacher), how much of the question's normaliser the needle gets, and how
@@ -26,6 +26,7 @@ from linearize.eval.longcontext import build_sample, sample_seed
 from linearize.eval.texts import essay_sentences
 from linearize.ops.common import cumsum_over_tokens, exp_weights, repeat_kv
 from linearize.ops.still import naive as still
+from linearize.ops.still import routing as still_routing
 
 VISIBLE, LEFT_WINDOW, EVICTED = "visible", "left_window", "evicted"
 SINGLE_ANSWER_TASKS = ("passkey", "niah_single")  # one needle string (niah_single: any of its three variants)
@@ -62,7 +63,7 @@ def fold_times(q: torch.Tensor, k: torch.Tensor, cfg: StillConfig) -> torch.Tens
     B, H, L, d = q.shape
     state = still.init_state(B, H, k.shape[1], 1, d, cfg.window, cfg.slots, device=q.device)
     valid = torch.ones(B, L, dtype=torch.bool, device=q.device)
-    fold, _ = still.fresh_routing(q, k, k, valid, state, start=0, **cfg.op_options(d**-0.5))
+    fold, _ = still_routing.fresh_routing(q, k, k, valid, state, start=0, **cfg.op_options(d**-0.5))
     return fold
 
 

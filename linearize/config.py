@@ -60,7 +60,7 @@ class StillConfig:
     max_chunks: int = 16  # T_max: training length 1024 / chunk 64
     feature_dim: int | None = None
     feature_map: Literal["npmap", "hedgehog"] = "npmap"
-    # The score tokens are ranked by (`linearize.ops.still.naive.ROUTINGS`, docs/methods.md): Self-Saliency,
+    # The score tokens are ranked by (`linearize.ops.still.routing.ROUTINGS`, docs/methods.md): Self-Saliency,
     # or an ablation's: the paper's other metrics (diagonal, dot, key_norm, uniform), random, recency.
     routing: Literal["saliency", "diagonal", "dot", "key_norm", "uniform", "random", "recency"] = "saliency"
     gate: bool = True

@@ -23,6 +23,7 @@ import torch
 
 from linearize.config import StillConfig
 from linearize.ops.still import naive as still
+from linearize.ops.still import routing as still_routing
 
 
 def random_inputs(length: int, device: str, seed: int = 0):
@@ -55,8 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {args.device}" + (", the search uncompiled" if args.kth_eager else ""))
     if args.kth_eager:
-        still._kth_ranked_above = torch.compiler.disable(still._kth_ranked_above)
-        routing_compiled = torch.compile(still.fresh_routing, backend="inductor", dynamic=True)
+        still_routing._kth_ranked_above = torch.compiler.disable(still_routing._kth_ranked_above)
+        routing_compiled = torch.compile(still_routing.fresh_routing, backend="inductor", dynamic=True)
     for length in map(int, args.lengths.split(",")):
         inputs, fk, options, slots = random_inputs(length, args.device)
         if not args.kth_eager:
@@ -66,13 +67,13 @@ def main() -> None:
             rank = torch.randperm(N, generator=g, device=args.device).expand(1, 3, N)
             rank = torch.where(torch.rand(1, 3, N, generator=g, device=args.device) < 0.7, rank, -1).to(torch.int32)
             torch._dynamo.reset()
-            kth = mismatches(still._kth_ranked_above(rank, slots),
-                             torch.compile(still._kth_ranked_above, backend="inductor")(rank, slots))
+            kth = mismatches(still_routing._kth_ranked_above(rank, slots),
+                             torch.compile(still_routing._kth_ranked_above, backend="inductor")(rank, slots))
             print(f"L={length}: _kth_ranked_above {kth} of {rank.numel()} wrong", flush=True)
             torch._dynamo.reset()
-            routing_compiled = torch.compile(still.fresh_routing, backend="inductor")
+            routing_compiled = torch.compile(still_routing.fresh_routing, backend="inductor")
         with torch.no_grad():
-            eager = still.fresh_routing(*inputs, start=0, **options, fk=fk)
+            eager = still_routing.fresh_routing(*inputs, start=0, **options, fk=fk)
             try:
                 compiled = routing_compiled(*inputs, start=0, **options, fk=fk)
                 routing = f"{mismatches(eager, compiled)} mismatched elements"

@@ -2,7 +2,7 @@
 
     python experiments/scripts/time_still_routing.py [--shapes 8x2048,4x4096,1x32768] [--repeats 3]
 
-The routing (`linearize.ops.still.fresh_routing`: saliency scores, chunk picks, the eviction replay)
+The routing (`linearize.ops.still.routing.fresh_routing`: saliency scores, chunk picks, the eviction replay)
 runs in PyTorch before the STILL kernels in every training step and prefill. Prints the best of
 `--repeats` wall times per batch x length, the number of PyTorch ops one call dispatches (what an
 eager prefill pays per op on any device, a CUDA graph not at all), and a checksum of the fold times
@@ -19,6 +19,7 @@ import torch
 from linearize.bench.common import OpCount, default_device, wall_ms
 from linearize.config import StillConfig
 from linearize.ops.still import naive as still
+from linearize.ops.still import routing as still_routing
 
 HEADS, KV_HEADS, HEAD_DIM, FEATURES = 9, 3, 64, 128  # SmolLM2-135M
 
@@ -39,11 +40,11 @@ def main() -> None:
         k, v = (torch.randn(B, KV_HEADS, L, HEAD_DIM, generator=g).to(device) for _ in range(2))
         valid = torch.ones(B, L, dtype=torch.bool, device=device)
         state = still.init_state(B, HEADS, KV_HEADS, FEATURES, HEAD_DIM, cfg.window, cfg.slots, device=device)
-        route = partial(still.fresh_routing, q, k, v, valid, state, start=0, **options)
+        route = partial(still_routing.fresh_routing, q, k, v, valid, state, start=0, **options)
         best = min(wall_ms(route, device) for _ in range(args.repeats)) / 1e3
         with OpCount() as count:
             fold, _ = route()
-        checksum = int(torch.where(fold == still.NEVER, -1, fold).sum())
+        checksum = int(torch.where(fold == still_routing.NEVER, -1, fold).sum())
         print(f"batch {B} x {L} tokens: {best:.3f} s, {count.ops} ops (fold-time checksum {checksum})")
 
 

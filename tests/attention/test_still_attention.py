@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import linearize
 from linearize.ops import still as still_attention
-from linearize.ops.still.naive import ROUTINGS
+from linearize.ops.still.routing import ROUTINGS
 
 
 def forward(model, ids, cache=None):

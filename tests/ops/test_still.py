@@ -10,6 +10,7 @@ from linearize.config import ConfigError, StillConfig, make_method_config
 from linearize.feature_maps import NormPreservingFeatureMap
 from linearize.ops.common import exp_weights, repeat_kv
 from linearize.ops.still import naive as still
+from linearize.ops.still import routing as still_routing
 
 B, H, HKV, D, F = 2, 4, 2, 8, 3
 
@@ -41,7 +42,7 @@ def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
 
 
 @pytest.mark.parametrize("L", [1, 7, 16, 29])
-@pytest.mark.parametrize("routing", still.ROUTINGS)
+@pytest.mark.parametrize("routing", still_routing.ROUTINGS)
 @pytest.mark.parametrize("window,chunk,budget,max_chunks", [(4, 4, 10, 2), (8, 4, 14, 1), (4, 2, 4, 3)])
 @pytest.mark.parametrize("fresh", [False, True])  # True: the empty slots and window are left out
 def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks, fresh):
@@ -65,7 +66,7 @@ def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-8)
 
 
-@pytest.mark.parametrize("routing", still.ROUTINGS)
+@pytest.mark.parametrize("routing", still_routing.ROUTINGS)
 def test_parallel_continues_from_a_state(routing):
     (q, k, v, gate), valid, phi_q, phi_k = setup(23)
     opts = {"window": 4, "chunk": 2, "per_chunk": 2, "routing": routing, "scale": D**-0.5}
@@ -90,19 +91,19 @@ def test_softmax_set_never_exceeds_budget():
 def test_route_departure_evicts_the_lowest_score_oldest_first():
     slots = {"score": torch.tensor([[[3.0, 1.0, 1.0, 5.0]]]), "pos": torch.tensor([[[10, 7, 4, 2]]]),
              "used": torch.ones(1, 1, 4, dtype=torch.bool)}
-    slot, victim, fold_cand, new = still.route_departure(slots, torch.tensor([[2.0]]), torch.tensor([[20]]),
-                                                         torch.tensor([[True]]))
+    slot, victim, fold_cand, new = still_routing.route_departure(slots, torch.tensor([[2.0]]), torch.tensor([[20]]),
+                                                                 torch.tensor([[True]]))
     assert slot.item() == 2 and victim.item() and not fold_cand.item()  # score 1.0 at pos 4 is the oldest lowest
     assert new["score"].tolist() == [[[3.0, 1.0, 2.0, 5.0]]] and new["pos"][0, 0, 2] == 20
-    slot, victim, fold_cand, _ = still.route_departure(slots, torch.tensor([[0.5]]), torch.tensor([[20]]),
-                                                       torch.tensor([[True]]))
+    slot, victim, fold_cand, _ = still_routing.route_departure(slots, torch.tensor([[0.5]]), torch.tensor([[20]]),
+                                                               torch.tensor([[True]]))
     assert slot.item() == -1 and not victim.item() and fold_cand.item()  # the newcomer is the lowest: folded
 
 
 def test_select_chunk_keeps_top_scores_and_skips_padding():
     scores = torch.tensor([[[0.1, 0.9, 0.5, 0.7]]])
     valid = torch.tensor([[[True, False, True, True]]])
-    assert still.select_chunk(scores, valid, 2).tolist() == [[[False, False, False, True]]]
+    assert still_routing.select_chunk(scores, valid, 2).tolist() == [[[False, False, False, True]]]
 
 
 def test_saliency_score_is_high_for_self_attending_tokens():
@@ -112,12 +113,12 @@ def test_saliency_score_is_high_for_self_attending_tokens():
     q = torch.zeros(1, 1, 2, D, dtype=torch.float64)
     q[0, 0, 1, 0] = 1.0  # token 3 attends to itself, token 2 (q = 0) attends uniformly
     valid = torch.ones(1, 4, dtype=torch.bool)
-    scores = still.saliency_scores(q, keys, valid, valid[:, 2:], chunk=4, scale=1.0, eps=1e-6)
+    scores = still_routing.saliency_scores(q, keys, valid, valid[:, 2:], chunk=4, scale=1.0, eps=1e-6)
     assert scores[0, 0, 1] > scores[0, 0, 0] > 0
 
 
 @pytest.mark.parametrize("L,P,chunk", [(1, 4, 4), (7, 10, 4), (29, 32, 4), (16, 16, 8), (33, 40, 2)])
-@pytest.mark.parametrize("routing", still.LOCAL_ROUTINGS)
+@pytest.mark.parametrize("routing", still_routing.LOCAL_ROUTINGS)
 def test_banded_saliency_equals_the_full_one(L, P, chunk, routing):
     g = torch.Generator().manual_seed(L)
     q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
@@ -125,16 +126,16 @@ def test_banded_saliency_equals_the_full_one(L, P, chunk, routing):
     key_valid = torch.ones(B, P, dtype=torch.bool)
     key_valid[1, : P - L + 3] = False  # a left-padded row
     opts = {"chunk": chunk, "scale": D**-0.5, "eps": 1e-6, "routing": routing}
-    full = still.saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
-    banded = still.banded_saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
+    full = still_routing.saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
+    banded = still_routing.banded_saliency_scores(q, keys, key_valid, key_valid[:, P - L :], **opts)
     torch.testing.assert_close(banded, full, atol=1e-12, rtol=1e-10)
 
 
 def scores_of(routing, q, keys, key_valid, valid, chunk=4, scale=1.0):
     """`token_scores` of the last q.shape[2] tokens of `keys`, as a form calls it."""
     positions = valid.long().cumsum(1) - 1
-    return still.token_scores(q, keys, key_valid, valid, positions, routing=routing, chunk=chunk, scale=scale,
-                              eps=1e-6)
+    return still_routing.token_scores(q, keys, key_valid, valid, positions, routing=routing, chunk=chunk,
+                                      scale=scale, eps=1e-6)
 
 
 def test_diagonal_score_is_the_attention_to_itself_in_the_local_window():
@@ -164,9 +165,9 @@ def test_diagonal_ranks_as_saliency_within_a_query_head(n_rep):
     k = torch.randn(2, 2, L, D, generator=g, dtype=torch.float64)
     valid = torch.ones(2, L, dtype=torch.bool)
     picks = {}
-    for routing in still.LOCAL_ROUTINGS:
+    for routing in still_routing.LOCAL_ROUTINGS:
         scores = scores_of(routing, q, k, valid, valid, chunk=C, scale=D**-0.5).unflatten(-1, (-1, C))
-        picks[routing] = still.select_chunk(scores, torch.ones_like(scores, dtype=torch.bool), 12)
+        picks[routing] = still_routing.select_chunk(scores, torch.ones_like(scores, dtype=torch.bool), 12)
     same = (picks["saliency"] == picks["diagonal"]).all(-1)
     assert same.all() if n_rep == 1 else not same.all()
 
@@ -185,7 +186,7 @@ def test_dot_key_norm_and_uniform_scores_on_hand_made_keys():
     pad = ~valid[:, None, :]
     dot = torch.stack([(q[:, 2 * h : 2 * h + 2] * new[:, h : h + 1]).sum(-1).mean(1) for h in range(HKV)], 1) * 0.5
     expected = {"dot": dot, "key_norm": new.square().sum(-1).sqrt(), "uniform": torch.zeros(B, HKV, 5).double()}
-    quantum = still.SELF_SCORE_QUANTUM
+    quantum = still_routing.SELF_SCORE_QUANTUM
     for routing, want in expected.items():
         got = scores_of(routing, q, keys, key_valid, valid, scale=0.5)
         want = (want / quantum).round() * quantum
@@ -252,7 +253,7 @@ def test_uniform_picks_each_chunks_earliest_and_recency_its_latest():
     assert route("recency", k) == [[7, 11]] * HKV
 
 
-@pytest.mark.parametrize("routing", still.ROUTINGS)
+@pytest.mark.parametrize("routing", still_routing.ROUTINGS)
 def test_fresh_routing_gives_the_parallel_forms_state(routing):
     """The kernels' routing (`fresh_routing`: fold times and the state after a prefill) is the parallel
     form's, slots overflowing: the state equal, and the fold times what the state's linear part holds."""
@@ -262,10 +263,10 @@ def test_fresh_routing_gives_the_parallel_forms_state(routing):
         _, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 10), phi_q, phi_k, start=0, fresh=True,
                                         **opts)
         fk = phi_k(repeat_kv(k, H // HKV))
-        fold, s_fresh = still.fresh_routing(q, k, v, valid, state0(4, 10), start=0, fk=fk, **opts)
+        fold, s_fresh = still_routing.fresh_routing(q, k, v, valid, state0(4, 10), start=0, fk=fk, **opts)
     for name in s_par:
         torch.testing.assert_close(s_fresh[name], s_par[name], atol=1e-12, rtol=1e-10, msg=name)
-    folded = repeat_kv((fold != still.NEVER) & valid[:, None, :], H // HKV)  # start 0: NEVER stays visible
+    folded = repeat_kv((fold != still_routing.NEVER) & valid[:, None, :], H // HKV)  # start 0: NEVER stays visible
     torch.testing.assert_close(s_fresh["z"], (fk * folded[..., None]).sum(2))
 
 
@@ -280,7 +281,7 @@ def test_an_unknown_routing_is_refused_naming_the_choices():
                          phi_k, **opts)
     with pytest.raises(ConfigError, match=f"^routing must be one of {choices}$"):
         make_method_config("still", routing="keynorm")
-    assert get_args(get_type_hints(StillConfig)["routing"]) == still.ROUTINGS
+    assert get_args(get_type_hints(StillConfig)["routing"]) == still_routing.ROUTINGS
 
 
 def test_selecting_all_completed_chunks_at_once_equals_one_by_one():
@@ -294,9 +295,9 @@ def test_selecting_all_completed_chunks_at_once_equals_one_by_one():
     positions = count[:, None] + key_valid[:, W1:].long().cumsum(1) - 1
     completes = key_valid[:, W1:] & ((positions + 1) % chunk == 0)
     at_once = chosen.clone()
-    still._select_completed_chunks(at_once, scores, key_valid, completes, W1, chunk, per_chunk)
+    still_routing._select_completed_chunks(at_once, scores, key_valid, completes, W1, chunk, per_chunk)
     for i in range(L):
-        still._select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
+        still_routing._select_if_complete(chosen, scores, key_valid, W1 + i, completes[:, i], chunk, per_chunk)
     assert torch.equal(at_once, chosen)
 
 
@@ -305,11 +306,11 @@ def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
     (q, k, v, gate), valid, phi_q, phi_k = setup(12)
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
     calls = []
-    real = still.route_departure
-    monkeypatch.setattr(still, "route_departure", lambda *a: calls.append(1) or real(*a))
+    real = still_routing.route_departure
+    monkeypatch.setattr(still_routing, "route_departure", lambda *a: calls.append(1) or real(*a))
     y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 16), phi_q, phi_k, start=0, **opts)
     assert not calls and s_par["sal_used"].any()
-    monkeypatch.setattr(still, "route_departure", real)
+    monkeypatch.setattr(still_routing, "route_departure", real)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 16)
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
     for name in s_par:
@@ -322,12 +323,13 @@ def test_fresh_pass_that_may_overflow_replays_without_a_host_check(monkeypatch):
     (q, k, v, gate), valid, phi_q, phi_k = setup(12)
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
     calls = []
-    real = still._replay_with_eviction
-    monkeypatch.setattr(still, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = still_routing._replay_with_eviction
+    monkeypatch.setattr(still_routing, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for read in ("__bool__", "__int__", "__float__", "item", "tolist"):
         monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"host read of a tensor ({read})"))
     y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
-    fold, _ = still.fresh_routing(q, k, v, valid, state0(4, 9), start=0, eps=1e-6, **opts)  # the kernels' routing
+    # The kernels' routing.
+    fold, _ = still_routing.fresh_routing(q, k, v, valid, state0(4, 9), start=0, eps=1e-6, **opts)
     monkeypatch.undo()
     assert len(calls) == 2 and fold.shape == (B, HKV, 12)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 9)
@@ -341,13 +343,13 @@ def route_one_by_one(state, scores, chosen, positions, start, L):
     B, Hkv, K = state["sal_used"].shape
     slot_ids = torch.arange(K).expand(B, Hkv, K)
     slots = {"score": state["sal_score"], "pos": state["sal_pos"], "used": state["sal_used"]}
-    fold_time = torch.full((B, Hkv, K + L), still.NEVER, dtype=torch.long)
+    fold_time = torch.full((B, Hkv, K + L), still_routing.NEVER, dtype=torch.long)
     for i in range(L):
-        slot, victim, fold_cand, slots = still.route_departure(slots, scores[..., i], positions[i].expand(B, Hkv),
-                                                               chosen[..., i])
+        slot, victim, fold_cand, slots = still_routing.route_departure(slots, scores[..., i],
+                                                                       positions[i].expand(B, Hkv), chosen[..., i])
         index = slot.clamp_min(0)[..., None]
         victim_id = slot_ids.gather(-1, index)
-        fold_time[..., K + i] = torch.where(fold_cand, start + i + 1, still.NEVER)
+        fold_time[..., K + i] = torch.where(fold_cand, start + i + 1, still_routing.NEVER)
         previous = fold_time.gather(-1, victim_id)
         fold_time.scatter_(-1, victim_id, torch.where(victim[..., None], start + i + 1, previous))
         slot_ids = slot_ids.scatter(-1, index, torch.where(slot[..., None] >= 0, K + i, victim_id))
@@ -366,9 +368,9 @@ def test_eviction_replay_equals_routing_one_by_one(seed, K):
     scores = torch.randint(0, 4, (B, Hkv, W1 + L), generator=g).double()
     chosen = torch.rand(B, Hkv, W1 + L, generator=g) < 0.5
     positions = torch.arange(start - W1, start + L)
-    fold, ids, slots = still._replay_with_eviction(state, scores, chosen, positions, start, L)
+    fold, ids, slots = still_routing._replay_with_eviction(state, scores, chosen, positions, start, L)
     ref_fold, ref_ids, ref_slots = route_one_by_one(state, scores, chosen, positions, start, L)
-    assert torch.equal(fold[..., : K + L], ref_fold) and (fold[..., K + L :] == still.NEVER).all()
+    assert torch.equal(fold[..., : K + L], ref_fold) and (fold[..., K + L :] == still_routing.NEVER).all()
     assert torch.equal(ids, ref_ids)
     for name in ref_slots:
         assert torch.equal(slots[name], ref_slots[name]), name
@@ -386,7 +388,7 @@ def test_kth_ranked_above_equals_counting_every_pair(K, N):
     higher = torch.cumsum(rank[..., None, :] > rank[..., :, None], -1)  # [..., element, index]
     reached = higher >= K
     expected = torch.where(reached.any(-1), reached.int().argmax(-1), N)
-    got = still._kth_ranked_above(rank, K)
+    got = still_routing._kth_ranked_above(rank, K)
     assert torch.equal(got[member], expected[member])
 
 
@@ -451,7 +453,7 @@ def _combined_attention(q, fq, keys, values, fk, fold, key_valid, scale, eps):
     return (weights @ values) / den[..., None], (lam @ values) / den[..., None], den
 
 
-@pytest.mark.parametrize("routing", still.ROUTINGS)
+@pytest.mark.parametrize("routing", still_routing.ROUTINGS)
 @pytest.mark.parametrize("gate", [True, False])
 def test_continued_routing_in_combined_indices_gives_the_parallel_form(routing, gate):
     """`continued_routing` (what the kernels take for a call continuing a state): its fold times, as
@@ -467,8 +469,8 @@ def test_continued_routing_in_combined_indices_gives_the_parallel_form(routing, 
         assert state["sal_used"].all()  # full: the next call evicts
         y_ref, s_ref = still.still_parallel(*part[1], state, phi_q, phi_k, start=17, **opts)
         qn, kn, vn, valid_n, gn = part[1]
-        keys, values, key_valid, fold, fk, s_new = still.continued_routing(qn, kn, vn, valid_n, state, phi_k, start=17,
-                                                                           **opts)
+        keys, values, key_valid, fold, fk, s_new = still_routing.continued_routing(qn, kn, vn, valid_n, state, phi_k,
+                                                                                   start=17, **opts)
         P, L = keys.shape[2] - qn.shape[2], qn.shape[2]
         assert P == 5 + 3 and fold.shape == key_valid.shape == (B, HKV, P + L)
         fq = phi_q(qn)

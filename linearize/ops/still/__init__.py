@@ -2,9 +2,10 @@
 dispatch point.
 
 Forms, each tested against `naive.still_parallel` in values (and gradients where they have any):
-  naive.py    `still_parallel` (the reference, and the routing every form shares), `still_step` (one
-              decode step), `fresh_routing` and `continued_routing` (the fold times of a fresh or a
-              continued call, and the state after it)
+  routing.py  the routing every form shares (which keys take the softmax slots, and when each folds
+              into the linear state); `fresh_routing` and `continued_routing` (the fold times of a
+              fresh or a continued call, and the state after it) for the kernels
+  naive.py    `still_parallel` (the reference), `still_step` (one decode step)
   triton.py   the attention over a sequence given each key's fold time, in fused kernels: a fresh
               pass (differentiable), or the forward's parts for a continued call (inference only)
 
@@ -22,7 +23,8 @@ import torch
 
 from .. import backend
 from ..common import repeat_kv
-from .naive import continued_routing, fresh_routing, init_state, still_parallel, still_step
+from .naive import init_state, still_parallel, still_step
+from .routing import continued_routing, fresh_routing
 
 MAX_PARALLEL = 2048  # tokens per call of the parallel form: it holds [L, K + W + L] scores per head
 # Tokens per kernel call for calls without gradients: a call's cost grows with the square of its keys

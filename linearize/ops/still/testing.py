@@ -21,6 +21,7 @@ from .. import still as dispatch
 from ..gla_window.testing import _rel
 from . import naive as still
 from . import unsupported_reason
+from .routing import fresh_routing
 
 NAMES = ("y", "q", "k", "v", "fq", "fk", "gate")
 
@@ -73,7 +74,7 @@ def _run(case, tensors, valid, dy, dtype):
     if dtype is None:
         with torch.no_grad():
             # Routing in float32, as the model runs it (its q, k come rotated in float32).
-            fold, _ = still.fresh_routing(q.float(), k.float(), v.float(), valid, state, start=0, **options)
+            fold, _ = fresh_routing(q.float(), k.float(), v.float(), valid, state, start=0, **options)
         from .triton import still_attention_triton
 
         y = still_attention_triton(q, k, v, fq, fk, gate, fold, valid, scale=options["scale"], eps=options["eps"])

@@ -6,14 +6,14 @@ the new tokens] (`still_attention_parts`: the output's parts, no autograd), `ops
 carried linear state.
 
 Each key j is softmax-visible from its arrival until its fold time E_j (from the routing in
-`ops.still`, relative to the pass) and linear after it:
+`ops.still.routing`, relative to the pass) and linear after it:
 
   y_i = (sum_{j <= i < E_j} e^{s_ij - m_i} v_j + g_i * sum_{E_j <= i} (fq_i . fk_j) v_j)
         / (sum_{j <= i < E_j} e^{s_ij - m_i} + sum_{E_j <= i} fq_i . fk_j + eps)
 
 s_ij = q_i . k_j * scale and m_i is the row max over the softmax set. Only the softmax terms carry
 that shift (the published form), so y depends on m_i and its gradient goes to the key that holds it.
-Reference: `ops.still.still_parallel(fresh=True, keep_state=False)`. Backward: one kernel over
+Reference: `ops.still.naive.still_parallel(fresh=True, keep_state=False)`. Backward: one kernel over
 blocks of queries (dq, dfq), one over blocks of keys (dk, dv, dfk), each recomputing the tile's
 scores; the per-row terms and d gate are elementwise, in PyTorch.
 
