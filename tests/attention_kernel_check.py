@@ -161,7 +161,8 @@ def check_stage1(device: str, method: str = "lizard-shared", length: int = 37) -
     the loss and of the new parameters' gradients, the kernel passes, and the launches of the backward
     passes that only q, k and v's gradients need (none: they are frozen in stage 1)."""
     from linearize.train import DistillConfig
-    from linearize.train.distillation import prepare_stage, stage_loss
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import prepare_stage
 
     model = _student(method, device, torch.float32)
     cfg = DistillConfig(model="tiny", method=STUDENTS[method][0], data="default", out="unused")

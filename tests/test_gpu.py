@@ -51,7 +51,8 @@ def test_chunked_equals_naive_on_cuda_at_length_2048(gate_dim):
 def test_real_teacher_bf16_training_step_and_generate(method):
     from linearize.loading import load_model
     from linearize.train.config import DistillConfig
-    from linearize.train.distillation import prepare_stage, stage_loss
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import prepare_stage
 
     model = linearize.convert(load_model("smollm2"), method).cuda()
     cfg = DistillConfig(model="smollm2", method=method, out="unused")

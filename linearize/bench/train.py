@@ -11,7 +11,7 @@ Modes (`--modes`, in this order):
 - `stage1`: distillation stage 1, attention transfer (the new modules of every linearized layer).
 - `stage2`: distillation stage 2, LoRA on the linearized student, next-token cross-entropy.
 
-Every next-token loss is `distillation.stage_loss`'s (chunked over the vocabulary: no [tokens, vocab]
+Every next-token loss is `losses.stage_loss`'s (chunked over the vocabulary: no [tokens, vocab]
 logits). Each point (mode, gradient checkpointing off or on, sequence length) times whole optimizer
 steps on random tokens: forward, backward, gradient clipping and AdamW, bf16 autocast on CUDA.
 tokens/s = batch * seq_len / median step time over the timed steps after the warm-up ones; the batch is
@@ -40,17 +40,11 @@ import torch
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
 from ..train.config import DistillConfig
-from ..train.distillation import (
-    build_student,
-    linearized_layers,
-    linearized_student,
-    prepare_stage,
-    stage_loss,
-    upcast_to_float32,
-    weights_dtype,
-)
+from ..train.distillation import build_student
+from ..train.losses import stage_loss
 from ..train.runtime import Runtime
 from ..train.step import WARMUP_STEPS, TrainStep, make_optimizer
+from ..train.student import linearized_layers, linearized_student, prepare_stage, upcast_to_float32, weights_dtype
 from .common import (
     GIB,
     cell,

@@ -20,16 +20,21 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from . import checkpoint
 from .config import DistillConfig
 from .layer_selection import even_layers, restored_layer_kl, top_layers
-from .losses import IGNORE_INDEX, chunked_cross_entropy, depending_on
-from .masking import unpadded_attention
+from .losses import stage_loss
 from .runtime import Runtime, shard
 from .step import TrainStep, make_optimizer, rates_on_device
+from .student import (
+    linearized_layers,
+    linearized_student,
+    parameter_groups,
+    prepare_stage,
+    weights_dtype,
+)
 
 LOG_NAME = "train_log.jsonl"
 CONFIG_NAME = "distill_config.json"
@@ -40,47 +45,6 @@ CHECKPOINT_NAME = "checkpoint"
 
 class ResumeError(ValueError):
     """--resume was asked for but cannot be honoured (or was needed but not asked for)."""
-
-
-def linearized_layers(model) -> list:
-    from ..attention import LinearizedAttention
-
-    return [m for m in model.modules() if isinstance(m, LinearizedAttention)]
-
-
-def upcast_to_float32(params) -> None:
-    """Parameters in float32, whatever the model was built in: AdamW steps trained ones there (a bf16
-    update of ~lr times a weight rounds to nothing). In place (`.data`), so a module, peft or an optimizer
-    holding a parameter keeps holding it."""
-    for p in params:
-        if p.dtype != torch.float32:
-            p.data = p.data.float()
-
-
-def weights_dtype(rt: Runtime, sharded: bool) -> torch.dtype:
-    """The dtype the teacher is loaded and its frozen weights held in: bf16 for a bf16-autocast run, where
-    every matmul takes its weights in bf16 anyway, so a frozen weight needs no float32 copy (an 8B teacher:
-    16 GB less, on the host while loading and on the device), nor a cast at each call (autocast caches
-    casts of trained weights only). Every bf16 run but an FSDP2 one (a CPU run with --precision bf16 too)
-    loads so, and so no frozen weight needs a cast after the load. float32 otherwise, and under FSDP2
-    (`sharded`), which shards a layer's parameters in one dtype: there the float32 trained ones set the
-    dtype of all. What trains is float32 either way (`prepare_stage`), and so are buffers such as RoPE's
-    frequencies, which loading and `upcast_to_float32` leave alone (no `model.to(dtype)` anywhere)."""
-    return torch.bfloat16 if rt.bf16 and not sharded else torch.float32
-
-
-def linearized_student(teacher, cfg: DistillConfig, softmax_layers: list[int] | None = None):
-    """`convert` the teacher as `cfg` says (softmax in `softmax_layers`, default the config's), its new
-    modules float32 whatever the teacher's dtype: stage 1 trains them, and stage 2, which freezes them,
-    then runs the very modules stage 1 trained and the export saves, not bf16 roundings of them. `convert`
-    builds them in the teacher's dtype, so from a bf16 teacher they start at bf16 roundings of their
-    initial values (LoLCATs' window factor 0.1 at 0.1001), no worse an init."""
-    from ..convert import convert
-
-    softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
-    model = convert(teacher, cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
-    upcast_to_float32(p for layer in linearized_layers(model) for p in layer.new_parameters())
-    return model
 
 
 def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None,
@@ -103,87 +67,6 @@ def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: 
         if unexpected:
             raise ResumeError(f"{stage1_path} does not match this model: unexpected {unexpected[:3]}")
     return model
-
-
-def new_parameter_names(model) -> set[str]:
-    ids = {id(p) for layer in linearized_layers(model) for p in layer.new_parameters()}
-    return {name for name, p in model.named_parameters() if id(p) in ids}
-
-
-def parameter_groups(model, cfg: DistillConfig, stage: int) -> list[dict]:
-    """The trained parameters at the stage's lr; in stage 1, the per-head scalars at `head_lr_scale` times it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = cfg.lr(stage)
-    scalars = {id(p) for layer in linearized_layers(model) for p in layer.head_scalars()}
-    if stage != 1 or cfg.head_lr_scale == 1 or not scalars:
-        return [{"params": params, "lr": lr}]
-    return [{"params": [p for p in params if id(p) not in scalars], "lr": lr},
-            {"params": [p for p in params if id(p) in scalars], "lr": lr * cfg.head_lr_scale}]
-
-
-def prepare_stage(model, cfg: DistillConfig, stage: int):
-    """Freeze what this stage does not train and hold what it trains in float32 (`upcast_to_float32`);
-    returns (model to call, names of trained parameters)."""
-    for layer in linearized_layers(model):
-        layer.attention_transfer = stage == 1
-    if stage == 1:
-        names = new_parameter_names(model)
-    else:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
-        names = {name for name, p in model.named_parameters() if "lora_" in name}
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in names)
-    upcast_to_float32(p for p in model.parameters() if p.requires_grad)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not names:
-        raise ValueError(f"stage {stage} of {cfg.method} has nothing to train")
-    return model, names
-
-
-def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
-    """One packed (unpadded) batch's loss: next-token cross-entropy in stage 2 (`next_token_loss`), the
-    mean of the layers' attention-transfer errors in stage 1."""
-    with unpadded_attention(model):
-        if stage == 2:
-            return next_token_loss(model, input_ids)
-        # Through the full model (FSDP's root) but with logits for one position only: stage 1 needs
-        # just the per-layer losses recorded on the way.
-        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-    losses = [layer.transfer_loss for layer in linearized_layers(model)]
-    return torch.stack(losses).float().mean()
-
-
-def next_token_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """`model(input_ids=input_ids, labels=input_ids).loss` (HF's mean next-token cross-entropy), taken by
-    `chunked_cross_entropy` so that no [tokens, vocab] logits exist (8 GiB in float32 for 16K tokens of a
-    128K vocabulary). The loss comes from a forward hook on the decoder, on its final hidden states, while
-    the whole model (under peft, through its wrapper; under FSDP2, the root, whose weights, the head's
-    among them, are gathered then) runs with logits for one position only. Those logits stay in the
-    loss's graph (with zero gradient): FSDP2 gathers the root's weights again for the backward (the
-    final norm's) when their gradient arrives. A head other than a bias-free Linear takes HF's own loss."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = causal_lm.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-    # Token t predicts token t + 1; the last one predicts nothing.
-    labels = torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), IGNORE_INDEX)], dim=1)
-    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)  # Gemma 2 caps its logits
-    losses = []
-
-    def loss_from(module, args, output):
-        losses.append(chunked_cross_entropy(output[0], head.weight, labels, softcap=softcap))
-
-    handle = causal_lm.get_decoder().register_forward_hook(loss_from)
-    try:
-        logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
-    finally:
-        handle.remove()
-    return depending_on(losses[0], logits)
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:

@@ -1,4 +1,5 @@
-"""Next-token cross-entropy over a large vocabulary without the [tokens, vocab] logits.
+"""The distillation's losses: each stage's (`stage_loss`), and next-token cross-entropy over a large
+vocabulary without the [tokens, vocab] logits (`chunked_cross_entropy`).
 
 A causal LM's loss is usually taken on its full logits: for 16K tokens of Llama-3's 128K vocabulary
 those are 4 GiB in bf16, 8 GiB once HF upcasts them to float32 for the loss, and their gradient as
@@ -19,6 +20,10 @@ Nothing reads back from the device, so a CUDA graph can hold it.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from .masking import unpadded_attention
+from .student import linearized_layers
 
 IGNORE_INDEX = -100  # HF's and F.cross_entropy's default
 CHUNK = 1024  # tokens a chunk: 1024 x 128K float32 logits are 0.5 GiB
@@ -119,3 +124,44 @@ class _DependingOn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.others)
+
+
+def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
+    """One packed (unpadded) batch's loss: next-token cross-entropy in stage 2 (`next_token_loss`), the
+    mean of the layers' attention-transfer errors in stage 1."""
+    with unpadded_attention(model):
+        if stage == 2:
+            return next_token_loss(model, input_ids)
+        # Through the full model (FSDP's root) but with logits for one position only: stage 1 needs
+        # just the per-layer losses recorded on the way.
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    losses = [layer.transfer_loss for layer in linearized_layers(model)]
+    return torch.stack(losses).float().mean()
+
+
+def next_token_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """`model(input_ids=input_ids, labels=input_ids).loss` (HF's mean next-token cross-entropy), taken by
+    `chunked_cross_entropy` so that no [tokens, vocab] logits exist (8 GiB in float32 for 16K tokens of a
+    128K vocabulary). The loss comes from a forward hook on the decoder, on its final hidden states, while
+    the whole model (under peft, through its wrapper; under FSDP2, the root, whose weights, the head's
+    among them, are gathered then) runs with logits for one position only. Those logits stay in the
+    loss's graph (with zero gradient): FSDP2 gathers the root's weights again for the backward (the
+    final norm's) when their gradient arrives. A head other than a bias-free Linear takes HF's own loss."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = causal_lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    # Token t predicts token t + 1; the last one predicts nothing.
+    labels = torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), IGNORE_INDEX)], dim=1)
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)  # Gemma 2 caps its logits
+    losses = []
+
+    def loss_from(module, args, output):
+        losses.append(chunked_cross_entropy(output[0], head.weight, labels, softcap=softcap))
+
+    handle = causal_lm.get_decoder().register_forward_hook(loss_from)
+    try:
+        logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
+    finally:
+        handle.remove()
+    return depending_on(losses[0], logits)

@@ -10,6 +10,7 @@ from interrupted_distill import interrupting_stage_loss
 from linearize.loading import load_model
 from linearize.train import DistillConfig, ResumeError, distill
 from linearize.train import distillation as distill_module
+from linearize.train.student import new_parameter_names
 
 
 def config(workspace, out, **overrides):
@@ -86,7 +87,7 @@ def recording_dtypes(monkeypatch) -> dict:
 
     def loss(model, ids, stage):
         if stage not in seen:
-            new = distill_module.new_parameter_names(model)
+            new = new_parameter_names(model)
             params = dict(model.named_parameters())
             seen[stage] = {"trained": {p.dtype for p in params.values() if p.requires_grad},
                            "new": {params[n].dtype for n in new},
@@ -179,7 +180,8 @@ def test_bad_settings_are_rejected():
 
 
 def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
-    from linearize.train.distillation import build_student, parameter_groups, prepare_stage
+    from linearize.train.distillation import build_student
+    from linearize.train.student import parameter_groups, prepare_stage
 
     cfg = config(workspace, workspace / "unused", head_lr_scale=30.0)
     model, _ = prepare_stage(build_student(cfg, None), cfg, 1)
@@ -200,15 +202,10 @@ def test_a_bf16_student_holds_frozen_weights_in_bf16_and_trains_float32_masters(
     float32 in both stages (in stage 2, exactly the tensors stage 1 saved), RoPE's frequencies float32.
     Under autocast its loss is the float32 student's, to bf16 precision, and gradients reach the trained
     tensors only."""
-    from linearize.train.distillation import (
-        build_student,
-        linearized_layers,
-        new_parameter_names,
-        prepare_stage,
-        stage_loss,
-        weights_dtype,
-    )
+    from linearize.train.distillation import build_student
+    from linearize.train.losses import stage_loss
     from linearize.train.runtime import Runtime
+    from linearize.train.student import linearized_layers, prepare_stage, weights_dtype
 
     # alpha at 1: a stage-1 loss well above zero (see test_both_stages_reduce_their_losses_and_export_a_model)
     cfg = config(workspace, tmp_path / "unused", options={"window": 8, "num_sinks": 2, "alpha_init": 1.0})
@@ -254,7 +251,9 @@ def test_a_bf16_student_holds_frozen_weights_in_bf16_and_trains_float32_masters(
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(workspace, stage):
-    from linearize.train.distillation import build_student, prepare_stage, stage_loss
+    from linearize.train.distillation import build_student
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import prepare_stage
 
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
     results = []

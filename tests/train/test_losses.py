@@ -121,7 +121,7 @@ def _own_loss(model, ids):
 def test_stage2_loss_is_the_models_own_loss_without_full_logits(arch):
     """Every parameter's gradient too (a full fine-tune: the head's weight gets one); Gemma 2 soft-caps
     its logits. The head only ever sees one position."""
-    from linearize.train.distillation import stage_loss
+    from linearize.train.losses import stage_loss
 
     model = tiny_teacher(arch).train()
     assert (arch == "gemma2") == (getattr(model.config, "final_logit_softcapping", None) is not None)
@@ -139,7 +139,8 @@ def test_stage2_loss_of_a_linearized_student_with_lora_is_its_own_loss(autocast)
     bf16 as a bf16 run loads them (its buffers float32, as loading leaves them). Only the adapters get
     gradients."""
     from linearize.train import DistillConfig
-    from linearize.train.distillation import linearized_student, prepare_stage, stage_loss
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import linearized_student, prepare_stage
 
     cfg = DistillConfig(model="tiny", method="lizard", out="unused", options=TINY_OPTIONS["lizard"])
     teacher = tiny_teacher()

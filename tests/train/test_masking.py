@@ -7,7 +7,7 @@ from transformers import masking_utils
 
 from linearize.attention.base import LinearizedAttention
 from linearize.convert import convert
-from linearize.train.distillation import stage_loss
+from linearize.train.losses import stage_loss
 from linearize.train.masking import unpadded_attention
 
 

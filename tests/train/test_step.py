@@ -8,7 +8,7 @@ import torch.distributed as dist
 from tiny_models import TINY_OPTIONS, tiny_teacher
 
 from linearize.convert import convert
-from linearize.train.distillation import stage_loss
+from linearize.train.losses import stage_loss
 from linearize.train.runtime import average_gradients
 from linearize.train.step import WARMUP_STEPS, TrainStep, failing_line, graphable_optimizer, rates_on_device
 
