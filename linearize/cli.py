@@ -17,7 +17,9 @@ from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable
     CommandError,
     atomic_output_dir,
     check_device,
+    check_new_output,
     check_writable_parent,
+    default_device,
     describe_os_error,
     parse_int_list,
     positive_float,
@@ -27,22 +29,35 @@ from .config import ConfigError, inference_options_help
 
 
 def cmd_convert(args) -> None:
-    from .config import parse_set_options
+    from .config import check_fits_positions, make_method_config, parse_set_options
     from .convert import check_layer_choice, convert, kept_sliding_layers
     from .loading import load_config, load_model, load_tokenizer
 
+    # The flags first (option names and values against the method, --out), then what needs the model's
+    # config (an alias may be fetched for it), then the weights.
     options = parse_set_options(args.set or [], [args.method])
-    check_writable_parent(args.out)
+    check_new_output(args.out)
     config = load_config(args.model)
     layers = getattr(config, "num_hidden_layers", None)  # None: convert names the model type
     if layers is not None:
         check_layer_choice(layers, args.method, args.softmax_layers, kept=kept_sliding_layers(config, args.layers))
+    check_fits_positions(make_method_config(args.method, **options), config)
     with atomic_output_dir(args.out) as scratch:
         model = load_model(args.model, dtype=args.dtype)
         convert(model, args.method, softmax_layers=args.softmax_layers, layers=args.layers, **options)
         model.save_pretrained(scratch)
         load_tokenizer(args.model).save_pretrained(scratch)
     print(f"wrote {args.method} model to {args.out}")
+
+
+def check_decoding_flags(temperature: float, static: bool, compile_step: bool) -> None:
+    """Refuse a combination of generate's decoding flags (CommandError); needs no model."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise CommandError(f"--temperature must be 0 (greedy) or a positive number, got {temperature}")
+    if (static or compile_step) and temperature > 0:
+        raise CommandError("--static decodes greedily: leave out --temperature")
+    if compile_step and not static:
+        raise CommandError("--compile applies to --static decoding")
 
 
 def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: bool = False,
@@ -52,12 +67,7 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
     `compile_step`, the step through torch.compile first), cut at the first end-of-sequence token."""
     import torch
 
-    if not math.isfinite(temperature) or temperature < 0:
-        raise CommandError(f"--temperature must be 0 (greedy) or a positive number, got {temperature}")
-    if (static or compile_step) and temperature > 0:
-        raise CommandError("--static decodes greedily: leave out --temperature")
-    if compile_step and not static:
-        raise CommandError("--compile applies to --static decoding")
+    check_decoding_flags(temperature, static, compile_step)
     if static:
         from .decode import fully_linearized
 
@@ -87,17 +97,16 @@ def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, chat: b
 
 
 def cmd_generate(args) -> None:
-    from .config import parse_set_options
+    from .config import parse_inference_options
     from .loading import load_model, load_tokenizer
 
     # Every flag checked before the (slow) model load.
     if not args.prompt and not args.chat:
         raise CommandError("--prompt is empty: give the text to continue (or --chat to answer an empty message)")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise CommandError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}")
+    check_decoding_flags(args.temperature, args.static, args.compile)
     check_device(args.device)
-    options = parse_set_options(args.set)
-    model = load_model(args.model, dtype=args.dtype, device=args.device, inference_options=options)
+    options = parse_inference_options(args.set)
+    model = load_model(args.model, dtype=args.dtype, device=default_device(args.device), inference_options=options)
     tokenizer = load_tokenizer(args.model)
     text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat,
                          temperature=args.temperature, seed=args.seed, static=args.static, compile_step=args.compile)
@@ -175,6 +184,9 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         # One line, not argparse's usage block: scripts read stderr.
+        if message == "the following arguments are required: command":  # `linearize` alone: say what to type
+            usage = " ".join(self.format_usage().split()[1:])  # argparse wraps a long usage: keep it one line
+            message = f"a verb is required; usage: {usage} (linearize VERB --help for its flags)"
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
@@ -211,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fully linearized models: greedy steps on the fixed-shape cache (a CUDA graph per step on a GPU)")
     p.add_argument("--compile", action="store_true",
                    help="with --static: compile the step with torch.compile first (about a minute once, faster steps)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help=inference_options_help())

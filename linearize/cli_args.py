@@ -109,6 +109,16 @@ def check_writable_parent(out: str | Path) -> list[Path]:
     return missing[::-1]
 
 
+def check_new_output(out: str | Path) -> list[Path]:
+    """Check that `out` can become a new output folder: it does not exist or is an empty folder, and its
+    missing parents can be made. Returns those parents, as `check_writable_parent` does."""
+    path = Path(out).expanduser()
+    if str(out).strip() and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        kind = "a file" if not path.is_dir() else "a folder that is not empty"
+        raise CommandError(f"output {path} already exists and is {kind}: pick a new --out")
+    return check_writable_parent(out)
+
+
 def check_device(device: str | None) -> None:
     """Refuse a --device this machine cannot use before anything is loaded or written (None: the default)."""
     if device is None:
@@ -128,6 +138,15 @@ def check_device(device: str | None) -> None:
         raise CommandError(f"--device {device}: no MPS device here")
 
 
+def default_device(device: str | None) -> str:
+    """`--device` as given, else cuda when available, else cpu: the default of every verb that runs a model."""
+    if device is not None:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -143,11 +162,8 @@ def atomic_output_dir(out: str | Path):
     scratch directory, nor the parents made for it. `out` and the files in it get the permissions
     mkdir and open give (0777 and 0666 less the umask).
     """
+    missing = check_new_output(out)
     out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        kind = "a file" if not out.is_dir() else "a folder that is not empty"
-        raise CommandError(f"output {out} already exists and is {kind}: pick a new --out")
-    missing = check_writable_parent(out)
     parent = out.parent if str(out.parent) else Path(".")
     made = []
     try:

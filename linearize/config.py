@@ -218,10 +218,25 @@ INFERENCE_OPTIONS: dict[str, tuple[str, ...]] = {"still": ("budget", "max_chunks
                                                  "lizard": ("window", "gate_temperature")}
 
 
+def _listed_inference_options() -> str:
+    return "; ".join(f"{method}: {', '.join(names)}" for method, names in INFERENCE_OPTIONS.items())
+
+
 def inference_options_help() -> str:
     """`--set`'s help for a trained model: the options each method can change."""
-    listed = "; ".join(f"{method}: {', '.join(names)}" for method, names in INFERENCE_OPTIONS.items())
-    return f"an inference option of a linearized model ({listed}); repeatable"
+    return f"an inference option of a linearized model ({_listed_inference_options()}); repeatable"
+
+
+def parse_inference_options(pairs: list[str]) -> dict[str, str]:
+    """`parse_set_options` for a trained model's `--set`. Its method is known only once the model loads
+    (`with_inference_options` checks the rest then); a key no method can change fails before that."""
+    options = parse_set_options(pairs)
+    known = {name for names in INFERENCE_OPTIONS.values() for name in names}
+    for key in options:
+        if key not in known:
+            raise ConfigError(f"--set {key}: no method can change {key} after training; options they can: "
+                              f"{_listed_inference_options()}")
+    return options
 
 
 def with_inference_options(method: str, options: dict, changes: dict) -> MethodConfig:
@@ -250,6 +265,24 @@ def make_method_config(method: str, **options) -> MethodConfig:
     cfg = cls(**values)
     _validate(cfg)
     return cfg
+
+
+# Options counted in tokens, which the op pads or allocates to in full whatever the sequence's length:
+# one past the model's positions buys no context and can ask for more memory than there is.
+LENGTH_OPTIONS = ("window", "chunk_size", "budget")
+
+
+def check_fits_positions(cfg: MethodConfig, model_config) -> None:
+    """Refuse (ConfigError) a `LENGTH_OPTIONS` value of `cfg` larger than the model's positions
+    (`max_position_embeddings`; a config without one is not checked)."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return
+    for name in LENGTH_OPTIONS:
+        value = getattr(cfg, name, None)
+        if value is not None and value > limit:
+            raise ConfigError(f"{name}={value} is larger than the model's max_position_embeddings, {limit}: "
+                              f"pick {name} <= {limit}")
 
 
 def parse_set_options(pairs: list[str], methods: tuple[str, ...] | list[str] = ()) -> dict[str, str]:

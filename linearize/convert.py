@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from .architectures import architecture_of, layers_kept_softmax
 from .attention import LinearizedAttention
-from .config import ConfigError, make_method_config, with_inference_options
+from .config import ConfigError, check_fits_positions, make_method_config, with_inference_options
 from .modeling import LINEARIZED_CLASSES, swap_attention
 
 
@@ -22,7 +22,8 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
     """Linearize `model` in place and return it.
 
     Every decoder layer not listed in `softmax_layers` gets `method`'s attention, built around the
-    teacher's q/k/v/o projections; `options` override the method's defaults (see `linearize.config`).
+    teacher's q/k/v/o projections; `options` override the method's defaults (see `linearize.config`);
+    a window, chunk or budget longer than the model's positions is refused (`check_fits_positions`).
     `layers="full"` keeps the teacher's sliding-window layers (Gemma's five in six) as they are, also
     in constant memory, and linearizes its full-attention layers only. The model becomes the matching
     `Linearized*ForCausalLM`, so it saves and loads as one.
@@ -37,6 +38,7 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
     except ValueError as e:
         raise UnsupportedModelError(str(e)) from None
     cfg = make_method_config(method, **options)
+    check_fits_positions(cfg, model.config)
     num_layers = model.config.num_hidden_layers
     softmax_layers = sorted({int(i) for i in (softmax_layers or [])})
     bad = [i for i in softmax_layers if not 0 <= i < num_layers]
@@ -106,6 +108,7 @@ def set_inference_options(model: PreTrainedModel, **options) -> PreTrainedModel:
     if not spec:
         raise ConfigError("inference options change a linearized model; this one has softmax attention only")
     cfg = with_inference_options(spec["method"], spec["options"], options)
+    check_fits_positions(cfg, model.config)
     for layer in model.model.layers:
         if isinstance(layer.self_attn, LinearizedAttention):
             layer.self_attn.cfg = cfg

@@ -39,11 +39,20 @@ def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, devi
                inference_options: dict | None = None) -> PreTrainedModel:
     """A causal LM in eval mode. `dtype` None means float32; "auto" keeps the checkpoint's dtype.
     `inference_options` change a linearized model's forward-only options (`convert.set_inference_options`)."""
-    model = _from_pretrained(AutoModelForCausalLM, *resolve_spec(spec), dtype=_dtype(dtype))
+    kind, where = resolve_spec(spec)
+    model = _from_pretrained(AutoModelForCausalLM, kind, where, dtype=_dtype(dtype))
     if inference_options:
         from .convert import set_inference_options
 
-        set_inference_options(model, **inference_options)
+        set_inference_options(model, **inference_options)  # checks the options against the model's positions
+    elif linearized := getattr(model.config, "linearize", None):
+        # Lengths past the model's positions would load, then fail in the first forward; `--set` can fix them.
+        from .config import check_fits_positions, make_method_config
+
+        try:
+            check_fits_positions(make_method_config(linearized["method"], **linearized["options"]), model.config)
+        except ConfigError as e:
+            raise ModelSpecError(f"cannot load {where}: its config.json's linearize settings are invalid ({e})") from e
     if device is not None:
         model.to(device)
     return model.eval()
@@ -145,13 +154,24 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
         except OSError as e:
             raise ModelSpecError(
                 f"{where!r} is not a local path, nor in the Hugging Face cache, and the hub "
-                f"({huggingface_hub.constants.ENDPOINT}) cannot be reached"
+                f"({huggingface_hub.constants.ENDPOINT}) cannot be reached{alias_hint(where)}"
             ) from e
     try:
         return auto_class.from_pretrained(where, **kwargs)
     except OSError as e:
         reason = str(e).strip().splitlines()[0]
-        raise ModelSpecError(f"could not load {where!r} from the Hugging Face hub: {reason}") from e
+        raise ModelSpecError(f"could not load {where!r} from the Hugging Face hub: {reason}{alias_hint(where)}") from e
+
+
+def alias_hint(spec: str) -> str:
+    """"; did you mean ALIAS?" for a bare name close to an alias (a typo reaches the hub as a model id),
+    "; aliases: ..." for another bare name, nothing for an "org/name" id."""
+    import difflib
+
+    if "/" in spec or "\\" in spec:
+        return ""
+    close = difflib.get_close_matches(spec.lower(), ALIASES, n=1)
+    return f"; did you mean {close[0]}?" if close else f"; aliases: {', '.join(ALIASES)}"
 
 
 def _hub_reachable() -> bool:

@@ -12,7 +12,7 @@ import socket
 import sys
 from contextlib import contextmanager
 
-from ..cli_args import CommandError, check_device, positive_int
+from ..cli_args import CommandError, check_device, default_device, positive_int
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 8, "max_queue": 64, "max_prompt_tokens": 131072,
             "max_completion_tokens": 4096, "prefill_chunk": 2048}
@@ -39,20 +39,23 @@ def count(text: str) -> int:
     return value
 
 
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# Decimal units are powers of 1000 (as memory is often quoted: 40GB), binary ones powers of 1024.
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def memory_size(text: str) -> int:
-    """Bytes from a size such as 40GiB, 512MiB or 1000000 (bytes), > 0."""
-    number, unit = text.strip(), "B"
+    """Bytes from a size such as 40GB, 40GiB, 512MiB or 1000000 (bytes), > 0; units in any case."""
+    number, unit = text.strip(), "b"
     for name in sorted(UNITS, key=len, reverse=True):
-        if number.endswith(name):
+        if number.lower().endswith(name):
             number, unit = number[: -len(name)].strip(), name
             break
     try:
         value = float(number)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 40GiB, 512MiB or a number of bytes, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a size such as 40GB, 40GiB, 512MiB or a number of bytes, "
+                                         f"got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
     return max(1, int(value * UNITS[unit]))
@@ -79,9 +82,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="prompt tokens prefilled a scheduler turn, between the running requests' steps")
     p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
                    help="for a softmax model (the teacher): the most memory its requests' keys and values may take, "
-                        "e.g. 40GiB (default: 90%% of the GPU memory free at start; no limit on a CPU)")
+                        "e.g. 40GiB or 40GB: KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024 "
+                        "(default: 90%% of the GPU memory free at start; no limit on a CPU)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients give as `model` (default: the --model argument as given)")
     p.set_defaults(func=run)
@@ -140,7 +144,7 @@ def run(args) -> None:
     from ..loading import load_model, load_tokenizer
     from ..modeling import undistilled_note
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, dtype=args.dtype, device=default_device(args.device))
     tokenizer = load_tokenizer(args.model)
     if note := undistilled_note(model.config):
         print(note, file=sys.stderr)

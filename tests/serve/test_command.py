@@ -27,7 +27,7 @@ def refused(capsys, *argv: str) -> str:
                                              ("--max-batch", "0"), ("--max-queue", "-1"), ("--max-prompt-tokens", "0"),
                                              ("--max-completion-tokens", "-3"), ("--prefill-chunk", "1.5"),
                                              ("--kv-memory", "0"), ("--kv-memory", "-2GiB"), ("--kv-memory", "lots"),
-                                             ("--kv-memory", "4GB"), ("--kv-memory", "inf")])
+                                             ("--kv-memory", "4XB"), ("--kv-memory", "inf")])
 def test_bad_numbers_are_refused_by_flag(capsys, flag, value):
     assert flag in refused(capsys, "--model", "nowhere", flag, value)
 
