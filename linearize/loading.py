@@ -9,8 +9,6 @@ import json
 import pickle
 import re
 import struct
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import huggingface_hub
@@ -21,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
 from .config import ConfigError
 from .gguf_files import from_gguf, no_bpe_cleanup
+from .hub import hub_reachable
 
 ALIASES = {"smollm2": assets.smollm2_hf, "gemma3": assets.gemma3_hf}
 # "name" or "org/name"; anything else that does not exist on disk is a missing path.
@@ -147,7 +146,7 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
                 raise
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelSpecError(f"cannot load the tokenizer in {where}: {reason}") from e
-    if not _hub_reachable():
+    if not hub_reachable():
         # Only the local HF cache can help now; asking transformers would retry each file for a minute.
         try:
             where = huggingface_hub.snapshot_download(where, local_files_only=True)
@@ -172,16 +171,6 @@ def alias_hint(spec: str) -> str:
         return ""
     close = difflib.get_close_matches(spec.lower(), ALIASES, n=1)
     return f"; did you mean {close[0]}?" if close else f"; aliases: {', '.join(ALIASES)}"
-
-
-def _hub_reachable() -> bool:
-    try:
-        urllib.request.urlopen(huggingface_hub.constants.ENDPOINT, timeout=5).close()
-    except urllib.error.HTTPError:
-        return True  # it answered, if only with an error
-    except OSError:
-        return False
-    return True
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:

@@ -131,7 +131,7 @@ def test_flag_checks_come_before_the_model_load(work, capsys, argv, names):
 @pytest.mark.parametrize("spec,hint", [("smolm2", "did you mean smollm2?"), ("Gemma-3", "did you mean gemma3?"),
                                        ("llama", "aliases: smollm2, gemma3")])
 def test_a_bare_name_that_is_not_found_names_the_aliases(work, capsys, monkeypatch, spec, hint):
-    monkeypatch.setattr(loading, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda: False)
 
     def not_cached(repo_id, **kwargs):
         raise FileNotFoundError(f"{repo_id} is not in the cache")

@@ -206,7 +206,7 @@ def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
 
 
 def test_unreachable_hub_fails_fast_with_one_line(monkeypatch):
-    monkeypatch.setattr(loading, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda: False)
     assert resolve_spec("some-org/no-such-model") == ("hub", "some-org/no-such-model")
     with pytest.raises(ModelSpecError, match="cannot be reached") as info:
         load_model("some-org/no-such-model")

@@ -11,13 +11,12 @@ A record is used through its `text` field, or else as an Alpaca record (`instruc
 import hashlib
 import json
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from linearize.data.alpaca import format_example
 from linearize.data.errors import DataError
+from linearize.hub import hub_reachable
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".json")
 HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
@@ -175,7 +174,7 @@ def _load_hub(name: str):
 
     local = "pass a local .jsonl/.json/.txt file, a folder of them, or a datasets.save_to_disk directory"
     # Without this check, an offline machine spends half a minute in the hub client's retries before failing.
-    if not huggingface_hub.constants.HF_HUB_OFFLINE and not _hub_reachable(huggingface_hub.constants.ENDPOINT):
+    if not huggingface_hub.constants.HF_HUB_OFFLINE and not hub_reachable():
         raise DataError(f"'{name}' is not a local path, and the Hugging Face hub cannot be reached: {local} "
                         "(or set HF_HUB_OFFLINE=1 to use a copy already in the Hugging Face cache).")
     try:
@@ -183,16 +182,6 @@ def _load_hub(name: str):
     except Exception as e:  # unknown name, gated, no cached copy: all end the same way for the user
         raise DataError(f"Could not load '{name}' from the Hugging Face hub ({type(e).__name__}: {e}). It is not "
                         f"a local path either: {local}.") from e
-
-
-def _hub_reachable(endpoint: str) -> bool:
-    try:
-        urllib.request.urlopen(endpoint, timeout=5).close()
-    except urllib.error.HTTPError:
-        return True  # it answered, if only with an error
-    except OSError:
-        return False
-    return True
 
 
 def _dataset_documents(dataset, where: str) -> Iterator[str]:

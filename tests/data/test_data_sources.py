@@ -88,7 +88,7 @@ def test_hub_name_when_offline_fails_at_once_suggesting_a_local_path(monkeypatch
 
     # Not in HF's offline mode (the Makefile sets it), so the reachability check is what stops us.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: False)
+    monkeypatch.setattr(sources, "hub_reachable", lambda: False)
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: pytest.fail("tried the hub"))
     with pytest.raises(DataError, match="'yahma/alpaca-cleaned' is not a local path, and the Hugging Face hub "
                                         "cannot be reached: pass a local"):
@@ -99,7 +99,7 @@ def test_hub_failure_suggests_a_local_path(monkeypatch):
     def fails(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'yahma/alpaca-cleaned' on the Hub")
 
-    monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(sources, "hub_reachable", lambda: True)
     monkeypatch.setattr(datasets, "load_dataset", fails)
     with pytest.raises(DataError, match="'yahma/alpaca-cleaned' from the Hugging Face hub.*pass a local"):
         load_documents("yahma/alpaca-cleaned")
@@ -112,7 +112,7 @@ def test_hub_name_loads_the_train_split(monkeypatch):
         calls.append((name, split))
         return datasets.Dataset.from_dict({k: [v] for k, v in ALPACA.items()})
 
-    monkeypatch.setattr(sources, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(sources, "hub_reachable", lambda: True)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert list(load_documents("yahma/alpaca-cleaned")) == [format_example(ALPACA)]
     assert calls == [("yahma/alpaca-cleaned", "train")]
