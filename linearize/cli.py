@@ -120,7 +120,7 @@ def cmd_generate(args) -> None:
 def cmd_demo(args) -> None:
     """Distil the default teacher into Lizard, then compare teacher and student.
 
-    On a CPU the budget is small enough for ~10 minutes on 2 cores; on a GPU it is the paper's
+    On a CPU the budget is small enough for ~8 minutes on 2 cores; on a GPU it is the paper's
     (20M tokens per stage at 2048). Rerunning continues an interrupted run, or reuses a finished one.
     """
     import torch
