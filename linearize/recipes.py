@@ -24,7 +24,8 @@ name, and KEY=VALUE overrides of the resolved recipe (dotted keys, YAML values) 
 A run keeps everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and
 `run.json` (the resolved recipe, the file it came from and the overrides, the wall times, the training
 tokens). Rerunning continues where it stopped: a finished model is not trained again, an interrupted one
-resumes from its checkpoint, a finished eval is kept.
+resumes from its checkpoint, a finished eval is kept; a rerun with other training settings (`distill`,
+the teacher) is refused, naming them, and leaves the run as it was.
 """
 
 from __future__ import annotations
@@ -109,15 +110,25 @@ class Recipe:
         from .eval import api
 
         where = _display(self.source) if self.source is not None else self.name
+        if "tasks" not in self.eval:
+            raise RecipeError(f"recipe {where}: eval: no 'tasks' to evaluate (e.g. tasks: ppl,zeroshot)")
         try:
             tasks = api.parse_tasks(self.eval["tasks"])
             for key, parse in (("lengths", api.parse_lengths), ("depths", api.parse_depths)):
                 if key in self.eval:
                     parse(self.eval[key])
-            api.parse_task_lengths(tasks, self.eval.get("task_lengths") or {})
-            api.check_task_limits(tasks, self.eval.get("task_limits") or {})
+            for key, check, what in (("task_lengths", api.parse_task_lengths, "lengths"),
+                                     ("task_limits", api.check_task_limits, "limits")):
+                try:
+                    check(tasks, self.eval.get(key) or {})
+                except api.TaskNotInRun as e:
+                    # Most often inherited from a parent that runs more tasks (`extends` or `eval.tasks=`).
+                    raise RecipeError(f"recipe {where}: eval: {e}; override eval.{key}=null (or set {what} for "
+                                      "this run's tasks)") from None
             if "chat_template" in self.eval:
                 api.check_chat_template(self.eval["chat_template"])
+        except RecipeError:
+            raise
         except (ValueError, TypeError, AttributeError) as e:
             raise RecipeError(f"recipe {where}: eval: {e}") from None
 
@@ -328,6 +339,7 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
         progress: bool = True, evaluate_model: bool = True) -> Path:
     """Distil (unless the recipe is a teacher row) and evaluate, or only distil (`evaluate_model=False`:
     a later run evaluates the model it finds); returns OUT/<name>."""
+    recipe.check_eval()  # also with evaluate_model=False: the later run would find it bad after the training
     out = Path(out_root) / recipe.name
     created = [d for d in (Path(out_root), out) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
@@ -349,13 +361,19 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
     from .eval.report import write_json, write_report
     from .loading import load_model, load_tokenizer
     from .train import ensure_distilled
+    from .train.distillation import check_saved_run
 
+    teacher = model or recipe.model
+    cfg = recipe.distill_config(out / "model", teacher) if recipe.distill is not None else None
+    if cfg is not None:
+        # Before the record takes this call's settings: a model trained with others is refused, and its
+        # run.json keeps saying what it was trained with.
+        check_saved_run(cfg)
     record_path = out / "run.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     record["recipe"] = recipe.settings()
     record["source"] = _display(recipe.source) if recipe.source is not None else None
     record["overrides"] = list(recipe.overrides)
-    teacher = model or recipe.model
 
     def add_time(key: str, started: float) -> None:
         # Interrupted calls count too: the table reports the GPU minutes a row really took.
@@ -363,8 +381,7 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
         record_path.write_text(json.dumps(record, indent=2))
 
     subject = teacher
-    if recipe.distill is not None:
-        cfg = recipe.distill_config(out / "model", teacher)
+    if cfg is not None:
         record["training_tokens"] = cfg.max_tokens * len(cfg.stages)
         subject = str(out / "model")
         finished_before = (out / "model" / "config.json").exists()
@@ -604,9 +621,8 @@ def _run_command(args) -> int:
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
         raise RecipeError(f"two recipes share a name: {names}")
-    if args.evaluate:
-        for recipe in recipes:
-            recipe.check_eval()
+    for recipe in recipes:  # with --no-eval too: a later run evaluates the model, after the training it took
+        recipe.check_eval()
     outs = []
     for recipe in recipes:
         outs.append(run(recipe, args.out, model=args.model, device=args.device, evaluate_model=args.evaluate))

@@ -198,6 +198,26 @@ def test_distill_checks_everything_before_writing(work, capsys, flags, names):
     assert not (work / "run").exists()
 
 
+def test_distilling_a_linearized_model_is_refused_before_the_run_is_written(work, capsys):
+    """Found by a walkthrough: the refusal came from `convert` as stage 1 began, after distill_config.json was
+    written, so the retry with the teacher said the folder "already holds a run"."""
+    assert main(["convert", "--model", "teacher", "--method", "lizard", "--out", "student"]) == 0
+    capsys.readouterr()
+    refused(capsys, work, "distill", "--model", "student", "--method", "lizard", "--out", "dz", "--data", "data.txt",
+            *TRAIN, names="the model is already linearized (lizard); convert its teacher instead")
+    assert not (work / "dz").exists()
+
+
+def test_distilling_an_architecture_convert_does_not_take_is_refused_before_the_run_is_written(work, capsys):
+    (work / "other").mkdir()
+    config = json.loads((work / "teacher" / "config.json").read_text())
+    (work / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": None}))
+    (work / "other" / "tokenizer.json").write_text((work / "teacher" / "tokenizer.json").read_text())
+    refused(capsys, work, "distill", "--model", "other", "--method", "lizard", "--out", "dz", "--data", "data.txt",
+            *TRAIN, names="cannot linearize model type 'gpt2'")
+    assert not (work / "dz").exists()
+
+
 def test_a_fixed_distill_reruns_and_resuming_a_finished_run_says_so(work, capsys):
     refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
             *TRAIN, "--stage", "1", "--softmax-layers", "7", names="--softmax-layers 7")
@@ -302,6 +322,20 @@ def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
 def test_a_recipe_with_a_bad_eval_task_is_refused_before_it_trains(work, capsys):
     """Found by the fuzzer: a truncated task name failed only after the row had trained."""
     refused_recipe(capsys, work, data="data.txt", tasks="pp", names="r.yaml")
+
+
+@pytest.mark.parametrize("override, names", [
+    ("eval.lengths=5x", "r.yaml: eval: Bad length '5x'"),
+    ("eval.depths=[50, 200]", "r.yaml: eval: Bad depth '200'"),
+    ("eval.task_lengths=4k", "r.yaml: eval: task lengths must be a mapping"),
+])
+def test_a_recipe_distilled_without_eval_still_has_its_eval_checked_first(work, capsys, override, names):
+    """`--no-eval` trains now for a later evaluation: a bad eval section is refused before the training."""
+    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
+                                 "  seq_len: 32\n  batch: 2\n  data: data.txt\neval:\n  tasks: ppl\n")
+    refused(capsys, work, "recipe", "run", "r.yaml", override, "--out", "runs", "--device", "cpu", "--no-eval",
+            names=names)
+    assert not (work / "runs").exists()
 
 
 @pytest.mark.parametrize("flags,names", [

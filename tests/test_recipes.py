@@ -157,6 +157,40 @@ def test_run_distils_evaluates_resumes_and_tabulates(teacher, tmp_path, workspac
     assert json.loads((out / "run.json").read_text())["overrides"] == ["eval.samples=1"]
 
 
+def run_files(root):
+    """Every file under `root` with its bytes: what a refused run may not change."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_rerun_with_other_training_settings_is_refused_and_changes_nothing(teacher, tmp_path, workspace_text,
+                                                                             capsys):
+    """Found by a walkthrough: rerun with distill.max_tokens=2048, a row finished at 1024 returned at once,
+    its run.json then claiming 2048 tokens for the model trained on 1024."""
+    runs = tmp_path / "runs"
+    path = tiny_recipe(tmp_path, "student", str(workspace_text))
+    argv = ["recipe", "run", str(path), "--model", teacher, "--device", "cpu", "--no-eval", "--out", str(runs)]
+    assert main(argv) == 0
+    out = runs / "student"
+    before = run_files(out)
+    capsys.readouterr()
+    assert main([*argv, "distill.max_tokens=512"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith("max_tokens: saved 256, asked 512"), err
+    assert run_files(out) == before
+
+    # Cut short (no exported model yet): resuming under the new settings is refused the same way, and
+    # run.json is not first rewritten with them (nor with the refused call's wall time).
+    for exported in [out / "model" / "config.json", *(out / "model").glob("model*.safetensors")]:
+        exported.unlink()
+    cut = run_files(out)
+    assert main([*argv, "distill.max_tokens=512", "distill.seq_len=16"]) == 2
+    assert "max_tokens: saved 256, asked 512; seq_len: saved 32, asked 16" in capsys.readouterr().err
+    assert run_files(out) == cut
+    assert main(argv) == 0  # its own settings resume it
+    assert (out / "model" / "config.json").exists()
+    assert json.loads((out / "run.json").read_text())["training_tokens"] == 2 * 2 * 4 * 32
+
+
 def test_run_evaluates_with_the_recipes_inference_options(teacher, tmp_path, workspace_text):
     options = {"window": 8, "budget": 14, "chunk_size": 4, "max_chunks": 2}
     path = tmp_path / "still.json"

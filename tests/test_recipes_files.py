@@ -3,6 +3,7 @@
 
 import itertools
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,15 @@ def test_every_row_shares_its_teachers_one_evaluation_block(recipe):
     assert narrowed or recipe.eval["tasks"].split(",")[0] == "zeroshot"
     assert ("16k" if hybrid else "32k") in recipe.eval["lengths"]
     assert ("128k" in recipe.eval["lengths"]) == gemma
+
+
+def test_every_row_label_is_unique():
+    """`recipe table` shows a row by its label alone: two recipes sharing one (the hybrids' rows evaluated on
+    RULER and BABILong, and the same training evaluated on the shared block) would read as one row twice."""
+    recipes = shipped()
+    assert len(recipes) == len([p for p in RECIPES_DIR.rglob("*.yaml") if p.parent.name != "base"])
+    shared = {row: count for row, count in Counter(r.row for r in recipes).items() if count > 1}
+    assert not shared
 
 
 def test_rows_set_only_what_they_change():
@@ -258,3 +268,45 @@ def test_cli_refuses_bad_names_and_overrides_before_any_work(tmp_path, capsys):
     assert main(["recipe", "run", "lizard", str(RECIPES_DIR / "lizard.yaml"), "--out", str(out)]) == 2
     assert "two recipes share a name" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_lone_number_is_one_eval_length(tmp_path):
+    """YAML reads `lengths: 512` as a number: it is one length, as in `eval.lengths=512` (which said
+    "'int' object is not iterable" once the row had trained)."""
+    path = write(tmp_path / "r.yaml", "eval:\n  tasks: ppl,passkey\n  lengths: 512\n  depths: 50\n"
+                                      "  task_lengths:\n    passkey: 1024\n")
+    Recipe.load(path).check_eval()
+    Recipe.load(RECIPES_DIR / "lizard.yaml", ["eval.lengths=512", "eval.depths=50", "eval.task_lengths.ppl=512"]
+                ).check_eval()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.tasks=ppl"], ("task lengths name 'niah_multikey', which is not ppl or a long-context task of this "
+                          "run (ppl); override eval.task_lengths=null (or set lengths for this run's tasks)")),
+    (["eval.tasks=ppl", "eval.task_lengths=null"],
+     ("a task limit names 'mmlu', which is not an lm-eval task of this run (ppl); override eval.task_limits=null "
+      "(or set limits for this run's tasks)")),
+])
+def test_per_task_settings_left_from_the_parent_name_their_override(overrides, message):
+    """Narrowing a row's tasks leaves its parent's task lengths and limits naming tasks it no longer runs:
+    refused (which tasks a setting names is explicit), with the override that clears them in the same line."""
+    with pytest.raises(RecipeError) as error:
+        Recipe.load(RECIPES_DIR / "lizard.yaml", overrides).check_eval()
+    assert str(error.value) == f"recipe recipes/lizard.yaml: eval: {message}"
+    Recipe.load(RECIPES_DIR / "lizard.yaml", [*overrides, "eval.task_lengths=null", "eval.task_limits=null"]
+                ).check_eval()
+
+
+def test_recipe_run_names_the_override_of_a_parents_task_lengths(tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert main(["recipe", "run", "lizard", "--out", str(out), "eval.tasks=ppl", "--no-eval"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith(
+        "override eval.task_lengths=null (or set lengths for this run's tasks)")
+    assert not out.exists()
+
+
+def test_an_eval_without_tasks_is_refused_before_a_run(tmp_path):
+    path = write(tmp_path / "r.yaml", "eval:\n  samples: 1\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: eval: no 'tasks' to evaluate"):
+        Recipe.load(path).check_eval()

@@ -8,7 +8,7 @@ import json
 import platform
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import torch
@@ -52,10 +52,21 @@ def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
     return names
 
 
-def parse_lengths(lengths: str | Sequence[int | str]) -> list[int]:
-    """'1k,2k,512,32K' -> [512, 1024, 2048, 32768] (k = 1024), sorted, no repeats. 0 is BABILong's
-    length of the facts alone (other tasks refuse it in `check_prompt_lengths`)."""
-    items = lengths.split(",") if isinstance(lengths, str) else list(lengths)
+class TaskNotInRun(ValueError):
+    """Per-task settings (task lengths or limits) name a task this run does not evaluate."""
+
+
+def _items(value) -> list:
+    """A comma-separated string's items, a list's, or a lone value (a recipe's `lengths: 512`) as one item."""
+    if isinstance(value, str):
+        return value.split(",")
+    return list(value) if isinstance(value, Iterable) else [value]
+
+
+def parse_lengths(lengths: str | int | Sequence[int | str]) -> list[int]:
+    """'1k,2k,512,32K' -> [512, 1024, 2048, 32768] (k = 1024), sorted, no repeats; 512 alone -> [512]. 0
+    is BABILong's length of the facts alone (other tasks refuse it in `check_prompt_lengths`)."""
+    items = _items(lengths)
     parsed = set()
     for item in (str(i).strip() for i in items):
         match = re.fullmatch(r"(\d+)([kK]?)", item)
@@ -67,9 +78,9 @@ def parse_lengths(lengths: str | Sequence[int | str]) -> list[int]:
     return sorted(parsed)
 
 
-def parse_depths(depths: str | Sequence[float | str]) -> list[float]:
-    """'0,25,50,75,100' -> [0, 25, 50, 75, 100]: needle depths in percent of the haystack."""
-    items = depths.split(",") if isinstance(depths, str) else list(depths)
+def parse_depths(depths: str | float | Sequence[float | str]) -> list[float]:
+    """'0,25,50,75,100' -> [0, 25, 50, 75, 100]: needle depths in percent of the haystack; 50 alone -> [50]."""
+    items = _items(depths)
     parsed = set()
     for item in (str(i).strip() for i in items):
         try:
@@ -98,25 +109,31 @@ def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int]
         longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay))
 
 
-def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | Sequence[int | str]]) -> dict[str, list[int]]:
+def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | int | Sequence[int | str]]
+                       ) -> dict[str, list[int]]:
     """{task: lengths} for ppl or long-context tasks of this run, e.g. {"variable_tracking": "4k"}; a
     shorthand (e.g. {"ruler": "4k"}) gives its tasks those lengths."""
+    if not isinstance(task_lengths, dict):
+        raise TypeError(f"task lengths must be a mapping of task to lengths, e.g. {{ruler: 4k}}, got {task_lengths!r}")
     parsed = {}
     for key, lengths in task_lengths.items():
         for task in SHORTHANDS.get(key, (key,)):
             if task not in names or (task != "ppl" and task not in LONGCONTEXT):
-                raise ValueError(f"task lengths name {task!r}, which is not ppl or a long-context task of this "
-                                 f"run ({', '.join(names)})")
+                raise TaskNotInRun(f"task lengths name {task!r}, which is not ppl or a long-context task of this "
+                                   f"run ({', '.join(names)})")
             parsed[task] = parse_lengths(lengths)
     return parsed
 
 
 def check_task_limits(names: Sequence[str], task_limits: dict[str, int]) -> None:
     """Per-task caps may only name lm-eval tasks of this run, with positive integers."""
+    if not isinstance(task_limits, dict):
+        raise TypeError(f"task limits must be a mapping of task to a number of examples, e.g. {{mmlu: 20}}, "
+                        f"got {task_limits!r}")
     for task, cap in task_limits.items():
         if task not in names or task == "ppl" or task in LONGCONTEXT:
-            raise ValueError(f"a task limit names {task!r}, which is not an lm-eval task of this run "
-                             f"({', '.join(names)})")
+            raise TaskNotInRun(f"a task limit names {task!r}, which is not an lm-eval task of this run "
+                               f"({', '.join(names)})")
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             raise ValueError(f"the limit of {task} must be a positive integer, got {cap!r}")
 
@@ -127,8 +144,8 @@ def evaluate(
     tasks: str | Sequence[str],
     *,
     limit: int | None = None,
-    lengths: str | Sequence[int | str] = longcontext.DEFAULT_LENGTHS,
-    depths: str | Sequence[float | str] = longcontext.DEFAULT_DEPTHS,
+    lengths: str | int | Sequence[int | str] = longcontext.DEFAULT_LENGTHS,
+    depths: str | float | Sequence[float | str] = longcontext.DEFAULT_DEPTHS,
     samples: int = longcontext.DEFAULT_SAMPLES,
     batch: int = 8,
     harness_batch: int | None = None,

@@ -117,7 +117,7 @@ class Run:
         micro = cfg.batch // cfg.grad_accum
         if micro % self.rt.world_size:
             raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
-        self._check_layers()
+        self._check_teacher()
         note = cpu_budget_note(cfg, torch.get_num_threads()) if self.rt.device.type == "cpu" else None
         if note and self.rt.main:
             print(note, file=sys.stderr, flush=True)  # before the data and model loads: minutes on a CPU
@@ -131,9 +131,10 @@ class Run:
             if len(blocks) < micro:
                 raise ValueError(f"--data {cfg.data}: {len(blocks)} {split} sequence(s) of {cfg.seq_len} tokens, "
                                  f"fewer than one batch of {micro}: give more data, or a smaller --batch or --seq-len")
-        # Written once the model's tokenizer and the data have loaded: a start refused for bad input
-        # leaves no run behind that a corrected command would have to --resume.
-        self._save_config()
+        # The run's config is written once the first stage has built its student (`stage`): a start refused
+        # for bad input (the tokenizer, the data, what `convert` refuses) leaves no run behind that a
+        # corrected command would have to --resume.
+        self.config_saved = False
         self.make_loader = lambda blocks, seed: ResumableLoader(blocks, micro, seed=seed, rank=self.rt.rank,
                                                                 world_size=self.rt.world_size)
 
@@ -150,13 +151,25 @@ class Run:
             raise ResumeError(f"output {self.out} already exists and is a folder that is not empty (and holds "
                               "no run): pick a new --out")
 
-    def _check_layers(self) -> None:
-        """The softmax layers chosen leave some layer linear: checked on the teacher's config, before
-        anything is written."""
-        from ..convert import check_layer_choice, kept_sliding_layers
+    def _check_teacher(self) -> None:
+        """What `convert` would refuse once stage 1 builds the student (a model already linearized, an
+        architecture it does not take, bad method options), and softmax layers that leave no layer linear:
+        checked on the teacher's config, before anything is written."""
+        from ..architectures import architecture_of
+        from ..config import make_method_config
+        from ..convert import UnsupportedModelError, check_layer_choice, kept_sliding_layers
         from ..loading import load_config
 
         config = load_config(self.cfg.model)
+        spec = getattr(config, "linearize", None)
+        if spec:  # as `convert` words it
+            raise UnsupportedModelError(f"the model is already linearized ({spec['method']}); "
+                                        "convert its teacher instead")
+        try:
+            architecture_of(config)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
+        make_method_config(self.cfg.method, **self.cfg.options)
         layers = getattr(config, "num_hidden_layers", None)
         # The layers softmax from the start: the config's, and with softmax_by even:N those it picks.
         self.preset_softmax = sorted(self.cfg.softmax_layers)
@@ -220,6 +233,9 @@ class Run:
         else:
             model = build_student(cfg, None, self.preset_softmax, dtype)
         model, names = prepare_stage(model, cfg, stage)
+        if not self.config_saved:
+            self._save_config()
+            self.config_saved = True
         model.to(rt.device)
         if sharded:
             shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
@@ -386,7 +402,35 @@ def check_same_run(cfg: DistillConfig) -> None:
         raise ResumeError(f"cannot resume {out}: {saved} is not a readable run config ({reason})") from None
     diff = cfg.same_run(previous)
     if diff:
-        raise ResumeError(f"cannot resume {out}: these settings differ from the saved run: {diff}")
+        changes = "; ".join(change for name in diff
+                            for change in _changes(name, getattr(previous, name), getattr(cfg, name)))
+        raise ResumeError(f"cannot resume {out} (pick a new --out for a new run): these settings differ from "
+                          f"the saved run: {changes}")
+
+
+def _changes(name: str, saved, asked) -> list[str]:
+    """"NAME: saved X, asked Y" for one differing setting; for a mapping (the method's options), one per
+    differing key, so that a changed window is not lost in a dozen unchanged options."""
+    if isinstance(saved, dict) and isinstance(asked, dict):
+        return [f"{name}.{key}: saved {_shown(saved.get(key, _UNSET))}, asked {_shown(asked.get(key, _UNSET))}"
+                for key in sorted({*saved, *asked}, key=str) if saved.get(key, _UNSET) != asked.get(key, _UNSET)]
+    return [f"{name}: saved {_shown(saved)}, asked {_shown(asked)}"]
+
+
+_UNSET = object()  # a key one side of `_changes` lacks
+
+
+def _shown(value) -> str:
+    # JSON, as distill_config.json holds it (tuples as lists), on one line.
+    return "unset" if value is _UNSET else json.dumps(value, default=str)
+
+
+def check_saved_run(cfg: DistillConfig) -> None:
+    """If `cfg.out` holds a run (its distill_config.json), raise ResumeError unless `cfg` may continue
+    it, or reuse it once finished: a changed setting is refused, never trained on top of nor reported as
+    what the saved model was trained with."""
+    if (Path(cfg.out).expanduser() / CONFIG_NAME).exists():
+        check_same_run(cfg)
 
 
 def is_finished(out: str | Path) -> bool:
@@ -414,7 +458,9 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
 
 
 def ensure_distilled(cfg: DistillConfig, *, progress: bool = True) -> None:
-    """Distil into `cfg.out` unless it already holds the finished model, resuming an interrupted run there."""
+    """Distil into `cfg.out` unless it already holds the finished model, resuming an interrupted run there;
+    a run there with other settings is refused (ResumeError), finished or not."""
     out = Path(cfg.out).expanduser()
+    check_saved_run(cfg)
     if not (out / "config.json").exists():  # written by the export, last
         distill(cfg, resume=(out / CONFIG_NAME).exists(), progress=progress)

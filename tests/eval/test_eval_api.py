@@ -38,6 +38,22 @@ def test_parse_lengths():
             api.parse_lengths(bad)
 
 
+def test_a_lone_number_is_one_length_or_depth():
+    """A recipe's `lengths: 512` (or `eval.lengths=512`) reads as a YAML number, not a string."""
+    assert api.parse_lengths(512) == [512]
+    assert api.parse_lengths(0) == [0]
+    assert api.parse_depths(50) == [50]
+    assert api.parse_depths(12.5) == [12.5]
+    names = api.parse_tasks("ppl,ruler")
+    assert api.parse_task_lengths(names, {"ppl": 512, "ruler": 4096})["ppl"] == [512]
+    assert api.parse_task_lengths(names, {"ruler": 4096})["niah_multikey_1"] == [4096]
+    for bad in (True, 1.5, -1, None):  # said as a bad length, not as "not iterable"
+        with pytest.raises(ValueError, match=f"Bad length {str(bad)!r}"):
+            api.parse_lengths(bad)
+    with pytest.raises(ValueError, match="Bad depth '101'"):
+        api.parse_depths(101)
+
+
 def test_parse_depths():
     assert api.parse_depths("100,0,50,12.5") == [0, 12.5, 50, 100]
     for bad in ("101", "-5", "half"):
@@ -353,3 +369,5 @@ def test_task_lengths_take_a_shorthand_for_its_tasks():
     assert parsed == {**{task: [4096] for task in RULER_TASKS}, "niah_single": [1024, 2048]}
     with pytest.raises(ValueError, match="not ppl or a long-context task"):
         parse_task_lengths(names, {"zeroshot": "4k"})
+    with pytest.raises(TypeError, match=r"task lengths must be a mapping of task to lengths, .* got '4k'"):
+        parse_task_lengths(names, "4k")

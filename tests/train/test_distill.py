@@ -149,10 +149,42 @@ def test_a_bf16_run_trains_float32_masters_beside_a_bf16_teacher_resumes_and_exp
     assert merged and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in merged)
 
 
+def listing(root):
+    """Every file under `root` with its size and modification time: what a refused call may not change."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
 def test_resume_refuses_a_different_run(workspace, tmp_path):
     distill(config(workspace, tmp_path / "run", stage="1"), progress=False)
     with pytest.raises(ResumeError, match="seq_len"):
         distill(config(workspace, tmp_path / "run", stage="1", seq_len=16), resume=True, progress=False)
+
+
+def test_a_refused_resume_shows_each_changed_setting_saved_and_asked(workspace, tmp_path):
+    distill(config(workspace, tmp_path / "run", stage="1"), progress=False)
+    changed = config(workspace, tmp_path / "run", stage="1", seq_len=16, max_tokens=2048,
+                     options={"window": 4, "num_sinks": 2}, softmax_by="even:1")
+    with pytest.raises(ResumeError) as error:
+        distill(changed, resume=True, progress=False)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.endswith("these settings differ from the saved run: max_tokens: saved 1024, asked 2048; "
+                            "seq_len: saved 32, asked 16; options.window: saved 8, asked 4; "
+                            'softmax_by: saved null, asked "even:1"'), message
+
+
+def test_a_finished_run_is_not_reused_for_other_settings(workspace, tmp_path):
+    """`ensure_distilled` (recipes, demo) reuses a finished run only for its own settings: asked for another
+    budget, it refuses as --resume does and touches nothing, rather than return the model trained on the old one."""
+    from linearize.train import ensure_distilled
+
+    out = distill(config(workspace, tmp_path / "run", stage="1"), progress=False)
+    before = listing(out)
+    ensure_distilled(config(workspace, out, stage="1", save_every=5), progress=False)  # speed only: reused
+    assert listing(out) == before
+    with pytest.raises(ResumeError, match="max_tokens: saved 1024, asked 2048$"):
+        ensure_distilled(config(workspace, out, stage="1", max_tokens=2048), progress=False)
+    assert listing(out) == before
 
 
 def test_bad_data_path_is_a_clear_error(workspace, tmp_path):
