@@ -581,9 +581,9 @@ def register(subparsers) -> None:
                    help="teacher to use instead of each recipe's own (e.g. a local copy)")
     r.add_argument("--device", action=_ThenWords, nargs="+", metavar=("DEVICE", "RECIPE|KEY=VALUE"),
                    help="cuda or cpu (default: cuda if available)")
-    r.add_argument("--no-eval", dest="evaluate", action="store_false",
+    r.add_argument("--no-eval", dest="evaluate", action=_NoEvalThenWords, nargs="*", metavar="RECIPE|KEY=VALUE",
                    help="distil only; a later run without it evaluates the models it finds")
-    r.set_defaults(func=_run_command, words_after=[])
+    r.set_defaults(func=_run_command, words_after=[], evaluate=True)
     ls = sub.add_parser("list", help="the shipped recipes: name, file and row label, main rows then ablations")
     ls.set_defaults(func=_list_command)
     t = sub.add_parser("table", help="a Markdown table of finished runs")
@@ -604,6 +604,14 @@ class _ThenWords(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values[0])
         namespace.words_after = [*namespace.words_after, *values[1:]]
+
+
+class _NoEvalThenWords(argparse.Action):
+    """`--no-eval`, then the recipes and overrides written after it, as `_ThenWords` takes them."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, False)
+        namespace.words_after = [*namespace.words_after, *values]
 
 
 def _is_override(word: str) -> bool:

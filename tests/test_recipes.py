@@ -257,3 +257,16 @@ def workspace_text(tmp_path_factory):
     words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "and", "then", "came", "back", "home"]
     path.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(120)) for i in range(40)))
     return path
+
+
+@pytest.mark.parametrize("argv", [
+    ["lizard", "distill.max_tokens=512", "--out", "runs", "--no-eval"],
+    ["--out", "runs", "--no-eval", "lizard", "distill.max_tokens=512"],
+    ["lizard", "--no-eval", "--out", "runs", "distill.max_tokens=512"],
+])
+def test_recipes_and_overrides_may_follow_any_flag_of_recipe_run(argv):
+    from linearize.cli import build_parser
+
+    args = build_parser().parse_args(["recipe", "run", *argv])
+    assert args.evaluate is False and args.out == "runs"
+    assert [*args.recipes, *args.words_after] == ["lizard", "distill.max_tokens=512"]
