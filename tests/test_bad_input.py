@@ -133,7 +133,7 @@ def test_a_negative_or_non_finite_temperature_is_refused(work, capsys, value):
 @pytest.mark.parametrize("verb", [["generate", "--prompt", "hi"], ["eval", "--tasks", "ppl", "--out", "e.json"],
                                   ["distill", "--method", "lizard", "--out", "run"]])
 def test_a_seed_out_of_range_is_refused_by_flag(work, capsys, verb):
-    """Found by the fuzzer: a seed past 2**63 reached torch ("Overflow when unpacking long long")."""
+    """A seed past 2**63 is refused by its flag, before torch would fail to unpack it."""
     refused(capsys, work, verb[0], "--model", "teacher", *verb[1:], "--seed", "99999999999999999999", names="--seed")
 
 
@@ -199,12 +199,18 @@ def test_distill_checks_everything_before_writing(work, capsys, flags, names):
 
 
 def test_distilling_a_linearized_model_is_refused_before_the_run_is_written(work, capsys):
-    """Found by a walkthrough: the refusal came from `convert` as stage 1 began, after distill_config.json was
-    written, so the retry with the teacher said the folder "already holds a run"."""
+    """Refused on the teacher's config, before distill_config.json exists: the retry with the teacher
+    must not find a folder that "already holds a run"."""
     assert main(["convert", "--model", "teacher", "--method", "lizard", "--out", "student"]) == 0
     capsys.readouterr()
     refused(capsys, work, "distill", "--model", "student", "--method", "lizard", "--out", "dz", "--data", "data.txt",
             *TRAIN, names="the model is already linearized (lizard); convert its teacher instead")
+    assert not (work / "dz").exists()
+
+
+def test_distilling_with_a_window_past_the_models_positions_is_refused_before_the_run_is_written(work, capsys):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "dz", "--data", "data.txt",
+            *TRAIN, "--set", "window=100000", names="window=100000 is larger than the model's max_position_embeddings")
     assert not (work / "dz").exists()
 
 
@@ -285,13 +291,13 @@ def test_binary_text_data_is_named(work, capsys):
 
 @pytest.mark.parametrize("content", [b"[]", b"null", b"\xff\xfe not json"])
 def test_a_model_config_that_is_not_a_json_object_is_named(work, capsys, content):
-    """Found by the fuzzer: a config.json holding a list reached transformers, which indexed it."""
+    """A config.json that is not a JSON object is named, not handed to transformers to index."""
     (work / "teacher" / "config.json").write_bytes(content)
     refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", names="config.json")
 
 
 def test_a_size_option_past_int32_is_refused(work, capsys):
-    """Found by the fuzzer: window=1e20 reached torch.zeros as a shape."""
+    """window=1e20 is refused as an option, never reaching torch.zeros as a shape."""
     assert main(["convert", "--model", "teacher", "--method", "lizard", "--out", "student"]) == 0
     capsys.readouterr()
     refused(capsys, work, "generate", "--model", "student", "--prompt", "hi", "--set", "window=99999999999999999999",
@@ -306,12 +312,12 @@ def refused_recipe(capsys, work, *, data: str, tasks: str, names: str):
 
 
 def test_a_recipe_refused_at_its_start_leaves_no_run_folder(work, capsys):
-    """Found by the fuzzer: a recipe whose data path is wrong left OUT/<name>/run.json behind."""
+    """A recipe whose data path is wrong leaves no OUT/<name>/run.json behind."""
     refused_recipe(capsys, work, data="nowhere.txt", tasks="ppl", names="nowhere.txt")
 
 
 def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
-    """Found by the fuzzer: a bit flipped in config.json's sizes made transformers raise its mismatch report."""
+    """A config.json whose sizes do not match the weights is named in one line, not transformers' report."""
     config = json.loads((work / "teacher" / "config.json").read_text())
     config["intermediate_size"] *= 2
     (work / "teacher" / "config.json").write_text(json.dumps(config))
@@ -320,7 +326,7 @@ def test_a_config_that_does_not_match_the_weights_is_named(work, capsys):
 
 
 def test_a_recipe_with_a_bad_eval_task_is_refused_before_it_trains(work, capsys):
-    """Found by the fuzzer: a truncated task name failed only after the row had trained."""
+    """A truncated task name is refused before the row trains, not after."""
     refused_recipe(capsys, work, data="data.txt", tasks="pp", names="r.yaml")
 
 

@@ -164,8 +164,8 @@ def run_files(root):
 
 def test_a_rerun_with_other_training_settings_is_refused_and_changes_nothing(teacher, tmp_path, workspace_text,
                                                                              capsys):
-    """Found by a walkthrough: rerun with distill.max_tokens=2048, a row finished at 1024 returned at once,
-    its run.json then claiming 2048 tokens for the model trained on 1024."""
+    """A row finished at distill.max_tokens=1024, rerun with 2048, is refused: its model is not reused
+    nor its run.json made to claim 2048 tokens for the model trained on 1024."""
     runs = tmp_path / "runs"
     path = tiny_recipe(tmp_path, "student", str(workspace_text))
     argv = ["recipe", "run", str(path), "--model", teacher, "--device", "cpu", "--no-eval", "--out", str(runs)]

@@ -94,7 +94,7 @@ def cpu_budget_note(cfg: DistillConfig, threads: int) -> str | None:
     return (f"distill on a CPU ({threads} threads): {tokens:,} tokens a stage will take about {took} or more "
             f"(SmolLM2-135M trains at ~{CPU_TOKENS_PER_S[1]:.0f} tokens/s in stage 1 and ~{CPU_TOKENS_PER_S[2]:.0f} "
             "in stage 2 on 2 cores; larger teachers are slower). For a first run pass --max-tokens 49152 "
-            "--seq-len 256 --batch 4 (about 10 minutes on 2 cores, what `linearize demo` trains).")
+            "--seq-len 256 --batch 4 (about 8 minutes on 2 cores, what `linearize demo` trains).")
 
 
 def forever(loader):
@@ -156,7 +156,7 @@ class Run:
         architecture it does not take, bad method options), and softmax layers that leave no layer linear:
         checked on the teacher's config, before anything is written."""
         from ..architectures import architecture_of
-        from ..config import make_method_config
+        from ..config import check_fits_positions, make_method_config
         from ..convert import UnsupportedModelError, check_layer_choice, kept_sliding_layers
         from ..loading import load_config
 
@@ -169,7 +169,7 @@ class Run:
             architecture_of(config)
         except ValueError as e:
             raise UnsupportedModelError(str(e)) from None
-        make_method_config(self.cfg.method, **self.cfg.options)
+        check_fits_positions(make_method_config(self.cfg.method, **self.cfg.options), config)
         layers = getattr(config, "num_hidden_layers", None)
         # The layers softmax from the start: the config's, and with softmax_by even:N those it picks.
         self.preset_softmax = sorted(self.cfg.softmax_layers)
