@@ -8,6 +8,7 @@ import struct
 
 import pytest
 import torch
+from cli_refusals import listing, refused
 from tiny_models import save_tiny_teacher
 
 from linearize.cli import main
@@ -38,26 +39,6 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.md").write_text("my notes")
     return tmp_path
-
-
-def listing(root):
-    """Every path under `root` with its kind, size and modification time: what a command may not change."""
-    return sorted((str(p.relative_to(root)), p.is_dir(), 0 if p.is_dir() else p.stat().st_size,
-                   0 if p.is_dir() else p.stat().st_mtime_ns) for p in root.rglob("*"))
-
-
-def refused(capsys, root, *argv, names):
-    """Run the command; assert the promise and that the one line names `names`; returns the line."""
-    before = listing(root)
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert names in lines[0], lines[0]
-    assert "[Errno" not in lines[0] and "StaticDecoder" not in lines[0], lines[0]
-    assert listing(root) == before
-    return lines[0]
 
 
 # Tracebacks before: corrupt model files, a CUDA device that is not there, an empty prompt.

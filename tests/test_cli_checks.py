@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_refusals import refused
 from tiny_models import TINY_OPTIONS, tiny_teacher, tiny_tokenizer
 
 import linearize
@@ -32,26 +33,6 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.md").write_text("mine")
     return tmp_path
-
-
-def listing(root):
-    return sorted((str(p.relative_to(root)), p.is_dir(), 0 if p.is_dir() else p.stat().st_mtime_ns)
-                  for p in root.rglob("*"))
-
-
-def refused(capsys, root, *argv, names):
-    """Run the command: exit 2, one line naming each of `names`, nothing written; returns the line."""
-    capsys.readouterr()
-    before = listing(root)
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for name in [names] if isinstance(names, str) else names:
-        assert name in lines[0], lines[0]
-    assert listing(root) == before
-    return lines[0]
 
 
 # 1. A window, chunk or budget longer than the model's positions: refused where it meets the model.
