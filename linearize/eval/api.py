@@ -225,6 +225,7 @@ def evaluate(
         return out
 
     check_prompt_lengths(names, tokenizer, lengths, essay, task_lengths)  # fail before any task has run
+    harness.check_data_reachable(harness_tasks, data_dir)
     kept, unfinished = resumable_tasks(resume, settings) if resume is not None else ({}, {})
     results |= kept
 

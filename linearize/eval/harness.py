@@ -58,6 +58,17 @@ def cache_lm_eval_templates() -> None:
     lm_eval.utils.apply_template = render_template
 
 
+def check_data_reachable(tasks: list[str], data_dir: str | None = None) -> None:
+    """Refuse, before any task of an evaluation runs, lm-eval tasks that have no local copy of their
+    data where the hub cannot be reached (`local_tasks.check_hub_tasks`). The suite's own tasks always
+    read the olmo copies, so only other lm-eval names need lm-eval's full index, which takes seconds."""
+    others = [task for task in tasks if task not in HARNESS_TASKS and task not in generative.TASKS]
+    if others:
+        sources = local_tasks.redirect_to_local(task_manager(full_index=True), others,
+                                                local_tasks.olmo_datasets_dir(data_dir))
+        local_tasks.check_hub_tasks(sources)
+
+
 def task_manager(full_index: bool):
     """lm-eval's TaskManager, with our generative tasks added; indexing only our tasks' folders takes
     milliseconds instead of seconds."""

@@ -46,3 +46,13 @@ def test_a_task_without_a_local_copy_is_refused_when_the_hub_is_out_of_reach(mon
     assert asked == [1]
     monkeypatch.setattr(linearize.hub, "hub_reachable", lambda: True)
     local_tasks.check_hub_tasks(sources)
+
+
+def test_an_evaluation_refuses_such_a_task_before_any_task_runs(model, tokenizer, fake_olmo, monkeypatch):
+    import linearize.hub
+    from linearize.eval import api
+
+    monkeypatch.setattr(linearize.hub, "hub_reachable", lambda: False)
+    monkeypatch.setattr(api, "perplexity", lambda *a, **k: pytest.fail("ppl ran before the refusal"))
+    with pytest.raises(ValueError, match=r"^triviaqa: no local copy of the data"):
+        api.evaluate(model, tokenizer, "ppl,piqa,triviaqa", limit=1, data_dir=str(fake_olmo))
