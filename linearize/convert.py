@@ -67,7 +67,8 @@ def check_layer_choice(num_layers: int, method: str, softmax_layers=(), kept=(),
     """Refuse a command's choice of softmax layers that leaves no layer for `method` (ConfigError):
     `softmax_layers` naming every layer, `kept` (the sliding layers `--layers full` keeps) all of them,
     or `softmax_by` ("RULE:N", as `DistillConfig` checked it) choosing N more layers back to softmax
-    than stay linear: they choose among the linearized layers only. Indices out of range are refused too. (`convert` itself accepts an all-softmax model.)"""
+    than stay linear: they choose among the linearized layers only. Indices out of range are refused
+    too. (`convert` itself accepts an all-softmax model.)"""
     chosen = sorted({int(i) for i in softmax_layers or ()})
     bad = [i for i in chosen if not 0 <= i < num_layers]
     if bad:
@@ -84,8 +85,8 @@ def check_layer_choice(num_layers: int, method: str, softmax_layers=(), kept=(),
         return
     count = int(softmax_by.rpartition(":")[2])
     if count >= linear:
-        raise ConfigError(f"--softmax-by {softmax_by}: the model has {linear} linearized layer(s), so it would leave no layer to "
-                          f"{method}; pick fewer than {linear}")
+        raise ConfigError(f"--softmax-by {softmax_by}: the model has {linear} linearized layer(s), so it would "
+                          f"leave no layer to {method}; pick fewer than {linear}")
 
 
 def kept_sliding_layers(config, layers: str) -> list[int]:

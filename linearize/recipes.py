@@ -355,8 +355,7 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
 
 
 def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_model) -> Path:
-    import torch
-
+    from .cli_args import default_device
     from .eval.api import evaluate
     from .eval.report import write_json, write_report
     from .loading import load_model, load_tokenizer
@@ -399,7 +398,7 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
     previous = json.loads(eval_path.read_text()) if eval_path.exists() else None
     if previous is not None and not previous["provenance"].get("partial") and record.get("evaluated") == recipe.eval:
         return out
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     started = time.perf_counter()
     try:
         tokenizer = load_tokenizer(subject)

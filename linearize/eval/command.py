@@ -7,8 +7,8 @@ import json
 from functools import partial
 from pathlib import Path
 
-from linearize.cli_args import check_device, seed
-from linearize.config import inference_options_help, parse_set_options
+from linearize.cli_args import check_device, default_device, seed
+from linearize.config import inference_options_help, parse_inference_options
 from linearize.eval.longcontext import DEFAULT_SAMPLES
 
 # api and report (torch, transformers, lm-eval, matplotlib) are imported by the functions that use them,
@@ -98,17 +98,14 @@ def run(args) -> int:
     check_out(args.out, resume=args.resume, overwrite=args.overwrite)
     check_device(args.device)
     previous = read_previous(args.out) if args.resume else None
-    options = parse_set_options(args.set)
-
-    import torch
+    options = parse_inference_options(args.set)
 
     from linearize.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay, task_lengths)
     _flag("--chat-template", api.check_chat_template, args.chat_template, tokenizer)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, dtype=args.dtype, device=device, inference_options=options)
+    model = load_model(args.model, dtype=args.dtype, device=default_device(args.device), inference_options=options)
     results = api.evaluate(
         model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
         batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..cli_args import default_device
+
 
 @dataclass
 class Runtime:
@@ -38,7 +40,7 @@ class Runtime:
             dist.init_process_group("gloo")
             target = torch.device("cpu")
         else:
-            target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            target = torch.device(default_device(device))
             if target.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"--device {device}: no CUDA device here")
         bf16 = precision == "bf16" or (precision == "auto" and target.type == "cuda")
