@@ -26,5 +26,10 @@ case ${1:?start or wait} in
     [ -f "$BG/done" ] && echo "finished" || echo "still running"
     tail -n 40 "$BG/log"
     for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
-    cp -ru "$BG/out/." "$OUT/" ;;
+    cp -ru "$BG/out/." "$OUT/"
+    # Rows still running come back as they stand (logs, eval.json so far; no weights), in case the
+    # session's device time ends before they do.
+    [ -d /tmp/runs ] && tar czf "$OUT/runs-so-far.tgz" --exclude='*.safetensors' --exclude='*.pt' \
+      --exclude=checkpoint --exclude='*.gguf' -C /tmp runs
+    true ;;
 esac
