@@ -13,7 +13,7 @@ case ${1:?start or wait} in
     mkdir -p "$BG/out"
     rm -f "$BG/done"
     # A later call replaces the working tree under it: the detached parts run from their own copy.
-    rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes pyproject.toml "$BG/repo/"
+    rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes tests pyproject.toml "$BG/repo/"
     cd "$BG/repo" && export PYTHONPATH="/tmp/site:$BG/repo"
     setsid bash -c 'export CHAINS="$0" OUT="$0/out" DEADLINE=$(($(date +%s) + $1)) STEP_LIMIT=$1; shift; bash experiments/gpu/together.sh "$@"; touch '"$BG"'/done' \
       "$BG" "$seconds" "$@" > "$BG/log" 2>&1 < /dev/null &
@@ -27,9 +27,8 @@ case ${1:?start or wait} in
     tail -n 40 "$BG/log"
     for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
     cp -ru "$BG/out/." "$OUT/"
-    # Rows still running come back as they stand (logs, eval.json so far; no weights), in case the
-    # session's device time ends before they do.
-    [ -d /tmp/runs ] && tar czf "$OUT/runs-so-far.tgz" --exclude='*.safetensors' --exclude='*.pt' \
-      --exclude=checkpoint --exclude='*.gguf' -C /tmp runs
+    # Rows still running come back as they stand (logs, eval.json so far: the files under 2 MB, not
+    # weights or checkpoints), in case the session's device time ends before they do.
+    [ -d /tmp/runs ] && (cd /tmp && find runs -type f -size -2000k -print0 | tar czf "$OUT/runs-so-far.tgz" --null -T -)
     true ;;
 esac
