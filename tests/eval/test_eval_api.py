@@ -371,3 +371,25 @@ def test_task_lengths_take_a_shorthand_for_its_tasks():
         parse_task_lengths(names, {"zeroshot": "4k"})
     with pytest.raises(TypeError, match=r"task lengths must be a mapping of task to lengths, .* got '4k'"):
         parse_task_lengths(names, "4k")
+
+
+def test_a_task_cut_inside_a_length_keeps_its_answered_prompts(model, tokenizer, generated, tmp_path):
+    settings = {**LONG, "batch": 1}  # one prompt a generate call, each saved as it ends
+    whole = evaluate(model, tokenizer, "passkey", **settings)["tasks"]["passkey"]
+    saved = []
+
+    def save_then_stop(results):
+        saved.append(json.loads(json.dumps(results)))  # as read back from the file
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(model, tokenizer, "passkey", **settings, on_progress=save_then_stop)
+    entry = saved[-1]["tasks"]["passkey"]
+    assert entry["partial"] is True and entry["lengths"] == [] and entry["samples"] == whole["samples"][:1]
+    write_report(saved[-1], tmp_path / "eval.json")  # no length finished: no scores, and the report says so
+    assert "Cut short (its finished lengths below): passkey" in (tmp_path / "eval.md").read_text()
+    generated.clear()
+    resumed = evaluate(model, tokenizer, "passkey", **settings, resume=saved[-1])["tasks"]["passkey"]
+    assert generated == [512, 1024, 1024, 2048, 2048]  # the second 512 prompt, then the rest
+    resumed.pop("wall_time_s"), whole.pop("wall_time_s")
+    assert resumed == whole

@@ -1,3 +1,4 @@
+import json
 import random
 import re
 from functools import partial
@@ -181,7 +182,7 @@ def test_a_sweep_reports_each_length_and_resumes_from_the_finished_ones(tokenize
     run = partial(lc.run_longcontext, "niah_single", fake_generate, tokenizer, lengths=[1024, 2048, 3072],
                   depths=[0, 100], samples=2, seed=0, essay=essay)
     partials = []
-    whole = run(on_length=partials.append)
+    whole = run(on_progress=partials.append)
     assert [p["lengths"] for p in partials] == [[1024], [1024, 2048]]  # none after the last: that is the result
     assert all(p["partial"] is True for p in partials)
     assert partials[0]["samples"] == whole["samples"][:12] and partials[1]["samples"] == whole["samples"][:24]
@@ -189,3 +190,32 @@ def test_a_sweep_reports_each_length_and_resumes_from_the_finished_ones(tokenize
     generated.clear()
     assert run(finished=partials[0]["samples"]) == whole
     assert generated == [12, 12]  # 2048 and 3072 only
+
+
+def test_a_sweep_cut_inside_a_length_resumes_from_its_last_call(tokenizer, essay):
+    calls = []
+
+    def fake_generate(prompts, max_new_tokens):
+        calls.append((tuple(prompts), max_new_tokens))
+        return [str(len(p) % 7) for p in prompts]
+
+    # 1024-token prompts in calls of 5, longer ones in calls of 4: 12 prompts a length.
+    run = partial(lc.run_longcontext, "niah_single", fake_generate, tokenizer, lengths=[1024, 2048],
+                  depths=[0, 100], samples=2, seed=0, essay=essay,
+                  prompts_per_call=lambda length: 5 if length == 1024 else 4)
+    partials = []
+    whole = run(on_progress=partials.append)
+    assert [len(c[0]) for c in calls] == [5, 5, 2, 4, 4, 4]
+    assert len({m for _, m in calls[:3]}) == 1  # every call of a length asks for the length's longest answer
+    # After each call but the last: scores for the finished lengths, and every answer so far.
+    assert [p["lengths"] for p in partials] == [[], [], [1024], [1024], [1024]]
+    assert [len(p["samples"]) for p in partials] == [5, 10, 12, 16, 20]
+    assert all(p["partial"] is True for p in partials)
+    assert partials[1]["samples"] == whole["samples"][:10] and partials[4]["samples"] == whole["samples"][:20]
+    assert "grid" not in partials[0] and partials[3]["by_length"] == [whole["by_length"][0]]
+    first_run = calls[:]
+    for cut in partials:  # cut after any call: the rest are the uninterrupted run's calls, and so is the result
+        calls.clear()
+        saved = json.loads(json.dumps(cut))  # as read back from the results file
+        assert run(finished=saved["samples"]) == whole
+        assert calls == first_run[partials.index(cut) + 1 :]
