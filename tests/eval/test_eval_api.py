@@ -195,8 +195,9 @@ def generated(monkeypatch):
     return lengths
 
 
-def cut_after_first_length(model, tokenizer) -> dict:
-    """Run passkey over LONG, stopped as a killed job is once its first length is saved; what was saved."""
+def cut_after_first_length(model, tokenizer, **settings) -> dict:
+    """Run passkey over LONG (with `settings`), stopped as a killed job is once its first save is made
+    (with LONG's batch: its first length); what was saved."""
     saved = []
 
     def save_then_stop(results):
@@ -204,7 +205,7 @@ def cut_after_first_length(model, tokenizer) -> dict:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        evaluate(model, tokenizer, "passkey", **LONG, on_progress=save_then_stop)
+        evaluate(model, tokenizer, "passkey", **{**LONG, **settings}, on_progress=save_then_stop)
     return saved[-1]
 
 
@@ -376,20 +377,13 @@ def test_task_lengths_take_a_shorthand_for_its_tasks():
 def test_a_task_cut_inside_a_length_keeps_its_answered_prompts(model, tokenizer, generated, tmp_path):
     settings = {**LONG, "batch": 1}  # one prompt a generate call, each saved as it ends
     whole = evaluate(model, tokenizer, "passkey", **settings)["tasks"]["passkey"]
-    saved = []
-
-    def save_then_stop(results):
-        saved.append(json.loads(json.dumps(results)))  # as read back from the file
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        evaluate(model, tokenizer, "passkey", **settings, on_progress=save_then_stop)
-    entry = saved[-1]["tasks"]["passkey"]
+    cut = cut_after_first_length(model, tokenizer, batch=1)
+    entry = cut["tasks"]["passkey"]
     assert entry["partial"] is True and entry["lengths"] == [] and entry["samples"] == whole["samples"][:1]
-    write_report(saved[-1], tmp_path / "eval.json")  # no length finished: no scores, and the report says so
+    write_report(cut, tmp_path / "eval.json")  # no length finished: no scores, and the report says so
     assert "Cut short (its finished lengths below): passkey" in (tmp_path / "eval.md").read_text()
     generated.clear()
-    resumed = evaluate(model, tokenizer, "passkey", **settings, resume=saved[-1])["tasks"]["passkey"]
+    resumed = evaluate(model, tokenizer, "passkey", **settings, resume=cut)["tasks"]["passkey"]
     assert generated == [512, 1024, 1024, 2048, 2048]  # the second 512 prompt, then the rest
     resumed.pop("wall_time_s"), whole.pop("wall_time_s")
     assert resumed == whole
