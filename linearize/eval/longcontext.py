@@ -421,12 +421,11 @@ def run_longcontext(
                     answered[cell_key(cell)] = cell | {
                         "tokens": sample.tokens, "answers": list(sample.answers), "prediction": prediction,
                         "score": spec.score(prediction, sample)}
-                last_call = start + step >= len(todo) and index == len(lengths) - 1
-                if on_progress is not None and not last_call:
-                    whole = start + step >= len(todo)
-                    ongoing = [] if whole else [r for c in cells if (r := answered.get(cell_key(c)))]
-                    done = records + ([answered[cell_key(c)] for c in cells] if whole else [])
-                    on_progress(progress(done, ongoing, lengths[: index + whole], depths, variants) | flags)
+                length_done = start + step >= len(todo)
+                if on_progress is not None and not (length_done and index == len(lengths) - 1):
+                    ongoing = [] if length_done else [r for c in cells if (r := answered.get(cell_key(c)))]
+                    done = records + ([answered[cell_key(c)] for c in cells] if length_done else [])
+                    on_progress(progress(done, ongoing, lengths[: index + length_done], depths, variants) | flags)
         records += [answered[cell_key(c)] for c in cells]
     return summarize(records, lengths, depths, variants) | flags
 
