@@ -56,9 +56,11 @@ def greedy_generate(
     per step on a GPU, where HF's generate runs each step's hundreds of small ops eagerly); other
     models go through HF's generate, and so does a student with `static=False`.
     """
+    if not prompts:
+        return []
     if static is None:
         static = fully_linearized(model)
-    encoded = [tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
+    encoded = tokenizer(list(prompts), add_special_tokens=True).input_ids  # one call: a fast tokenizer spreads it over cores
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     pad = pad_token_id(tokenizer)
     eos = model.generation_config.eos_token_id or tokenizer.eos_token_id

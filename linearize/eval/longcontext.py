@@ -26,11 +26,13 @@ for qa_1 (any of the reference answers: RULER's string_match_part) and BABILong 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import string
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from itertools import pairwise
 from typing import NamedTuple
@@ -38,7 +40,7 @@ from typing import NamedTuple
 from tqdm.auto import tqdm
 
 from linearize.eval import babilong, ruler
-from linearize.eval.haystack import Sample, essay_units, fit, insert, noise_units
+from linearize.eval.haystack import Sample, count_tokens, essay_units, fit, insert, noise_units
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
@@ -360,6 +362,33 @@ def build_sample(
     return sample
 
 
+def build_samples(task: str, tokenizer, length: int, cells: Sequence[dict], *, essay: Sequence[str] = (),
+                  workers: int = 1) -> list[Sample]:
+    """`build_sample` for each cell ({"depth", "seed"[, "variant"]}), in order, on `workers` threads.
+
+    Fitting a long prompt takes a handful of tokenizer calls over the whole prompt (~0.4 s each at
+    128K tokens), which a fast tokenizer runs outside the GIL, so threads build a length's prompts
+    side by side. They share the tokenizer: one call first lets it settle its truncation and padding
+    state (an HF fast tokenizer resets them on its first call), after which the threads only read it.
+    """
+    progress = tqdm(total=len(cells), desc=f"{task}@{length} prompts", leave=False)
+
+    def build(cell: dict) -> Sample:
+        sample = build_sample(task, tokenizer, length, cell["depth"], cell["seed"], variant=cell.get("variant"),
+                              essay=essay)
+        progress.update()
+        return sample
+
+    try:
+        if workers <= 1 or len(cells) <= 1:
+            return [build(cell) for cell in cells]
+        count_tokens(tokenizer, "")
+        with ThreadPoolExecutor(min(workers, len(cells))) as pool:
+            return list(pool.map(build, cells))
+    finally:
+        progress.close()
+
+
 def check_length(task: str, tokenizer, length: int, essay: Sequence[str] = ()) -> None:
     """Raise ValueError now if `length` cannot hold the task's prompt (every variant)."""
     for variant in TASKS[task][2] or (None,):
@@ -407,10 +436,7 @@ def run_longcontext(
         ]
         answered = {cell_key(c): kept[cell_key(c)] for c in cells if cell_key(c) in kept}
         if len(answered) < len(cells):
-            built = [
-                build_sample(task, tokenizer, length, c["depth"], c["seed"], variant=c.get("variant"), essay=essay)
-                for c in tqdm(cells, desc=f"{task}@{length} prompts", leave=False)
-            ]
+            built = build_samples(task, tokenizer, length, cells, essay=essay, workers=os.cpu_count() or 1)
             max_new_tokens = max(s.max_new_tokens for s in built)  # the length's, whichever prompts a call gets
             todo = [(c, s) for c, s in zip(cells, built) if cell_key(c) not in answered]
             step = max(1, prompts_per_call(length)) if prompts_per_call else len(todo)

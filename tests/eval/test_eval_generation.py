@@ -9,6 +9,7 @@ def test_batched_left_padded_generation_equals_one_by_one(model, tokenizer):
     alone = [greedy_generate(model, tokenizer, [p], 12, batch=1)[0] for p in prompts]
     assert batched == alone
     assert len(set(batched)) >= 3  # prompt-specific continuations, not one constant string
+    assert greedy_generate(model, tokenizer, [], 12) == []
 
 
 def test_left_pad_right_aligns_rows():

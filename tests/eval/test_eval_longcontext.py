@@ -4,6 +4,7 @@ import re
 from functools import partial
 
 import pytest
+from conftest import make_byte_tokenizer
 
 from linearize.eval import longcontext as lc
 from linearize.eval.haystack import count_tokens, insert
@@ -219,3 +220,16 @@ def test_a_sweep_cut_inside_a_length_resumes_from_its_last_call(tokenizer, essay
         saved = json.loads(json.dumps(cut))  # as read back from the results file
         assert run(finished=saved["samples"]) == whole
         assert calls == first_run[partials.index(cut) + 1 :]
+
+
+@pytest.mark.parametrize("task", ["niah_single", "passkey", "variable_tracking"])
+def test_prompts_built_on_threads_are_the_ones_built_in_turn(task, essay):
+    tokenizer = make_byte_tokenizer()
+    # A tokenizer that comes with truncation on resets it at its first call: threads must not race it.
+    tokenizer._tokenizer.enable_truncation(max_length=100_000)
+    variants = lc.TASKS[task].variants or (None,)
+    cells = [{"depth": d, "seed": lc.sample_seed(0, task, 2048, d, i, v)} | ({"variant": v} if v else {})
+             for v in variants for d in (0, 50, 100) for i in range(3)]
+    threaded = lc.build_samples(task, tokenizer, 2048, cells, essay=essay, workers=4)
+    assert threaded == lc.build_samples(task, make_byte_tokenizer(), 2048, cells, essay=essay)
+    assert all(s.tokens <= 2048 for s in threaded) and len({s.prompt for s in threaded}) == len(cells)
