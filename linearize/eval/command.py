@@ -58,7 +58,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--essay", help="essay haystack text (.txt); default the other public-domain texts")
     parser.add_argument("--resume", action="store_true",
                         help="keep what an earlier run with the same settings saved in --out (finished tasks, "
-                        "finished lengths of a long-context task) and run the rest")
+                        "the answered prompts of a long-context task) and run the rest")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the results in --out from an earlier run (without it, an existing FILE.json "
                         "is refused, never overwritten)")
