@@ -257,8 +257,9 @@ def evaluate(
                 name, generate, tokenizer, lengths=task_lengths.get(name, lengths), depths=depths, samples=samples,
                 seed=seed, essay=haystack_essay(name, essay), finished=earlier.get("samples", ()),
                 on_progress=partial(task_progress, name, start),
-                # One generate batch a call, so that a cut run keeps every batch it finished.
-                prompts_per_call=lambda length: rows_per_batch(length, batch, max_batch_tokens),
+                # At most one generate batch a call (its rows hold prompt and answer), so that a cut
+                # run keeps every batch it finished.
+                prompts_per_call=lambda tokens: rows_per_batch(tokens, batch, max_batch_tokens),
             )
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(

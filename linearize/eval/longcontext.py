@@ -412,9 +412,9 @@ def run_longcontext(
     """Build the task's prompts for every (variant, length, depth, sample), generate, and score.
 
     `generate(prompts, max_new_tokens)` returns one continuation per prompt. It gets a length's
-    prompts in calls of `prompts_per_call(length)` (default: all of them in one call, which a real
-    model batches by size), in a fixed order, each call with the longest answer any of the length's
-    prompts needs. `on_progress`, if given, gets the result so far after every call but the last:
+    prompts in calls of `prompts_per_call(length + max_new_tokens)` (default: all of them in one call,
+    which a real model batches by size), in a fixed order, each call with the longest answer any of
+    the length's prompts needs. `on_progress`, if given, gets the result so far after every call but the last:
     `summarize` over the lengths done, with "samples" holding every prompt answered so far (those of
     an unfinished length too), marked `"partial": True`. Pass such a result's "samples" back as
     `finished` (same settings) and the prompts they hold are kept, not generated again: the calls
@@ -439,7 +439,7 @@ def run_longcontext(
             built = build_samples(task, tokenizer, length, cells, essay=essay, workers=os.cpu_count() or 1)
             max_new_tokens = max(s.max_new_tokens for s in built)  # the length's, whichever prompts a call gets
             todo = [(c, s) for c, s in zip(cells, built) if cell_key(c) not in answered]
-            step = max(1, prompts_per_call(length)) if prompts_per_call else len(todo)
+            step = max(1, prompts_per_call(length + max_new_tokens)) if prompts_per_call else len(todo)
             for start in range(0, len(todo), step):
                 part = todo[start : start + step]
                 predictions = generate([s.prompt for _, s in part], max_new_tokens)

@@ -200,13 +200,15 @@ def test_a_sweep_cut_inside_a_length_resumes_from_its_last_call(tokenizer, essay
         calls.append((tuple(prompts), max_new_tokens))
         return [str(len(p) % 7) for p in prompts]
 
-    # 1024-token prompts in calls of 5, longer ones in calls of 4: 12 prompts a length.
+    # 1024-token prompts (with their answers, under 2048 tokens) in calls of 5, longer ones in calls
+    # of 4: 12 prompts a length.
     run = partial(lc.run_longcontext, "niah_single", fake_generate, tokenizer, lengths=[1024, 2048],
                   depths=[0, 100], samples=2, seed=0, essay=essay,
-                  prompts_per_call=lambda length: 5 if length == 1024 else 4)
-    partials = []
+                  prompts_per_call=lambda tokens: asked.append(tokens) or (5 if tokens < 2048 else 4))
+    asked, partials = [], []
     whole = run(on_progress=partials.append)
     assert [len(c[0]) for c in calls] == [5, 5, 2, 4, 4, 4]
+    assert asked == [1024 + calls[0][1], 2048 + calls[3][1]]  # a row holds the prompt and its answer
     assert len({m for _, m in calls[:3]}) == 1  # every call of a length asks for the length's longest answer
     # After each call but the last: scores for the finished lengths, and every answer so far.
     assert [p["lengths"] for p in partials] == [[], [], [1024], [1024], [1024]]
