@@ -371,12 +371,12 @@ def build_samples(task: str, tokenizer, length: int, cells: Sequence[dict], *, e
     side by side. They share the tokenizer: one call first lets it settle its truncation and padding
     state (an HF fast tokenizer resets them on its first call), after which the threads only read it.
     """
-    progress = tqdm(total=len(cells), desc=f"{task}@{length} prompts", leave=False)
+    bar = tqdm(total=len(cells), desc=f"{task}@{length} prompts", leave=False)
 
     def build(cell: dict) -> Sample:
         sample = build_sample(task, tokenizer, length, cell["depth"], cell["seed"], variant=cell.get("variant"),
                               essay=essay)
-        progress.update()
+        bar.update()
         return sample
 
     try:
@@ -386,7 +386,7 @@ def build_samples(task: str, tokenizer, length: int, cells: Sequence[dict], *, e
         with ThreadPoolExecutor(min(workers, len(cells))) as pool:
             return list(pool.map(build, cells))
     finally:
-        progress.close()
+        bar.close()
 
 
 def check_length(task: str, tokenizer, length: int, essay: Sequence[str] = ()) -> None:
@@ -414,9 +414,9 @@ def run_longcontext(
     `generate(prompts, max_new_tokens)` returns one continuation per prompt. It gets a length's
     prompts in calls of `prompts_per_call(length + max_new_tokens)` (default: all of them in one call,
     which a real model batches by size), in a fixed order, each call with the longest answer any of
-    the length's prompts needs. `on_progress`, if given, gets the result so far after every call but the last:
-    `summarize` over the lengths done, with "samples" holding every prompt answered so far (those of
-    an unfinished length too), marked `"partial": True`. Pass such a result's "samples" back as
+    the length's prompts needs. `on_progress`, if given, gets the result so far after every call but
+    the last (`result_so_far`): `summarize` over the lengths done, with "samples" holding every prompt
+    answered so far (those of an unfinished length too), marked `"partial": True`. Pass such a result's "samples" back as
     `finished` (same settings) and the prompts they hold are kept, not generated again: the calls
     after them are the ones an uninterrupted sweep makes, and so is the result. A task whose `depth`
     places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
@@ -437,7 +437,9 @@ def run_longcontext(
         answered = {cell_key(c): kept[cell_key(c)] for c in cells if cell_key(c) in kept}
         if len(answered) < len(cells):
             built = build_samples(task, tokenizer, length, cells, essay=essay, workers=os.cpu_count() or 1)
-            max_new_tokens = max(s.max_new_tokens for s in built)  # the length's, whichever prompts a call gets
+            # The length's longest answer, whichever prompts a call gets: why a resumed length builds
+            # its answered prompts again.
+            max_new_tokens = max(s.max_new_tokens for s in built)
             todo = [(c, s) for c, s in zip(cells, built) if cell_key(c) not in answered]
             step = max(1, prompts_per_call(length + max_new_tokens)) if prompts_per_call else len(todo)
             for start in range(0, len(todo), step):
@@ -451,7 +453,7 @@ def run_longcontext(
                 if on_progress is not None and not (length_done and index == len(lengths) - 1):
                     ongoing = [] if length_done else [r for c in cells if (r := answered.get(cell_key(c)))]
                     done = records + ([answered[cell_key(c)] for c in cells] if length_done else [])
-                    on_progress(progress(done, ongoing, lengths[: index + length_done], depths, variants) | flags)
+                    on_progress(result_so_far(done, ongoing, lengths[: index + length_done], depths, variants) | flags)
         records += [answered[cell_key(c)] for c in cells]
     return summarize(records, lengths, depths, variants) | flags
 
@@ -461,7 +463,7 @@ def cell_key(cell: dict) -> tuple:
     return cell["length"], cell["depth"], cell["seed"], cell.get("variant")
 
 
-def progress(done: list[dict], ongoing: list[dict], lengths, depths, variants) -> dict:
+def result_so_far(done: list[dict], ongoing: list[dict], lengths, depths, variants) -> dict:
     """A sweep's result so far: `summarize` over its finished lengths (none yet: no scores), with the
     answers of the length under way added to "samples", marked `"partial": True`. Copies: the
     caller's lists grow on while the result may be held."""
