@@ -481,8 +481,7 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     # A family's average at each length all its tasks ran at: the four RULER-style tasks of the main
     # rows ("RULER"), RULER's own twelve ("RULER-12") and BABILong's five.
     for label, family in (("RULER", RULER), ("RULER-12", RULER_TASKS), ("BABILong", BABILONG_TASKS)):
-        # (a task cut before its first length ended has no by_length yet)
-        by_length = [{r["length"]: r["score"] for r in tasks[name].get("by_length", [])} for name in family if name in tasks]
+        by_length = [{r["length"]: r["score"] for r in tasks[name]["by_length"]} for name in family if name in tasks]
         if len(by_length) == len(family):
             for length in sorted(set.intersection(*(set(scores) for scores in by_length))):
                 cells[f"{label} {length_label(length)}"] = _percent(sum(s[length] for s in by_length) / len(family))

@@ -276,11 +276,12 @@ def test_a_row_cut_inside_its_first_long_length_still_makes_a_table_row(tmp_path
     """A RULER task saved before its first length ended has answers but no scores yet: its row has
     no cell for it, and no RULER average, rather than failing the table."""
     from linearize.eval.api import RULER
+    from linearize.eval.longcontext import result_so_far
     from linearize.recipes import _row_cells
 
     finished = {"lengths": [1024], "by_length": [{"length": 1024, "score": 0.5}], "grid": [], "score": 0.5}
-    tasks = {name: finished for name in RULER} | {
-        "variable_tracking": {"lengths": [], "depths": [0], "samples": [{"length": 1024}], "partial": True}}
+    answered = [{"length": 1024, "depth": 0, "seed": 1, "score": 1.0}]
+    tasks = {name: finished for name in RULER} | {"variable_tracking": result_so_far([], answered, [], [0], None)}
     run = tmp_path / "row"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"recipe": {"name": "lizard", "row": "Lizard"}, "source": "r.yaml"}))

@@ -467,7 +467,9 @@ def result_so_far(done: list[dict], ongoing: list[dict], lengths, depths, varian
     """A sweep's result so far: `summarize` over its finished lengths (none yet: no scores), with the
     answers of the length under way added to "samples", marked `"partial": True`. Copies: the
     caller's lists grow on while the result may be held."""
-    summary = summarize(list(done), lengths, depths, variants) if lengths else {"lengths": [], "depths": list(depths)}
+    # With no length finished: no score and no grid yet, but the per-length list a reader looks up.
+    summary = (summarize(list(done), lengths, depths, variants) if lengths
+               else {"lengths": [], "depths": list(depths), "by_length": []})
     return summary | {"samples": done + ongoing, "partial": True}
 
 

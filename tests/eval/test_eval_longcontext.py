@@ -215,7 +215,8 @@ def test_a_sweep_cut_inside_a_length_resumes_from_its_last_call(tokenizer, essay
     assert [len(p["samples"]) for p in partials] == [5, 10, 12, 16, 20]
     assert all(p["partial"] is True for p in partials)
     assert partials[1]["samples"] == whole["samples"][:10] and partials[4]["samples"] == whole["samples"][:20]
-    assert "grid" not in partials[0] and partials[3]["by_length"] == [whole["by_length"][0]]
+    assert "grid" not in partials[0] and partials[0]["by_length"] == []
+    assert partials[3]["by_length"] == [whole["by_length"][0]]
     first_run = calls[:]
     for cut in partials:  # cut after any call: the rest are the uninterrupted run's calls, and so is the result
         calls.clear()
