@@ -20,6 +20,7 @@ CASES = {
     "prefill-L37-bf16-in-and-out": {"L": 37, "dtype": torch.bfloat16},
     "prefill-L20-no-rope-bf16-in-and-out": {"L": 20, "rope": False, "dtype": torch.bfloat16},
     "step-bf16-in-float32-out": {"L": 1, "dtype": torch.bfloat16, "out_dtype": torch.float32},
+    "prefill-L70-bf16-in-weights-and-out": {"L": 70, "dtype": torch.bfloat16, "weight_dtype": torch.bfloat16},
 }
 
 
@@ -37,17 +38,18 @@ def _inputs(device, seed, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype=torc
 
 
 def errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, weight_dtype=torch.float32,
-           dtype=torch.float32, out_dtype=None, block=None) -> dict:
+           dtype=torch.float32, out_dtype=None, block=None, programs=None) -> dict:
     """Max abs errors of the kernel's outputs. q and k are transposed views of [B, L, heads, D], as the
     attention module's projections give them, in `dtype`; the outputs are in `out_dtype` (default
     `dtype`), against the float32 references rounded to it. `cos_batch=1`: one row of positions for the
-    whole batch. `block`: tokens per program of a prefill (None: the default)."""
+    whole batch. `block`, `programs`: tokens a block and programs a head of a prefill (None: the defaults)."""
     from linearize.ops.features.triton import lizard_features
 
     _, maps, q, k, position = _inputs(device, 0, L, B, H, HKV, D, F, rope, cos_batch, weight_dtype, dtype)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     out_dtype = out_dtype or dtype
-    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position, out_dtype, block=block)
+    fq, fk, qw, kw = lizard_features(q, k, maps[0].weight, maps[1].weight, position, out_dtype, block=block,
+                                     programs=programs)
     q, k = q.float(), k.float()
     qw_ref, kw_ref = rotate(q, k, position) if rope else (q, k)
     pairs = {"fq": (fq, maps[0](q)), "fk": (fk, maps[1](repeat_kv(k, H // HKV))), "qw": (qw, qw_ref),
@@ -79,6 +81,32 @@ def test_interpreted_features_kernel_at_another_block_size(name, interpreter):
     """`lizard_features(block=16)` (for A/B timings) changes how many tokens a program takes, not the results."""
     errs = interpreter.case("test_features", name, "BLOCK_CASES", block=16)
     assert max(errs.values()) < 1e-5, errs
+
+
+PROGRAM_CASES = {name: CASES[name] for name in ("prefill-L150-gqa-rope-three-blocks",
+                                                "prefill-L70-bf16-in-weights-and-out")}
+FAST_PROGRAM_CASES = ("prefill-L150-gqa-rope-three-blocks",)
+
+
+@pytest.mark.parametrize("name", cases(PROGRAM_CASES, FAST_PROGRAM_CASES))
+@pytest.mark.parametrize("programs", [1, 2])
+def test_interpreted_features_kernel_with_programs_walking_several_blocks(name, programs, interpreter):
+    """With fewer programs than blocks of 16 tokens, each walks several (at L = 150, 10 or 5) with the
+    weights loaded once: the same results."""
+    errs = interpreter.case("test_features", name, "PROGRAM_CASES", block=16, programs=programs)
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_features_programs_per_head_fill_the_gpu_but_never_exceed_the_blocks():
+    pytest.importorskip("triton")
+    from linearize.ops.features.triton import PROGRAMS_PER_SM, token_programs
+
+    cpu = torch.device("cpu")  # the interpreter counts an H200's 132 SMs
+    assert token_programs(32, 256, cpu) == -(-PROGRAMS_PER_SM * 132 // 32)
+    assert token_programs(32, 3, cpu) == 3 and token_programs(1, 1, cpu) == 1
+    assert token_programs(32, 256, cpu, programs=4) == 4
+    with pytest.raises(ValueError, match="programs per head must be >= 1"):
+        token_programs(32, 256, cpu, programs=0)
 
 
 def test_features_block_sizes_are_powers_of_two_from_16():

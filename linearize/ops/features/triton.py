@@ -3,10 +3,10 @@
 In PyTorch a layer's phi(q), phi(k) and rotated q, k are ~25 kernels (casts, per-head einsums, two
 softmaxes, negations, concatenations, `repeat_kv`, the rotation's halves): at a decode step their
 launches cost more than the arithmetic, and in a prefill each is a full pass over [B, H, L, d] in
-float32. Here one kernel, `_features_kernel`, does all four, a program per batch row, query head and
-block of tokens: x W on tensor cores for blocks of 64 tokens (prefills), on CUDA cores for one token
-(decode steps, any power-of-two sizes). A KV head's rotated key is written by the first of its query
-heads. `HedgehogFeatureMap` and `attention.base.rotate` are the references.
+float32. Here one kernel, `_features_kernel`, does all four, programs per batch row and query head
+each walking blocks of tokens with the head's weights loaded once: x W on tensor cores for blocks of
+64 tokens (prefills), on CUDA cores for one token (decode steps, any power-of-two sizes). A KV head's
+rotated key is written by the first of its query heads. `HedgehogFeatureMap` and `attention.base.rotate` are the references.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gla_window.triton import INTERPRET
+from ..gla_window.triton import INTERPRET, multiprocessors
 
 if INTERPRET:
     from .. import _interpreter
@@ -26,6 +26,22 @@ if INTERPRET:
 # latency: in stage 1's profile (batch 8 x 2K, 9,216 programs a layer) the kernel ran at ~1/5 of the
 # bandwidth its bytes need. `lizard_features(block=...)` takes another power of two >= 16 (A/B timings).
 TOKENS_PER_PROGRAM = 64
+
+
+# Programs a prefill launches per SM (at most one per block of tokens). Each walks its share of its
+# head's blocks with the head's two [d, f] weights loaded once: a program per block loaded them for
+# every 64 tokens, as many bytes as the block's q and k at d = 128, f = 64 in float32.
+PROGRAMS_PER_SM = 8
+
+
+def token_programs(heads: int, blocks: int, device: torch.device, programs: int | None = None) -> int:
+    """Programs per (batch row, head) for `blocks` blocks of tokens: `programs`, or enough for
+    PROGRAMS_PER_SM an SM, never more than the blocks."""
+    if programs is None:
+        programs = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), heads)
+    if programs < 1:
+        raise ValueError(f"programs per head must be >= 1, got {programs}")
+    return min(blocks, programs)
 
 
 def tokens_per_program(block: int | None = None) -> int:
@@ -55,43 +71,54 @@ def _rotate(x, x_partner, c, s, d, D: tl.constexpr):
 def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
                      sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                      H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BL: tl.constexpr,
-                     ROPE: tl.constexpr, DOT: tl.constexpr):
-    """Grid (B*H, cdiv(L, BL)). q, k with the given strides (the last one 1), read as float32; outputs
-    contiguous, in their own dtype: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W
-    on tensor cores (3xTF32, about float32 accuracy), else as a broadcast sum (one-token blocks, small F)."""
+                     ROPE: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """Grid (B*H, P): program p takes blocks p, p + P, ... of BL tokens, loading the head's weights
+    once for them all. q, k with the given strides (the last one 1); outputs contiguous, in their own
+    dtype: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W on tensor cores, else as
+    a broadcast sum in float32 (one-token blocks, small F). NATIVE (x and W in one 16-bit dtype): one
+    tensor-core pass on them as they are, exact products accumulated in float32; otherwise both in
+    float32 through 3xTF32 (about float32 accuracy)."""
     bh = tl.program_id(0).to(tl.int64)  # offsets such as bh * L * 2F pass 2^31 at long prefills
     b, h = bh // H, bh % H
     hk = h // N_REP
-    rows = tl.program_id(1) * BL + tl.arange(0, BL)
-    live = rows < L
     d, f = tl.arange(0, D), tl.arange(0, F)
-    q_at = q + b * sq_b + h * sq_h + rows[:, None] * sq_l
-    k_at = k + b * sk_b + hk * sk_h + rows[:, None] * sk_l
-    x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     weights = h * D * F + d[:, None] * F + f[None, :]
-    W_q = tl.load(w_q + weights).to(tl.float32)
-    W_k = tl.load(w_k + weights).to(tl.float32)
-    if DOT:
-        u_q = tl.dot(x_q, W_q, input_precision="tf32x3")
-        u_k = tl.dot(x_k, W_k, input_precision="tf32x3")
-    else:
-        u_q = tl.sum(x_q[:, :, None] * W_q[None, :, :], axis=1)
-        u_k = tl.sum(x_k[:, :, None] * W_k[None, :, :], axis=1)
-    _signed_softmax_store(u_q, fq + bh * L * 2 * F, rows, live, f, F)
-    _signed_softmax_store(u_k, fk + bh * L * 2 * F, rows, live, f, F)
-    if ROPE:
-        partner = (d + D // 2) % D
-        at = b * sc_b + rows[:, None] * sc_l + d[None, :]
-        c = tl.load(cos + at, mask=live[:, None], other=0.0).to(tl.float32)
-        s = tl.load(sin + at, mask=live[:, None], other=0.0).to(tl.float32)
-        q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        out = bh * L * D + rows[:, None] * D + d[None, :]
-        tl.store(qw + out, _rotate(x_q, q_partner, c, s, d, D), mask=live[:, None])
-        if h % N_REP == 0:
-            k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            out = (b * (H // N_REP) + hk) * L * D + rows[:, None] * D + d[None, :]
-            tl.store(kw + out, _rotate(x_k, k_partner, c, s, d, D), mask=live[:, None])
+    W_q = tl.load(w_q + weights)
+    W_k = tl.load(w_k + weights)
+    if not NATIVE:
+        W_q, W_k = W_q.to(tl.float32), W_k.to(tl.float32)
+    for first in range(tl.program_id(1) * BL, L, tl.num_programs(1) * BL):
+        rows = first + tl.arange(0, BL)
+        live = rows < L
+        q_at = q + b * sq_b + h * sq_h + rows[:, None] * sq_l
+        k_at = k + b * sk_b + hk * sk_h + rows[:, None] * sk_l
+        x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0)
+        x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0)
+        if NATIVE:
+            u_q = tl.dot(x_q, W_q)
+            u_k = tl.dot(x_k, W_k)
+        else:
+            x_q, x_k = x_q.to(tl.float32), x_k.to(tl.float32)
+            if DOT:
+                u_q = tl.dot(x_q, W_q, input_precision="tf32x3")
+                u_k = tl.dot(x_k, W_k, input_precision="tf32x3")
+            else:
+                u_q = tl.sum(x_q[:, :, None] * W_q[None, :, :], axis=1)
+                u_k = tl.sum(x_k[:, :, None] * W_k[None, :, :], axis=1)
+        _signed_softmax_store(u_q, fq + bh * L * 2 * F, rows, live, f, F)
+        _signed_softmax_store(u_k, fk + bh * L * 2 * F, rows, live, f, F)
+        if ROPE:
+            partner = (d + D // 2) % D
+            at = b * sc_b + rows[:, None] * sc_l + d[None, :]
+            c = tl.load(cos + at, mask=live[:, None], other=0.0).to(tl.float32)
+            s = tl.load(sin + at, mask=live[:, None], other=0.0).to(tl.float32)
+            q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            out = bh * L * D + rows[:, None] * D + d[None, :]
+            tl.store(qw + out, _rotate(x_q.to(tl.float32), q_partner, c, s, d, D), mask=live[:, None])
+            if h % N_REP == 0:
+                k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                out = (b * (H // N_REP) + hk) * L * D + rows[:, None] * D + d[None, :]
+                tl.store(kw + out, _rotate(x_k.to(tl.float32), k_partner, c, s, d, D), mask=live[:, None])
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -120,13 +147,15 @@ def features_unsupported(q, k, w_q) -> str | None:
     return None
 
 
-def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float32, block: int | None = None):
+def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float32, block: int | None = None,
+                    programs: int | None = None):
     """(fq, fk, qw, kw) in `dtype` for q [B, H, L, d] and k [B, H_kv, L, d] (any strides but the last;
     computed in float32 from any float dtype): `HedgehogFeatureMap` with weights w_q and w_k [H, d, f]
     on q and on each query head's KV head, and, given `position_embeddings` (cos, sin) [B or 1, L, d],
     `rotate(q, k, ...)` (else qw, kw are q, k in `dtype`). Taking the projections' bf16 q, k and giving
-    the kernels' bf16 operands saves a prefill two float32 round trips per tensor. `block`: tokens per
-    program of a prefill (default TOKENS_PER_PROGRAM)."""
+    the kernels' bf16 operands saves a prefill two float32 round trips per tensor. `block`: tokens a
+    block of a prefill (default TOKENS_PER_PROGRAM); `programs`: programs per batch row and head
+    (default `token_programs`'). Both for A/B timings: neither changes the results."""
     B, H, L, D = q.shape
     HKV, F = k.shape[1], w_q.shape[-1]
     fq = torch.empty(B, H, L, 2 * F, device=q.device, dtype=dtype)
@@ -136,10 +165,11 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     kw = torch.empty(B, HKV, L, D, device=q.device, dtype=dtype) if rope else k.to(dtype)
     cos, sin = (_unit_last(t.expand(B, L, D)) for t in position_embeddings) if rope else (q[:, 0], q[:, 0])
     BL = 1 if L == 1 else tokens_per_program(block)
-    _features_kernel[(B * H, triton.cdiv(L, BL))](
+    native = BL > 1 and q.dtype in (torch.bfloat16, torch.float16) and w_q.dtype == w_k.dtype == q.dtype
+    _features_kernel[(B * H, token_programs(B * H, triton.cdiv(L, BL), q.device, programs))](
         q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, fq, fk, qw, kw, L,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
-        H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, num_warps=4)
+        H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, NATIVE=native, num_warps=4)
     return fq, fk, qw, kw
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..common import carried_window, extend_window, repeat_kv
-from .triton import lizard_attention_parts
+from .triton import lizard_attention_head
 
 
 @torch.no_grad()
@@ -18,44 +18,19 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
     """`lizard_attention` continuing from a carried state (a prefill after earlier ones): (y, new state).
 
     The kernel's linear part starts from the carried S_0, z_0 (its state pass does) and returns the
-    state after the call. The carried window keys join the softmax of the first w - 1 queries, merged
-    through the kernel's log-sum-exp (and with `shared` its row max). Same contract as
+    state after the call. The kernel mixes the branches of every row as a fresh pass would; the carried
+    window keys then join the softmax of the first w - 1 queries, from the parts the kernel keeps for
+    those rows (the window's output, log-sum-exp and row max, the linear denominator). Same contract as
     `gla_window_parallel` with all new tokens valid, beta = 1, normalize=True; no gradients (prefill
     only). The kernel must apply to the inputs.
     """
-    y_gla, y_win, den, lse, *row_max, (S, z) = lizard_attention_parts(
-        fq, fk, log_g, qw, kw, v, window=window, scale=scale, sinks=sinks, alpha=alpha, eps=eps, shared=shared,
-        carried=(state["S"], state["z"]))
-    # The two branches mixed at every row in one pass over the call (the window's weight relative to
-    # the row max m: shared, one normaliser; else alpha times the window's own softmax) ...
-    m = row_max[0] if shared else lse
-    win_den = (lse - m).exp()
-    if shared:
-        y = torch.lerp(y_gla, y_win, (win_den / (win_den + den))[..., None].to(y_gla.dtype))
-    else:
-        y = torch.addcmul(y_gla, y_win, alpha.float()[None, :, None, None])
-    # ... then the first w - 1 rows again, in float32, with the carried window keys joining their
-    # softmax: query i of this call sees carried key j (of w - 1, oldest first) when j >= i.
     P = min(fq.shape[2], window - 1)
+    y, (y_win, den, lse, m), (S, z) = lizard_attention_head(
+        fq, fk, log_g, qw, kw, v, window=window, scale=scale, sinks=sinks, alpha=alpha, eps=eps, shared=shared,
+        head=P, carried=(state["S"], state["z"]))
     if P > 0:
-        n_rep = fq.shape[1] // kw.shape[1]
-        keys, values = repeat_kv(state["win_k"], n_rep).float(), repeat_kv(state["win_v"], n_rep).float()
-        scores = (qw[:, :, :P].float() @ keys.transpose(-1, -2)) * scale
-        i, j = torch.arange(P, device=fq.device)[:, None], torch.arange(window - 1, device=fq.device)[None, :]
-        seen = (j >= i)[None, None] & state["win_valid"][:, None, None, :]
-        scores = scores.masked_fill(~seen, float("-inf"))
-        m_head, head_den = m[:, :, :P], win_den[:, :, :P]
-        m_new = torch.maximum(m_head, scores.amax(-1))
-        old, new = (m_head - m_new).exp(), (scores - m_new[..., None]).exp()
-        win_num = old[..., None] * y_win[:, :, :P].float() * head_den[..., None] + new @ values
-        win_den = old * head_den + new.sum(-1)
-        linear = y_gla[:, :, :P].float()
-        if shared:
-            lin_den = den[:, :, :P]
-            head = (win_num + linear * lin_den[..., None]) / (win_den + lin_den)[..., None]
-        else:
-            head = linear + alpha.float()[None, :, None, None] * win_num / win_den[..., None]
-        y[:, :, :P] = head.to(y.dtype)
+        y[:, :, :P] = _with_carried_keys(y[:, :, :P].float(), y_win.float(), den, lse, m, qw[:, :, :P].float(),
+                                         state, window=window, scale=scale, alpha=alpha, shared=shared).to(y.dtype)
 
     # Only the call's last w - 1 tokens can stay in the window: the rest is neither cast nor copied.
     start = kw.shape[2] - min(window - 1, kw.shape[2])
@@ -65,4 +40,31 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
                                             valid)
     new_state = {"S": S.to(state["S"].dtype), "z": z.to(state["z"].dtype),
                  **carried_window(keys, values, key_valid, window)}
-    return y.to(qw.dtype), new_state
+    return y, new_state
+
+
+def _with_carried_keys(y, y_win, den, lse, m, qw, state, *, window, scale, alpha, shared):
+    """The first P rows' output once the carried window keys join their softmax: query i of this call
+    sees carried key j (of w - 1, oldest first) when j >= i. In float32, from the rows' mixed output y,
+    window output y_win, linear denominator den, window log-sum-exp lse and row max m [B, H, P]."""
+    P = y.shape[2]
+    n_rep = qw.shape[1] // state["win_k"].shape[1]
+    keys, values = repeat_kv(state["win_k"], n_rep).float(), repeat_kv(state["win_v"], n_rep).float()
+    scores = (qw @ keys.transpose(-1, -2)) * scale
+    i, j = torch.arange(P, device=y.device)[:, None], torch.arange(window - 1, device=y.device)[None, :]
+    seen = (j >= i)[None, None] & state["win_valid"][:, None, None, :]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if not shared:
+        m = lse  # the window's own softmax, relative to its log-sum-exp: its sum is 1
+    m_new = torch.maximum(m, scores.amax(-1))
+    old, new = (m - m_new).exp(), (scores - m_new[..., None]).exp()
+    carried_num, carried_den = new @ values, new.sum(-1)
+    if shared:
+        # One normaliser, y = (l y_win + den y_gla) / (l + den) with the window's sum l = e^(lse - m)
+        # relative to the row max: the window's numerator moves to the new max, the linear one stays.
+        l = (lse - m).exp()
+        linear_num = y * (l + den)[..., None] - y_win * l[..., None]
+        window_num = old[..., None] * y_win * l[..., None] + carried_num
+        return (window_num + linear_num) / (old * l + carried_den + den)[..., None]
+    win = (old[..., None] * y_win + carried_num) / (old + carried_den)[..., None]
+    return y + alpha.float()[None, :, None, None] * (win - y_win)

@@ -422,7 +422,7 @@ def _row_block(CF: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DEN, LSE, ROW_MAX, ARG,
-                L, H, HKV, NT, window, scale, eps,
+                L, H, HKV, NT, window, scale, eps, HEAD,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
                 NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
@@ -430,7 +430,9 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
     carrying that block of the state; split, each program takes one chunk and its starting state from
     HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
     the layout the model's o_proj reads, so no transpose copy follows. With TMA, FQ, FK, QW, KW, V
-    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D])."""
+    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D]). Without SAVE and with
+    HEAD > 0, the first HEAD rows' window part and statistics go to Y_WIN [B*H, HEAD, D] and DEN, LSE,
+    ROW_MAX [B*H, HEAD] (what a continued call needs to add the carried window keys to those rows)."""
     bh = _head(CF, 2)
     iv = tl.program_id(1)
     h = bh % H
@@ -478,6 +480,14 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         tl.debug_barrier()  # and read back by all before y, in its own layout, overwrites them in Y
         _store_outputs(Y, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + col, bh * L, pos, L, y_gla,
                        acc / l_i[:, None], alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
+        if not SAVE:  # noqa: SIM102 (a compile-time branch: SAVE kernels hold no code for the head rows)
+            if n * BT < HEAD:
+                _store_tile(Y_WIN + bh * HEAD * D + col, pos, HEAD, acc / l_i[:, None], D, BV)
+                if iv == 0:
+                    at, head = bh * HEAD + pos, pos < HEAD
+                    tl.store(DEN + at, den, mask=head)
+                    tl.store(LSE + at, m_i + tl.log(l_i), mask=head)
+                    tl.store(ROW_MAX + at, m_i, mask=head)
         if not SPLIT:
             S, z = _advance_state(S, z, k, v, A, a_end, VEC, DT)
 
@@ -957,9 +967,10 @@ def miscompiled_on_gpu(F: int, D: int, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device, looked up once: every forward and backward asks."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device, looked up once: every forward and backward asks (an H100/H200's 132 for the
+    interpreter on CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _state_blocks(heads: int, F: int, D: int, rows: int, cfg: Config, device: torch.device) -> tuple[int, int]:
@@ -967,7 +978,7 @@ def _state_blocks(heads: int, F: int, D: int, rows: int, cfg: Config, device: to
     (`_fwd_states_kernel`, `_bwd_states_kernel`): each program walks every chunk, so with few heads
     (batch 1 at long context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more
     programs."""
-    sms = _multiprocessors(device) if device.type == "cuda" else 132
+    sms = multiprocessors(device)
     BK, BV = min(rows, F), min(cfg.state_block_v, D)
     while BV > 32 and heads * (F // BK) * (D // BV) < sms:
         BV //= 2
@@ -1013,11 +1024,12 @@ def _state_dtype(dtype: torch.dtype, vec: bool) -> torch.dtype:
 
 
 def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normalize, cfg, save, shared=False,
-             carried=None):
+             carried=None, head=0):
     """Launch the forward; returns the inputs made contiguous, the output, what the backward needs
     (y_gla, y_win, den, lse and, with `shared`, each row's window max and the key holding it), the
     split kernels' chunk states and, given `carried` (S [B, H, F, D], z [B, H, F] float32: the linear
-    state of earlier tokens, which the linear part then continues), the state after the last token."""
+    state of earlier tokens, which the linear part then continues), the state after the last token.
+    Without `save`, the parts are the first `head` rows' y_win, den, lse and window max (none at 0)."""
     if carried is not None and not cfg.split:
         cfg = dataclasses.replace(cfg, split=True)  # the state pass is what starts from the carried state
     fq, fk, log_g, qw, kw, v, alpha = (t.contiguous() for t in (fq, fk, log_g, qw, kw, v, alpha))
@@ -1053,12 +1065,14 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     # shared split without a copy.
     y = torch.empty(B, L, H, D, device=qw.device, dtype=qw.dtype).transpose(1, 2)
     # The backward splits dy between the branches with these (input dtype, as flash attention's O).
+    head = 0 if save else min(head, L)
     y_gla = torch.empty_like(qw) if save else y
-    y_win = torch.empty_like(qw) if save else y
-    den = torch.empty(B, H, L, device=qw.device, dtype=torch.float32)
+    y_win = torch.empty_like(qw) if save else torch.empty(B, H, head, D, device=qw.device, dtype=qw.dtype)
+    den = torch.empty(B, H, L if save else head, device=qw.device, dtype=torch.float32)
     lse = torch.empty_like(den)
-    # Written only with `shared` (and `save`): each row's window max (sinks included) and its key (-1: a sink).
-    row_max = torch.empty_like(den) if shared and save else den
+    # Written only with `shared` (and `save`), or for the head rows: each row's window max (sinks
+    # included) and its key (-1: a sink).
+    row_max = torch.empty_like(den) if (shared and save) or head else den
     arg = torch.empty(B, H, L, device=qw.device, dtype=torch.int32) if shared and save else den
     if not cfg.split:
         hs = hz = den  # unread
@@ -1066,11 +1080,13 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
                                          else (fq, fk, qw, kw, v, hs))
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
-        lse, row_max, arg, L, H, HKV, NT, window, scale, eps, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP, SAVE=save,
+        lse, row_max, arg, L, H, HKV, NT, window, scale, eps, head, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP,
+        SAVE=save,
         SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
         **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
-    parts = (y_gla, y_win, den, lse) + ((row_max, arg) if shared else ())
+    parts = ((y_gla, y_win, den, lse) + ((row_max, arg) if shared else ()) if save
+             else (y_win, den, lse, row_max))
     return inputs, y, parts, ((hs, hz) if cfg.split else ()), end
 
 
@@ -1293,12 +1309,13 @@ def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, a
 
 
 @torch.no_grad()
-def lizard_attention_parts(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, shared=False,
-                           carried=None, config=None):
-    """The forward's branches before they are mixed: y_gla, y_win (inputs' dtype), the linear part's
-    denominator (eps included) and the window's log-sum-exp (sinks included), both float32 [B, H, L];
-    with `shared`, also the window's row max [B, H, L] (sinks included). Given `carried` (S, z of
-    earlier tokens), the linear part continues that state, and the state after the last token follows."""
-    _, _, parts, _, end = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps),
-                                   True, config or Config.default(fq.dtype), True, shared, carried)
-    return parts[:5] + ((end,) if carried is not None else ())
+def lizard_attention_head(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, head, eps=1e-6, shared=False,
+                          carried=None, config=None):
+    """The forward's output y [B, H, L, d] (a view of [B, L, H, d] memory) and, for its first `head` rows
+    (at most L), the branches' parts before they were mixed: y_win [B, H, head, d] (inputs' dtype), the
+    linear part's denominator (eps included), the window's log-sum-exp and its row max (sinks included),
+    float32 [B, H, head]. Given `carried` (S, z of earlier tokens), the linear part continues that
+    state, and the state after the last token follows."""
+    _, y, parts, _, end = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps),
+                                   True, config or Config.default(fq.dtype), False, shared, carried, int(head))
+    return (y, parts) + ((end,) if carried is not None else ())
