@@ -356,6 +356,36 @@ def run_sweep(L, B=16, H=32, D=128, profile_dir=None):
             write_resources(profile_dir / f"sweep{i}-resources.txt", written)
 
 
+def features_sweep_rows(blocks: int) -> list[tuple[str, dict]]:
+    """(label, `run_features_sweep` options): the weights in bf16 (one tensor-core pass) or float32
+    (3xTF32), each with the default programs per head and with a program per block of tokens (each
+    loading the weights for its 64 tokens alone: with float32 weights, how every prefill ran before
+    the kernel took a bf16 pass and walked several blocks)."""
+    return [(f"{dtype} weights, {label}", {"weight_dtype": getattr(torch, dtype), "programs": programs})
+            for dtype in ("bfloat16", "float32") for label, programs in
+            (("default programs", None), (f"a program per block ({blocks})", blocks))]
+
+
+def run_features_sweep(lengths, H=32, HKV=8, D=128, F=64):
+    """The features kernel alone at the Llama-3-8B shape, batch 1, bf16 q and k (the projections'):
+    median ms of `lizard_features` with RoPE for each of `features_sweep_rows`, at each length."""
+    from linearize.ops.features.triton import TOKENS_PER_PROGRAM, lizard_features
+
+    for L in lengths:
+        q = torch.randn(1, L, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(1, L, HKV, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        angles = torch.randn(1, L, D, device="cuda")
+        rope = (angles.cos(), angles.sin())
+        print(f"\nfeatures kernel, L={L}, H={H}, H_kv={HKV}, d={D}, f={F}")
+        for label, options in features_sweep_rows(-(-L // TOKENS_PER_PROGRAM)):
+            w_q, w_k = ((0.05 * torch.randn(H, D, F, device="cuda")).to(options["weight_dtype"]) for _ in range(2))
+            run = functools.partial(lizard_features, q, k, w_q, w_k, rope, torch.bfloat16,
+                                    programs=options["programs"])
+            with torch.no_grad():
+                ms = _median_ms(run)
+            print(f"  {label:40s} {ms:8.3f} ms")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -367,6 +397,8 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 16, 16])
     parser.add_argument("--sweep-states", action="store_true",
                         help="time the forward state pass alone at `state_sweep_configs` (first length and batch)")
+    parser.add_argument("--sweep-features", action="store_true",
+                        help="time the features kernel alone at the Llama-3-8B shape (`features_sweep_rows`, --lengths)")
     parser.add_argument("--host", action="store_true",
                         help="also split our forward's time between the host and the GPU (`run_host`)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
@@ -384,6 +416,8 @@ def main():
         run_host(args.lengths)
     if args.sweep_forward:
         run_forward_sweep(args.lengths, args.batches)
+    if args.sweep_features:
+        run_features_sweep(args.lengths)
     if args.sweep_states:
         run_state_sweep(args.lengths[0], args.batches[0])
     if args.sweep:

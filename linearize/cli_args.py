@@ -75,6 +75,17 @@ positive_int = _positive(int, "an integer")
 positive_float = _positive(float, "a number")
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def seed(text: str) -> int:
     """A random seed: an integer in [0, 2**63), what torch's generators take."""
     try:

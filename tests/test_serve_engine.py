@@ -10,7 +10,7 @@ from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parame
 import linearize
 from linearize.decode import greedy_decode
 from linearize.serve import kv_slots
-from linearize.serve.engine import Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
+from linearize.serve.engine import MIN_PREFILL_CHUNK, Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
 
 
 def student(method="lizard", arch="llama", **options):
@@ -62,6 +62,65 @@ def test_concurrent_greedy_requests_get_their_offline_tokens(method):
     assert [tokens for tokens, _ in results] == expected
     assert {reason for _, reason in results} == {"length"}
     assert engine.stats()["running"] == 0
+
+
+class FakeClock:
+    """The engine's clock, moved by the model's calls alone: a prefill call 1 unit a token, a decode step
+    (one token a row) 40 units, so the chunks the engine sizes from its timings are known exactly."""
+
+    def __init__(self, model):
+        self.now = 0.0
+        self.prefills = []  # the tokens of each prefill call (one prompt, several tokens)
+        model.register_forward_pre_hook(self.advance, with_kwargs=True)
+
+    def advance(self, module, args, kwargs):
+        length = kwargs["input_ids"].shape[1]
+        if length > 1:
+            self.prefills.append(length)
+        self.now += 40.0 if length == 1 else float(length)
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
+def test_a_prompt_arriving_while_others_decode_is_prefilled_in_chunks_of_the_budget(budget, monkeypatch):
+    """While a request decodes (a step: 40 units), a 120-token prompt is prefilled in chunks that take
+    `budget` steps at the last chunk's time per token (1 unit): 40 tokens at budget 1, 20 at 0.5, and
+    whole `prefill_chunk`s (128) at 0. The first prompt, with nothing decoding, takes a whole chunk.
+    Each request still gets its offline greedy tokens."""
+    import linearize.serve.engine as engine_module
+
+    model = student()
+    first, second = prompts(1, seed=5)[0][:5], prompts(1, seed=6)[0] * 120
+    first, second = first + [7] * (5 - len(first)), second[:120]
+    expected = [offline(model, first, 30), offline(model, second, 3)]
+    clock = FakeClock(model)
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = Engine(model, max_batch=2, prefill_chunk=128, prefill_budget=budget, cuda_graph=False)
+
+    async def main():
+        return await asyncio.gather(collect(engine, first, SamplingParams(max_tokens=30, ignore_eos=True)),
+                                    collect(engine, second, SamplingParams(max_tokens=3, ignore_eos=True)))
+
+    assert [tokens for tokens, _ in serve(engine, main())] == expected
+    chunk = {1.0: 40, 0.5: 20, 0.0: 120}[budget]
+    assert clock.prefills == [5] + [chunk] * (120 // chunk)
+
+
+def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
+    engine = Engine(student(), prefill_chunk=256, prefill_budget=1.0, cuda_graph=False)
+    assert engine.prefill_tokens() == 256  # nothing decodes
+    engine._running = [object()]
+    assert engine.prefill_tokens() == 256  # nothing timed yet
+    engine._step_s, engine._prefill_s_per_token = 0.040, 0.001
+    assert engine.prefill_tokens() == 40
+    engine._step_s = 1e-6  # a step far faster than a token of prefill: prompts still advance
+    assert engine.prefill_tokens() == MIN_PREFILL_CHUNK
+    engine._step_s = 10.0
+    assert engine.prefill_tokens() == 256
+    with pytest.raises(ValueError, match="prefill_budget must be >= 0"):
+        Engine(student(), prefill_budget=-1.0)
 
 
 def test_gemma_slots_and_a_model_with_softmax_layers_serves_each_request_alone():

@@ -6,7 +6,7 @@
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
-# | serve [SHAPE] (bench serve) | trainshape SHAPE (bench train at an 8B shape) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | trainshape SHAPE (bench train at an 8B shape) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # experiments/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
@@ -30,7 +30,9 @@ case $part in
     # `kernels sweep`: the block configurations at L = 2K, each profiled; `kernels forward`: the forward
     # alone at the forward sweep's rows, B=16 L=2K and B=32 L=8K, and fla chunk_simple_gla's; `kernels states
     # [L B]`: the forward state pass alone at each block, warps and stages (B=32 L=8K); `kernels host`: our forward's
-    # time split between the host and the GPU (events, host, CUDA graph replay); `kernels bench [OPS]`: `bench
+    # time split between the host and the GPU (events, host, CUDA graph replay); `kernels features`: the
+    # features kernel alone at the 8B shape, L = 16K (weights bf16 or float32, programs walking blocks or
+    # one a block); `kernels bench [OPS]`: `bench
     # kernels` (Table 3: every shape, every op or the ops OPS names joined by +, into the docs' format;
     # fla's kernels take ~6 minutes to compile and tune on a cold machine); no word: the check's timings.
     case ${1:-} in
@@ -39,6 +41,8 @@ case $part in
       forward) step forward 480 python -m experiments.kernel_check --no-check --no-bench --sweep-forward \
                  --lengths 2048 8192 8192 --batches 16 16 32 ;;
       host) step host 120 python -m experiments.kernel_check --no-check --no-bench --host ;;
+      features) step features 120 python -m experiments.kernel_check --no-check --no-bench --sweep-features \
+                  --lengths 16384 ;;
       states) step states 480 python -m experiments.kernel_check --no-check --no-bench --sweep-states \
                 --lengths "${2:-8192}" --batches "${3:-32}" ;;
       bench) ops=()
@@ -93,9 +97,13 @@ case $part in
     step "model_$shape" 500 env "${envs[@]}" python -m linearize.cli bench model --shape "$shape" "${extra[@]}" \
       --profile --time-limit 460 --out "$res/model-$shape" ;;
   serve)
-    # `bench serve` at a shape (default llama3-8b), the best Lizard against the batched teacher.
+    # `bench serve` at a shape (default llama3-8b), the best Lizard against the batched teacher; a
+    # second word B: only 64 clients with 4K prompts (the inter-token latency target), at
+    # --prefill-budget B.
+    pace=()
+    [ -n "${2:-}" ] && pace=(--clients 64 --prompt-lengths 4k --prefill-budget "$2")
     step "serve_${1:-llama3-8b}" 570 python -m linearize.cli bench serve --shape "${1:-llama3-8b}" --set combine=shared \
-      --set rope_in_window=true --time-limit 540 --out "$res/serve-${1:-llama3-8b}" ;;
+      --set rope_in_window=true "${pace[@]}" --time-limit 540 --out "$res/serve-${1:-llama3-8b}" ;;
   trainshape)
     # `bench train` at a shape (llama3-8b, mistral-7b, qwen3-8b): the LoRA reference, stages 1 and 2,
     # 2K and 8K, checkpointing on and off, the best Lizard.

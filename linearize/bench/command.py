@@ -44,7 +44,7 @@ train_modes = names_among("modes", TRAIN_MODES, unique=True)
 
 
 def register(subparsers) -> None:
-    from ..cli_args import positive_float, positive_int
+    from ..cli_args import non_negative_float, positive_float, positive_int
 
     bench = subparsers.add_parser("bench", help="measure kernel, model and training speed and memory",
                                   description="Each writes DIR/<name>.json, DIR/<name>.md and PNG plots into --out.")
@@ -86,6 +86,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=positive_int, help="tokens generated per request (default 256)")
     p.add_argument("--max-batch", type=positive_int, help="the engine's slots, at most (default 256)")
     p.add_argument("--prefill-chunk", type=size, help="prompt tokens per prefill call (default 16k)")
+    p.add_argument("--prefill-budget", type=non_negative_float,
+                   help="the engine's prefill time a turn while requests generate, in decode steps, as "
+                        "`linearize serve --prefill-budget` (default 0: whole chunks)")
     p.add_argument("--time-limit", type=positive_float,
                    help="seconds for the whole run; points that would end later are skipped (default 540)")
     p.add_argument("--quick", action="store_true", help=quick_help)
@@ -188,7 +191,7 @@ def run_serve(args) -> None:
     wrote(serve.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods, options=options,
                       quick=args.quick, clients=args.clients, prompt_lengths=args.prompt_lengths,
                       max_tokens=args.max_tokens, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                      time_limit=args.time_limit, layers=args.layers))
+                      prefill_budget=args.prefill_budget, time_limit=args.time_limit, layers=args.layers))
 
 
 def run_train(args) -> None:

@@ -53,9 +53,9 @@ from .common import (
 from .model import SOFTMAX, build
 
 FULL = {"clients": [16, 64, 256], "prompt_lengths": parse_sizes("4k,32k"), "max_tokens": 256, "max_batch": 256,
-        "prefill_chunk": 16384, "time_limit": 540.0}
+        "prefill_chunk": 16384, "prefill_budget": 0.0, "time_limit": 540.0}
 QUICK = {"clients": [2, 4], "prompt_lengths": [32], "max_tokens": 4, "max_batch": 4, "prefill_chunk": 16,
-         "time_limit": 120.0}
+         "prefill_budget": 0.0, "time_limit": 120.0}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -82,7 +82,7 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
     prompts = torch.randint(3, model.config.vocab_size, (clients, prompt_length), generator=generator).tolist()
     params = SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
     engine = Engine(model, max_batch=min(clients, settings["max_batch"]), max_queue=clients,
-                    prefill_chunk=settings["prefill_chunk"])
+                    prefill_chunk=settings["prefill_chunk"], prefill_budget=settings["prefill_budget"])
 
     async def run_clients():
         return await asyncio.gather(*(_client(engine, prompt, params) for prompt in prompts))

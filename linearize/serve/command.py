@@ -12,10 +12,10 @@ import socket
 import sys
 from contextlib import contextmanager
 
-from ..cli_args import CommandError, check_device, default_device, positive_int
+from ..cli_args import CommandError, check_device, default_device, non_negative_float, positive_int
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 8, "max_queue": 64, "max_prompt_tokens": 131072,
-            "max_completion_tokens": 4096, "prefill_chunk": 2048}
+            "max_completion_tokens": 4096, "prefill_chunk": 2048, "prefill_budget": 0.0}
 
 
 def port(text: str) -> int:
@@ -80,6 +80,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="most tokens a request may ask for (and what a chat request naming none gets)")
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULTS["prefill_chunk"],
                    help="prompt tokens prefilled a scheduler turn, between the running requests' steps")
+    p.add_argument("--prefill-budget", type=non_negative_float, default=DEFAULTS["prefill_budget"],
+                   help="if > 0: while requests generate, a turn's prefill takes about this many times a decode "
+                        "step (fewer tokens than --prefill-chunk where it must), so that their tokens keep an even "
+                        "pace, at the cost of prompts prefilled a second (0: whole chunks)")
     p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
                    help="for a softmax model (the teacher): the most memory its requests' keys and values may take, "
                         "e.g. 40GiB or 40GB: KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024 "
@@ -155,7 +159,8 @@ def run(args) -> None:
     from .engine import Engine
 
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                    eos_token_ids=end_tokens(model, tokenizer), kv_budget_bytes=args.kv_memory)
+                    prefill_budget=args.prefill_budget, eos_token_ids=end_tokens(model, tokenizer),
+                    kv_budget_bytes=args.kv_memory)
     app = create_app(engine, tokenizer, name, args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens)
     # h11 and asyncio, not whatever faster parser or loop happens to be installed: the server behaves the
     # same everywhere, and the engine, not the parser, sets the pace. No timeout on the graceful shutdown:

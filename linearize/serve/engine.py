@@ -3,8 +3,11 @@
 Each scheduler turn
 
 1. admits waiting requests, in order, while fewer than `max_batch` run (and, for a softmax model, while
-   their KV cache fits the memory budget), prefilling a new prompt alone, one `prefill_chunk` of tokens
-   per turn, so that long prompts interleave with the running requests' steps;
+   their KV cache fits the memory budget), prefilling a new prompt alone, one chunk of tokens per turn,
+   so that long prompts interleave with the running requests' steps: `prefill_chunk` tokens, or with
+   `prefill_budget` > 0 and requests decoding, as many as take about `prefill_budget` times the last
+   decode step's time (from the last chunk's time per token), so that a turn with a prefill takes at
+   most about 1 + `prefill_budget` steps and the gaps between a request's tokens stay even;
 2. copies a finished prefill's state into its row;
 3. steps every row once, in one forward of the batch, and hands each running request its next token.
 
@@ -38,6 +41,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -52,6 +56,9 @@ from .kv_slots import BatchedKVCache
 # The default KV budget on a GPU: this share of the memory free when the engine starts, less the room a
 # step's attention works in (`kv_slots.step_bytes_per_token`).
 KV_MEMORY_SHARE = 0.9
+# The fewest prompt tokens a turn prefills while requests decode: however short the decode step, every
+# prompt still advances.
+MIN_PREFILL_CHUNK = 16
 
 
 class QueueFull(RuntimeError):
@@ -163,16 +170,23 @@ class Engine:
     no limit."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
-                 eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
+                 prefill_budget: float = 0.0, eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
                  kv_budget_bytes: int | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+        if not prefill_budget >= 0:
+            raise ValueError(f"prefill_budget must be >= 0 (0: whole chunks), got {prefill_budget}")
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {kv_budget_bytes}")
         self.model = model.eval()
         parameter = next(model.parameters())
         self.device = parameter.device
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.prefill_budget = prefill_budget
+        # The last decode step's seconds and the last prefill chunk's seconds per token: what sizes the
+        # next chunk while requests decode (`prefill_tokens`).
+        self._step_s: float | None = None
+        self._prefill_s_per_token: float | None = None
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.cuda_graph = cuda_graph
         self.slotted = fully_linearized(model)
@@ -333,8 +347,9 @@ class Engine:
             active = self._prefilling[0]
             if self._kv is not None and active.done == 0:
                 self._kv_make_room(active)
-            self._prefill_chunk(active)
+            self._prefill_chunk(active, self.prefill_tokens())
         if self._running:
+            started = time.perf_counter()
             if self.slotted:
                 self._step_slots()
             elif self._kv is not None:
@@ -342,17 +357,32 @@ class Engine:
             else:
                 for active in list(self._running):
                     self._step_alone(active)
+            self._step_s = time.perf_counter() - started  # each step reads its tokens back: the device is done
+
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the next prefill call takes: `prefill_chunk` while no request decodes (or with
+        `prefill_budget` 0, or before a step and a chunk have been timed), else as many as the last
+        chunk's time per token says take `prefill_budget` times the last decode step, within
+        MIN_PREFILL_CHUNK..`prefill_chunk`."""
+        if not (self._running and self.prefill_budget and self._step_s and self._prefill_s_per_token):
+            return self.prefill_chunk
+        tokens = int(self.prefill_budget * self._step_s / self._prefill_s_per_token)
+        return max(min(MIN_PREFILL_CHUNK, self.prefill_chunk), min(self.prefill_chunk, tokens))
 
     def _drop_cancelled(self) -> None:
         for group in (self._prefilling, self._running):
             for active in [a for a in group if a.request.cancelled]:
                 self._release(active, "cancelled")
 
-    def _prefill_chunk(self, active: _Active) -> None:
+    def _prefill_chunk(self, active: _Active, tokens: int) -> None:
         prompt = active.request.prompt_ids
-        end = min(len(prompt), active.done + self.prefill_chunk)
+        end = min(len(prompt), active.done + tokens)
+        started = time.perf_counter()
         ids = torch.tensor([prompt[active.done:end]], device=self.device)
         logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the chunk's own time, not a queue the next step waits on
+        self._prefill_s_per_token = (time.perf_counter() - started) / (end - active.done)
         active.done = end
         if end < len(prompt):
             return

@@ -26,6 +26,8 @@ def refused(capsys, *argv: str) -> str:
 @pytest.mark.parametrize(("flag", "value"), [("--port", "0"), ("--port", "65536"), ("--port", "http"),
                                              ("--max-batch", "0"), ("--max-queue", "-1"), ("--max-prompt-tokens", "0"),
                                              ("--max-completion-tokens", "-3"), ("--prefill-chunk", "1.5"),
+                                             ("--prefill-budget", "-1"), ("--prefill-budget", "nan"),
+                                             ("--prefill-budget", "fast"),
                                              ("--kv-memory", "0"), ("--kv-memory", "-2GiB"), ("--kv-memory", "lots"),
                                              ("--kv-memory", "4XB"), ("--kv-memory", "inf")])
 def test_bad_numbers_are_refused_by_flag(capsys, flag, value):
