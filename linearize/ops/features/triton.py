@@ -155,7 +155,8 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     `rotate(q, k, ...)` (else qw, kw are q, k in `dtype`). Taking the projections' bf16 q, k and giving
     the kernels' bf16 operands saves a prefill two float32 round trips per tensor. `block`: tokens a
     block of a prefill (default TOKENS_PER_PROGRAM); `programs`: programs per batch row and head
-    (default `token_programs`'). Both for A/B timings: neither changes the results."""
+    (default: `token_programs`' where x and the weights share a 16-bit dtype, else one a block). Both
+    for A/B timings: neither changes the results."""
     B, H, L, D = q.shape
     HKV, F = k.shape[1], w_q.shape[-1]
     fq = torch.empty(B, H, L, 2 * F, device=q.device, dtype=dtype)
@@ -166,7 +167,12 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     cos, sin = (_unit_last(t.expand(B, L, D)) for t in position_embeddings) if rope else (q[:, 0], q[:, 0])
     BL = 1 if L == 1 else tokens_per_program(block)
     native = BL > 1 and q.dtype in (torch.bfloat16, torch.float16) and w_q.dtype == w_k.dtype == q.dtype
-    _features_kernel[(B * H, token_programs(B * H, triton.cdiv(L, BL), q.device, programs))](
+    blocks = triton.cdiv(L, BL)
+    if programs is None and not native:
+        # Float32 weights held across blocks would take 128 registers a thread at d = 128, f = 64 (both
+        # maps): a program a block, as training's passes (float32 master weights) always ran.
+        programs = blocks
+    _features_kernel[(B * H, token_programs(B * H, blocks, q.device, programs))](
         q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, fq, fk, qw, kw, L,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
         H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, NATIVE=native, num_warps=4)
