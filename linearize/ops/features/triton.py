@@ -6,7 +6,8 @@ launches cost more than the arithmetic, and in a prefill each is a full pass ove
 float32. Here one kernel, `_features_kernel`, does all four, programs per batch row and query head
 each walking blocks of tokens with the head's weights loaded once: x W on tensor cores for blocks of
 64 tokens (prefills), on CUDA cores for one token (decode steps, any power-of-two sizes). A KV head's
-rotated key is written by the first of its query heads. `HedgehogFeatureMap` and `attention.base.rotate` are the references.
+rotated key is written by the first of its query heads. `HedgehogFeatureMap` and
+`attention.base.rotate` are the references.
 """
 
 from __future__ import annotations
