@@ -356,20 +356,22 @@ def run_sweep(L, B=16, H=32, D=128, profile_dir=None):
             write_resources(profile_dir / f"sweep{i}-resources.txt", written)
 
 
-def features_sweep_rows(blocks: int) -> list[tuple[str, dict]]:
+def features_sweep_rows(walking: int) -> list[tuple[str, dict]]:
     """(label, `run_features_sweep` options): the weights in bf16 (one tensor-core pass) or float32
-    (3xTF32), each with the default programs per head and with a program per block of tokens (each
-    loading the weights for its 64 tokens alone: with float32 weights, how every prefill ran before
-    the kernel took a bf16 pass and walked several blocks)."""
+    (3xTF32, how a bf16 model's prefill ran before the bf16 pass), each with a program per block of 64
+    tokens (the default) and with `walking` programs per head, each walking several blocks with the
+    weights loaded once (they spill registers holding them: `experiments.kernel_resources`)."""
     return [(f"{dtype} weights, {label}", {"weight_dtype": getattr(torch, dtype), "programs": programs})
             for dtype in ("bfloat16", "float32") for label, programs in
-            (("default programs", None), (f"a program per block ({blocks})", blocks))]
+            (("a program a block", None), (f"{walking} programs a head, walking", walking))]
 
 
 def run_features_sweep(lengths, H=32, HKV=8, D=128, F=64):
     """The features kernel alone at the Llama-3-8B shape, batch 1, bf16 q and k (the projections'):
     median ms of `lizard_features` with RoPE for each of `features_sweep_rows`, at each length."""
-    from linearize.ops.features.triton import TOKENS_PER_PROGRAM, lizard_features
+    from linearize.ops.features.triton import lizard_features
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     for L in lengths:
         q = torch.randn(1, L, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -377,7 +379,7 @@ def run_features_sweep(lengths, H=32, HKV=8, D=128, F=64):
         angles = torch.randn(1, L, D, device="cuda")
         rope = (angles.cos(), angles.sin())
         print(f"\nfeatures kernel, L={L}, H={H}, H_kv={HKV}, d={D}, f={F}")
-        for label, options in features_sweep_rows(-(-L // TOKENS_PER_PROGRAM)):
+        for label, options in features_sweep_rows(-(-8 * sms // H)):  # 8 programs an SM
             w_q, w_k = ((0.05 * torch.randn(H, D, F, device="cuda")).to(options["weight_dtype"]) for _ in range(2))
             run = functools.partial(lizard_features, q, k, w_q, w_k, rope, torch.bfloat16,
                                     programs=options["programs"])

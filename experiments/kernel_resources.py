@@ -8,8 +8,8 @@ the device. Register spills, the usual reason a tile configuration is slow, can 
 prints them for STILL's backward key kernel at the shapes the models use, and for Lizard's forward
 at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), for its window
 d k / d v pass at the key-row blocks and warps the sweeps weighed, for its forward state pass beside
-fla's (`chunk_fwd_kernel_h`, where fla is installed), and for its fused backward chunk kernel at 4
-and 8 warps.
+fla's (`chunk_fwd_kernel_h`, where fla is installed), for its fused backward chunk kernel at 4
+and 8 warps, and for its features kernel at the Llama-3-8B shape.
 """
 
 from __future__ import annotations
@@ -183,6 +183,21 @@ def fla_state_pass(rows: int, columns: int, warps: int, stages: int) -> dict[str
     return resources(kernel, types, constants, divisible=("T",), num_warps=warps, num_stages=stages)
 
 
+def features_kernel(weights: str, walk: bool) -> dict[str, int]:
+    """The features kernel (`features_triton._features_kernel`) for a prefill at the Llama-3-8B shape
+    (32 query heads, 8 KV heads, d = 128, f = 64, RoPE), bf16 q and k, weights "bf16" (the one-pass
+    product) or "fp32" (3xTF32), a program a block of 64 tokens or walking several (`walk`)."""
+    from linearize.ops.features import triton as features_triton
+
+    types = {name: "*bf16" for name in ("q", "k", "fq", "fk", "qw", "kw")} | {
+        "w_q": f"*{weights}", "w_k": f"*{weights}", "cos": "*fp32", "sin": "*fp32", "L": "i32"}
+    strides = ("sq_b", "sq_h", "sq_l", "sk_b", "sk_h", "sk_l", "sc_b", "sc_l")
+    types |= {name: "i32" for name in strides}
+    constants = {"H": 32, "N_REP": 4, "D": 128, "F": 64, "BL": features_triton.TOKENS_PER_PROGRAM, "ROPE": True,
+                 "DOT": True, "NATIVE": weights == "bf16", "WALK": walk}
+    return resources(features_triton._features_kernel, types, constants, divisible=("L", *strides), num_warps=4)
+
+
 def main() -> None:
     import torch
 
@@ -231,6 +246,12 @@ def main() -> None:
         for grad_v in (True, False):
             found = lizard_chunk_backward(warps, cfg.stages, cfg.chunk, grad_v)
             print(f"  {warps} warps, {'with' if grad_v else 'without'} d v: {found}")
+    print("Lizard's features kernel, a prefill at the Llama-3-8B shape (d = 128, f = 64, RoPE), bf16 q and k, 4 warps:")
+    for weights in ("bf16", "fp32"):
+        for walk in (False, True):
+            found = features_kernel(weights, walk)
+            print(f"  {weights} weights, {'walking blocks' if walk else 'a program a block'}: {found}, "
+                  f"{programs_per_sm(found, 4)} programs an SM")
 
 
 if __name__ == "__main__":

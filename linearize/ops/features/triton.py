@@ -3,10 +3,10 @@
 In PyTorch a layer's phi(q), phi(k) and rotated q, k are ~25 kernels (casts, per-head einsums, two
 softmaxes, negations, concatenations, `repeat_kv`, the rotation's halves): at a decode step their
 launches cost more than the arithmetic, and in a prefill each is a full pass over [B, H, L, d] in
-float32. Here one kernel, `_features_kernel`, does all four, programs per batch row and query head
-each walking blocks of tokens with the head's weights loaded once: x W on tensor cores for blocks of
-64 tokens (prefills), on CUDA cores for one token (decode steps, any power-of-two sizes). A KV head's
-rotated key is written by the first of its query heads. `HedgehogFeatureMap` and
+float32. Here one kernel, `_features_kernel`, does all four, a program per batch row, query head and
+block of tokens: x W on tensor cores for blocks of 64 tokens (prefills; one pass where x and the
+weights share a 16-bit dtype), on CUDA cores for one token (decode steps, any power-of-two sizes). A
+KV head's rotated key is written by the first of its query heads. `HedgehogFeatureMap` and
 `attention.base.rotate` are the references.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gla_window.triton import INTERPRET, multiprocessors
+from ..gla_window.triton import INTERPRET
 
 if INTERPRET:
     from .. import _interpreter
@@ -27,22 +27,6 @@ if INTERPRET:
 # latency: in stage 1's profile (batch 8 x 2K, 9,216 programs a layer) the kernel ran at ~1/5 of the
 # bandwidth its bytes need. `lizard_features(block=...)` takes another power of two >= 16 (A/B timings).
 TOKENS_PER_PROGRAM = 64
-
-
-# Programs a prefill launches per SM (at most one per block of tokens). Each walks its share of its
-# head's blocks with the head's two [d, f] weights loaded once: a program per block loaded them for
-# every 64 tokens, as many bytes as the block's q and k at d = 128, f = 64 in float32.
-PROGRAMS_PER_SM = 8
-
-
-def token_programs(heads: int, blocks: int, device: torch.device, programs: int | None = None) -> int:
-    """Programs per (batch row, head) for `blocks` blocks of tokens: `programs`, or enough for
-    PROGRAMS_PER_SM an SM, never more than the blocks."""
-    if programs is None:
-        programs = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), heads)
-    if programs < 1:
-        raise ValueError(f"programs per head must be >= 1, got {programs}")
-    return min(blocks, programs)
 
 
 def tokens_per_program(block: int | None = None) -> int:
@@ -69,57 +53,74 @@ def _rotate(x, x_partner, c, s, d, D: tl.constexpr):
 
 
 @triton.jit
+def _features_block(q, k, W_q, W_k, cos, sin, fq, fk, qw, kw, L, first, b, h, bh,
+                    sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
+                    H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BL: tl.constexpr,
+                    ROPE: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """The four outputs for tokens first..first+BL of batch row b, query head h (bh = b H + h), given
+    the head's weights W_q, W_k [D, F] (float32 unless NATIVE)."""
+    hk = h // N_REP
+    d, f = tl.arange(0, D), tl.arange(0, F)
+    rows = first + tl.arange(0, BL)
+    live = rows < L
+    q_at = q + b * sq_b + h * sq_h + rows[:, None] * sq_l
+    k_at = k + b * sk_b + hk * sk_h + rows[:, None] * sk_l
+    x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0)
+    x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0)
+    if NATIVE:
+        u_q = tl.dot(x_q, W_q)
+        u_k = tl.dot(x_k, W_k)
+    else:
+        x_q, x_k = x_q.to(tl.float32), x_k.to(tl.float32)
+        if DOT:
+            u_q = tl.dot(x_q, W_q, input_precision="tf32x3")
+            u_k = tl.dot(x_k, W_k, input_precision="tf32x3")
+        else:
+            u_q = tl.sum(x_q[:, :, None] * W_q[None, :, :], axis=1)
+            u_k = tl.sum(x_k[:, :, None] * W_k[None, :, :], axis=1)
+    _signed_softmax_store(u_q, fq + bh * L * 2 * F, rows, live, f, F)
+    _signed_softmax_store(u_k, fk + bh * L * 2 * F, rows, live, f, F)
+    if ROPE:
+        partner = (d + D // 2) % D
+        at = b * sc_b + rows[:, None] * sc_l + d[None, :]
+        c = tl.load(cos + at, mask=live[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin + at, mask=live[:, None], other=0.0).to(tl.float32)
+        q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        out = bh * L * D + rows[:, None] * D + d[None, :]
+        tl.store(qw + out, _rotate(x_q.to(tl.float32), q_partner, c, s, d, D), mask=live[:, None])
+        if h % N_REP == 0:
+            k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            out = (b * (H // N_REP) + hk) * L * D + rows[:, None] * D + d[None, :]
+            tl.store(kw + out, _rotate(x_k.to(tl.float32), k_partner, c, s, d, D), mask=live[:, None])
+
+
+@triton.jit
 def _features_kernel(q, k, w_q, w_k, cos, sin, fq, fk, qw, kw, L,
                      sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                      H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BL: tl.constexpr,
-                     ROPE: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
-    """Grid (B*H, P): program p takes blocks p, p + P, ... of BL tokens, loading the head's weights
-    once for them all. q, k with the given strides (the last one 1); outputs contiguous, in their own
-    dtype: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. DOT: x W on tensor cores, else as
-    a broadcast sum in float32 (one-token blocks, small F). NATIVE (x and W in one 16-bit dtype): one
-    tensor-core pass on them as they are, exact products accumulated in float32; otherwise both in
-    float32 through 3xTF32 (about float32 accuracy)."""
+                     ROPE: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, WALK: tl.constexpr):
+    """Grid (B*H, P). q, k with the given strides (the last one 1); outputs contiguous, in their own
+    dtype: fq, fk [B, H, L, 2F], qw [B, H, L, D], kw [B, H_kv, L, D]. WALK: program p takes blocks p,
+    p + P, ... of BL tokens with the head's weights loaded once for them all; else P is the number of
+    blocks and each program takes its own. DOT: x W on tensor cores, else as a broadcast sum in
+    float32 (one-token blocks, small F). NATIVE (x and W in one 16-bit dtype): one tensor-core pass on
+    them as they are, exact products accumulated in float32; otherwise both in float32 through 3xTF32
+    (about float32 accuracy)."""
     bh = tl.program_id(0).to(tl.int64)  # offsets such as bh * L * 2F pass 2^31 at long prefills
     b, h = bh // H, bh % H
-    hk = h // N_REP
     d, f = tl.arange(0, D), tl.arange(0, F)
     weights = h * D * F + d[:, None] * F + f[None, :]
     W_q = tl.load(w_q + weights)
     W_k = tl.load(w_k + weights)
     if not NATIVE:
         W_q, W_k = W_q.to(tl.float32), W_k.to(tl.float32)
-    for first in range(tl.program_id(1) * BL, L, tl.num_programs(1) * BL):
-        rows = first + tl.arange(0, BL)
-        live = rows < L
-        q_at = q + b * sq_b + h * sq_h + rows[:, None] * sq_l
-        k_at = k + b * sk_b + hk * sk_h + rows[:, None] * sk_l
-        x_q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0)
-        x_k = tl.load(k_at + d[None, :], mask=live[:, None], other=0.0)
-        if NATIVE:
-            u_q = tl.dot(x_q, W_q)
-            u_k = tl.dot(x_k, W_k)
-        else:
-            x_q, x_k = x_q.to(tl.float32), x_k.to(tl.float32)
-            if DOT:
-                u_q = tl.dot(x_q, W_q, input_precision="tf32x3")
-                u_k = tl.dot(x_k, W_k, input_precision="tf32x3")
-            else:
-                u_q = tl.sum(x_q[:, :, None] * W_q[None, :, :], axis=1)
-                u_k = tl.sum(x_k[:, :, None] * W_k[None, :, :], axis=1)
-        _signed_softmax_store(u_q, fq + bh * L * 2 * F, rows, live, f, F)
-        _signed_softmax_store(u_k, fk + bh * L * 2 * F, rows, live, f, F)
-        if ROPE:
-            partner = (d + D // 2) % D
-            at = b * sc_b + rows[:, None] * sc_l + d[None, :]
-            c = tl.load(cos + at, mask=live[:, None], other=0.0).to(tl.float32)
-            s = tl.load(sin + at, mask=live[:, None], other=0.0).to(tl.float32)
-            q_partner = tl.load(q_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            out = bh * L * D + rows[:, None] * D + d[None, :]
-            tl.store(qw + out, _rotate(x_q.to(tl.float32), q_partner, c, s, d, D), mask=live[:, None])
-            if h % N_REP == 0:
-                k_partner = tl.load(k_at + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-                out = (b * (H // N_REP) + hk) * L * D + rows[:, None] * D + d[None, :]
-                tl.store(kw + out, _rotate(x_k.to(tl.float32), k_partner, c, s, d, D), mask=live[:, None])
+    if WALK:
+        for first in range(tl.program_id(1) * BL, L, tl.num_programs(1) * BL):
+            _features_block(q, k, W_q, W_k, cos, sin, fq, fk, qw, kw, L, first, b, h, bh,
+                            sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l, H, N_REP, D, F, BL, ROPE, DOT, NATIVE)
+    else:
+        _features_block(q, k, W_q, W_k, cos, sin, fq, fk, qw, kw, L, tl.program_id(1) * BL, b, h, bh,
+                        sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l, H, N_REP, D, F, BL, ROPE, DOT, NATIVE)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -155,9 +156,10 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     on q and on each query head's KV head, and, given `position_embeddings` (cos, sin) [B or 1, L, d],
     `rotate(q, k, ...)` (else qw, kw are q, k in `dtype`). Taking the projections' bf16 q, k and giving
     the kernels' bf16 operands saves a prefill two float32 round trips per tensor. `block`: tokens a
-    block of a prefill (default TOKENS_PER_PROGRAM); `programs`: programs per batch row and head
-    (default: `token_programs`' where x and the weights share a 16-bit dtype, else one a block). Both
-    for A/B timings: neither changes the results."""
+    block of a prefill (default TOKENS_PER_PROGRAM); `programs`: programs per batch row and head,
+    each walking its share of the blocks with the weights loaded once (default: a program a block;
+    walking holds the weights across blocks, which spills registers, `experiments.kernel_resources`).
+    Both for A/B timings: neither changes the results."""
     B, H, L, D = q.shape
     HKV, F = k.shape[1], w_q.shape[-1]
     fq = torch.empty(B, H, L, 2 * F, device=q.device, dtype=dtype)
@@ -169,14 +171,13 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
     BL = 1 if L == 1 else tokens_per_program(block)
     native = BL > 1 and q.dtype in (torch.bfloat16, torch.float16) and w_q.dtype == w_k.dtype == q.dtype
     blocks = triton.cdiv(L, BL)
-    if programs is None and not native:
-        # Float32 weights held across blocks would take 128 registers a thread at d = 128, f = 64 (both
-        # maps): a program a block, as training's passes (float32 master weights) always ran.
-        programs = blocks
-    _features_kernel[(B * H, token_programs(B * H, blocks, q.device, programs))](
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs per head must be >= 1, got {programs}")
+    P = blocks if programs is None else min(programs, blocks)
+    _features_kernel[(B * H, P)](
         q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, fq, fk, qw, kw, L,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
-        H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, NATIVE=native, num_warps=4)
+        H=H, N_REP=H // HKV, D=D, F=F, BL=BL, ROPE=rope, DOT=BL > 1, NATIVE=native, WALK=P < blocks, num_warps=4)
     return fq, fk, qw, kw
 
 

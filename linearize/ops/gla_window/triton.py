@@ -967,8 +967,8 @@ def miscompiled_on_gpu(F: int, D: int, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device, looked up once: every forward and backward asks (an H100/H200's 132 for the
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device, looked up once: every forward and backward asks (an H200's 132 for the
     interpreter on CPU)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -978,7 +978,7 @@ def _state_blocks(heads: int, F: int, D: int, rows: int, cfg: Config, device: to
     (`_fwd_states_kernel`, `_bwd_states_kernel`): each program walks every chunk, so with few heads
     (batch 1 at long context: 32 programs for 132 SMs) narrower column blocks, down to 32, give more
     programs."""
-    sms = multiprocessors(device)
+    sms = _multiprocessors(device)
     BK, BV = min(rows, F), min(cfg.state_block_v, D)
     while BV > 32 and heads * (F // BK) * (D // BV) < sms:
         BV //= 2
