@@ -70,7 +70,7 @@ def lizard_forward_types() -> dict[str, str]:
     return {"FQ": tile, "FK": tile, "LG": f32, "QW": tile, "KW": tile, "V": tile, "SINKS": f32, "ALPHA": f32,
             "HS": tile, "HZ": f32, "Y": tile, "Y_GLA": tile, "Y_WIN": tile, "DEN": f32, "LSE": f32, "ROW_MAX": f32,
             "ARG": "*i32", "L": "i32", "H": "i32", "HKV": "i32", "NT": "i32", "window": "i32", "scale": "fp32",
-            "eps": "fp32"}
+            "eps": "fp32", "HEAD": "i32"}
 
 
 def lizard_forward(constants: dict, warps: int, stages: int, aligned: bool = True,
@@ -97,7 +97,8 @@ def lizard_forward_constants(cfg, window: int) -> dict:
 
     return {"F": 128, "D": 128, "BV": cfg.block_v, "BT": cfg.chunk, "NWB": -(-(window - 1) // cfg.chunk), "M": 4,
             "MP": 4, "VEC": False, "SAVE": False, "SPLIT": cfg.split, "NORM": True, "SHARED": False,
-            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16]}
+            "CF": cfg.chunk_axis_first, "TMA": cfg.tma, "DT": lizard_triton.DOT_DTYPES[torch.bfloat16],
+            "KEEP_HEAD": False}
 
 
 def programs_per_sm(found: dict, warps: int) -> int:
@@ -222,6 +223,7 @@ def main() -> None:
     cap = cfg.forward_registers
     variants = {"as launched at Table 3 shapes": (constants, True, cap),
                 "saving the backward's parts (training)": (constants | {"SAVE": True}, True, cap),
+                "keeping the first rows' parts (a continued prefill)": (constants | {"KEEP_HEAD": True}, True, cap),
                 "without the register cap": (constants, True, None),
                 "without alignment hints": (constants, False, cap),
                 "the heads first in the launch order": (constants | {"CF": False}, True, cap),

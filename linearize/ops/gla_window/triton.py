@@ -425,13 +425,14 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
                 L, H, HKV, NT, window, scale, eps, HEAD,
                 F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NWB: tl.constexpr,
                 M: tl.constexpr, MP: tl.constexpr, VEC: tl.constexpr, SAVE: tl.constexpr, SPLIT: tl.constexpr,
-                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr):
+                NORM: tl.constexpr, SHARED: tl.constexpr, CF: tl.constexpr, TMA: tl.constexpr, DT: tl.constexpr,
+                KEEP_HEAD: tl.constexpr):
     """Grid (B*H, D/BV[, NT]) (`_grid`): output columns [iv*BV, (iv+1)*BV). One pass walks the chunks
     carrying that block of the state; split, each program takes one chunk and its starting state from
     HS, HZ (`_fwd_states_kernel`). The scores are recomputed by each column block. Y is [B, L, H, d]:
     the layout the model's o_proj reads, so no transpose copy follows. With TMA, FQ, FK, QW, KW, V
-    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D]). Without SAVE and with
-    HEAD > 0, the first HEAD rows' window part and statistics go to Y_WIN [B*H, HEAD, D] and DEN, LSE,
+    and HS are tensor descriptors (`_head_rows`; HS viewed [B*H*NT, F, D]). With KEEP_HEAD (and not
+    SAVE), the first HEAD rows' window part and statistics go to Y_WIN [B*H, HEAD, D] and DEN, LSE,
     ROW_MAX [B*H, HEAD] (what a continued call needs to add the carried window keys to those rows)."""
     bh = _head(CF, 2)
     iv = tl.program_id(1)
@@ -480,7 +481,7 @@ def _fwd_kernel(FQ, FK, LG, QW, KW, V, SINKS, ALPHA, HS, HZ, Y, Y_GLA, Y_WIN, DE
         tl.debug_barrier()  # and read back by all before y, in its own layout, overwrites them in Y
         _store_outputs(Y, Y_WIN, DEN, LSE, ROW_MAX, ARG, y_out, H * D, bh * L * D + col, bh * L, pos, L, y_gla,
                        acc / l_i[:, None], alpha, den, m_i, l_i, arg, iv == 0, D, BV, SAVE, SHARED)
-        if not SAVE:  # noqa: SIM102 (a compile-time branch: SAVE kernels hold no code for the head rows)
+        if KEEP_HEAD:  # noqa: SIM102 (a compile-time branch: other kernels hold no code for the head rows)
             if n * BT < HEAD:
                 _store_tile(Y_WIN + bh * HEAD * D + col, pos, HEAD, acc / l_i[:, None], D, BV)
                 if iv == 0:
@@ -1081,7 +1082,7 @@ def _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, window, scale, eps, normali
     _fwd_kernel[_grid(cfg, B * H, (D // BV,), NT if cfg.split else None)](
         fq_t, fk_t, log_g, qw_t, kw_t, v_t, alpha if sinks is None else sinks, alpha, hs_t, hz, y, y_gla, y_win, den,
         lse, row_max, arg, L, H, HKV, NT, window, scale, eps, head, NWB=triton.cdiv(window - 1, BT), M=M, MP=MP,
-        SAVE=save,
+        SAVE=save, KEEP_HEAD=head > 0,
         SPLIT=cfg.split, NORM=normalize, SHARED=shared, CF=cfg.chunk_axis_first, TMA=tma,
         **(shapes | {"num_stages": cfg.forward_stages, "maxnreg": cfg.forward_registers if tma else None}))
     inputs = (fq, fk, log_g, qw, kw, v, sinks, alpha)
