@@ -105,6 +105,7 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
     tail_tokens = sum(t > all_prefilled for r in records for t in r["arrivals"])
     tail_s = started + wall - all_prefilled
     return {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "peak_running": engine.peak_running,
+            "prefill_calls": engine.prefill_calls, "prefilled_tokens": engine.prefilled_tokens,
             "kv_budget_bytes": engine.kv_budget_bytes if engine.mode == "kv" else None,
             "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "all_prefilled_s": all_prefilled - started,
@@ -192,13 +193,18 @@ def tables(results: dict) -> list[str]:
 
 
 def batching(point: dict) -> str:
-    """How the engine batched a point's requests, for the latency table."""
+    """How the engine batched a point's requests and prefilled their prompts, for the latency table."""
     if point["mode"] == "slots":
-        return f"{point['slots']} slots"
-    if point["mode"] == "kv":
+        rows = f"{point['slots']} slots"
+    elif point["mode"] == "kv":
         peak = point.get("peak_running")
-        return f"batched KV ({point['slots']} rows" + (f", {peak} at most at once)" if peak is not None else ")")
-    return "one request at a time"
+        rows = f"batched KV ({point['slots']} rows" + (f", {peak} at most at once)" if peak is not None else ")")
+    else:
+        rows = "one request at a time"
+    calls = point.get("prefill_calls")
+    if not calls:
+        return rows
+    return f"{rows}; prompts in {calls} calls of {number(point['prefilled_tokens'] / calls)} tokens on average"
 
 
 def plots(results: dict, out: Path) -> list[Path]:

@@ -200,6 +200,7 @@ class Engine:
         self._kv_step_bytes_per_token = kv_slots.step_bytes_per_token(model.config, parameter.dtype)
         self.kv_budget_bytes = kv_budget_bytes
         self.peak_running = 0  # the most requests that generated at once
+        self.prefill_calls = self.prefilled_tokens = 0  # how the prompts went in: calls, and tokens in all
         self._ids = itertools.count(1)
         self._waiting: collections.deque[Request] = collections.deque()
         self._prefilling: list[_Active] = []
@@ -383,6 +384,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the chunk's own time, not a queue the next step waits on
         self._prefill_s_per_token = (time.perf_counter() - started) / (end - active.done)
+        self.prefill_calls += 1
+        self.prefilled_tokens += end - active.done
         active.done = end
         if end < len(prompt):
             return

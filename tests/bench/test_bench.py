@@ -338,8 +338,11 @@ def test_serve_measures_the_engine_for_softmax_and_lizard(teacher_dir, tmp_path)
         assert p["mode"] == ("kv" if p["model"] == model_bench.SOFTMAX else "slots")
         assert 0 < p["all_prefilled_s"] <= p["wall_s"]
         assert p["decode_tokens_per_s"] is None or p["decode_tokens_per_s"] > 0
+        # Whole chunks (the quick settings' 16 tokens, no budget): every prompt in ceil(length / 16) calls.
+        assert p["prefilled_tokens"] == p["clients"] * p["prompt_length"]
+        assert p["prefill_calls"] == p["clients"] * -(-p["prompt_length"] // settings["prefill_chunk"])
     markdown = (tmp_path / "serve" / "serve.md").read_text()
-    assert "Output tokens/s" in markdown and "batched KV" in markdown and "slots |" in markdown
+    assert "Output tokens/s" in markdown and "batched KV" in markdown and "slots; prompts in" in markdown
     assert "decode tokens/s" in markdown
 
 
