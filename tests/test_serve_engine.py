@@ -119,8 +119,9 @@ def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
     assert engine.prefill_tokens() == MIN_PREFILL_CHUNK
     engine._step_s = 10.0
     assert engine.prefill_tokens() == 256
-    with pytest.raises(ValueError, match="prefill_budget must be >= 0"):
-        Engine(student(), prefill_budget=-1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="prefill_budget must be a finite number >= 0"):
+            Engine(student(), prefill_budget=bad)
 
 
 def test_gemma_slots_and_a_model_with_softmax_layers_serves_each_request_alone():

@@ -40,6 +40,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -174,8 +175,8 @@ class Engine:
                  kv_budget_bytes: int | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
-        if not prefill_budget >= 0:
-            raise ValueError(f"prefill_budget must be >= 0 (0: whole chunks), got {prefill_budget}")
+        if not (math.isfinite(prefill_budget) and prefill_budget >= 0):
+            raise ValueError(f"prefill_budget must be a finite number >= 0 (0: whole chunks), got {prefill_budget}")
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {kv_budget_bytes}")
         self.model = model.eval()
