@@ -358,7 +358,7 @@ def run_sweep(L, B=16, H=32, D=128, profile_dir=None):
 
 def features_sweep_rows(walking: int) -> list[tuple[str, dict]]:
     """(label, `run_features_sweep` options): the weights in bf16 (one tensor-core pass) or float32
-    (3xTF32, how a bf16 model's prefill ran before the bf16 pass), each with a program per block of 64
+    (3xTF32, the other form of the product), each with a program per block of 64
     tokens (the default) and with `walking` programs per head, each walking several blocks with the
     weights loaded once (they spill registers holding them: `experiments.kernel_resources`)."""
     return [(f"{dtype} weights, {label}", {"weight_dtype": getattr(torch, dtype), "programs": programs})

@@ -184,10 +184,11 @@ def fla_state_pass(rows: int, columns: int, warps: int, stages: int) -> dict[str
     return resources(kernel, types, constants, divisible=("T",), num_warps=warps, num_stages=stages)
 
 
-def features_kernel(weights: str, walk: bool) -> dict[str, int]:
+def features_kernel(weights: str, walk: bool, native: bool | None = None) -> dict[str, int]:
     """The features kernel (`features_triton._features_kernel`) for a prefill at the Llama-3-8B shape
-    (32 query heads, 8 KV heads, d = 128, f = 64, RoPE), bf16 q and k, weights "bf16" (the one-pass
-    product) or "fp32" (3xTF32), a program a block of 64 tokens or walking several (`walk`)."""
+    (32 query heads, 8 KV heads, d = 128, f = 64, RoPE), bf16 q and k, weights "bf16" or "fp32", a
+    program a block of 64 tokens or walking several (`walk`); the product in one pass on bf16 operands
+    (`native`, what bf16 weights take) or through 3xTF32 (what float32 weights take)."""
     from linearize.ops.features import triton as features_triton
 
     types = {name: "*bf16" for name in ("q", "k", "fq", "fk", "qw", "kw")} | {
@@ -195,7 +196,7 @@ def features_kernel(weights: str, walk: bool) -> dict[str, int]:
     strides = ("sq_b", "sq_h", "sq_l", "sk_b", "sk_h", "sk_l", "sc_b", "sc_l")
     types |= {name: "i32" for name in strides}
     constants = {"H": 32, "N_REP": 4, "D": 128, "F": 64, "BL": features_triton.TOKENS_PER_PROGRAM, "ROPE": True,
-                 "DOT": True, "NATIVE": weights == "bf16", "WALK": walk}
+                 "DOT": True, "NATIVE": weights == "bf16" if native is None else native, "WALK": walk}
     return resources(features_triton._features_kernel, types, constants, divisible=("L", *strides), num_warps=4)
 
 
@@ -249,11 +250,14 @@ def main() -> None:
             found = lizard_chunk_backward(warps, cfg.stages, cfg.chunk, grad_v)
             print(f"  {warps} warps, {'with' if grad_v else 'without'} d v: {found}")
     print("Lizard's features kernel, a prefill at the Llama-3-8B shape (d = 128, f = 64, RoPE), bf16 q and k, 4 warps:")
-    for weights in ("bf16", "fp32"):
-        for walk in (False, True):
-            found = features_kernel(weights, walk)
-            print(f"  {weights} weights, {'walking blocks' if walk else 'a program a block'}: {found}, "
-                  f"{programs_per_sm(found, 4)} programs an SM")
+    variants = {"bf16 weights, one pass (as launched)": ("bf16", False, True),
+                "bf16 weights through 3xTF32": ("bf16", False, False),
+                "bf16 weights, one pass, walking blocks": ("bf16", True, True),
+                "float32 weights, 3xTF32 (as launched)": ("fp32", False, False),
+                "float32 weights, 3xTF32, walking blocks": ("fp32", True, False)}
+    for label, (weights, walk, native) in variants.items():
+        found = features_kernel(weights, walk, native)
+        print(f"  {label}: {found}, {programs_per_sm(found, 4)} programs an SM")
 
 
 if __name__ == "__main__":

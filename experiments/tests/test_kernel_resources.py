@@ -120,11 +120,12 @@ def test_lizard_state_pass_fits_two_programs_an_sm_without_spilling_as_launched(
 @on_gpu
 def test_features_kernel_one_pass_on_bf16_weights_spills_least():
     """At the Llama-3-8B shape, the one-pass product on bf16 weights spills least (8 bytes a thread on
-    Triton 3.6, against 552 for 3xTF32 on the same operands before it); walking blocks with the
-    weights held spills more, float32 weights most."""
+    Triton 3.6; 3xTF32 on the same operands 560); walking blocks with the weights held spills more,
+    float32 weights most."""
     one_pass, walking = res.features_kernel("bf16", walk=False), res.features_kernel("bf16", walk=True)
+    bf16_tf32 = res.features_kernel("bf16", walk=False, native=False)
     tf32, tf32_walking = res.features_kernel("fp32", walk=False), res.features_kernel("fp32", walk=True)
     assert one_pass["spilled"] <= 64
     assert one_pass["spilled"] < walking["spilled"] < tf32_walking["spilled"]
-    assert one_pass["spilled"] < tf32["spilled"]
+    assert one_pass["spilled"] < min(bf16_tf32["spilled"], tf32["spilled"])
     assert res.programs_per_sm(one_pass, 4) == 2
