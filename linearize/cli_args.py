@@ -58,32 +58,25 @@ def add_method_arguments(parser: argparse.ArgumentParser, methods, presets: dict
                             + "; ".join(f"{name}: {p.summary}" for name, p in presets.items()))
 
 
-def _positive(kind, noun: str):
+def _number(kind, noun: str, *, zero: bool):
+    """A parser of finite `kind` values above 0, or from 0 with `zero`."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not math.isfinite(value) or value <= 0:  # NaN compares false with everything
-            raise argparse.ArgumentTypeError(f"expected a positive {noun.split()[-1]}, got {text!r}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):  # NaN compares false with everything
+            wanted = f"{noun} >= 0" if zero else f"a positive {noun.split()[-1]}"
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
         return value
 
     return parse
 
 
-positive_int = _positive(int, "an integer")
-positive_float = _positive(float, "a number")
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+positive_int = _number(int, "an integer", zero=False)
+positive_float = _number(float, "a number", zero=False)
+non_negative_int = _number(int, "an integer", zero=True)
+non_negative_float = _number(float, "a number", zero=True)
 
 
 def seed(text: str) -> int:

@@ -12,7 +12,14 @@ import socket
 import sys
 from contextlib import contextmanager
 
-from ..cli_args import CommandError, check_device, default_device, non_negative_float, positive_int
+from ..cli_args import (
+    CommandError,
+    check_device,
+    default_device,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 8, "max_queue": 64, "max_prompt_tokens": 131072,
             "max_completion_tokens": 4096, "prefill_chunk": 2048, "prefill_budget": 0.0}
@@ -25,17 +32,6 @@ def port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {text!r}")
-    return value
-
-
-def count(text: str) -> int:
-    """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -72,7 +68,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=DEFAULTS["port"], help="TCP port to listen on")
     p.add_argument("--max-batch", type=positive_int, default=DEFAULTS["max_batch"],
                    help="requests generating at once (state slots)")
-    p.add_argument("--max-queue", type=count, default=DEFAULTS["max_queue"],
+    p.add_argument("--max-queue", type=non_negative_int, default=DEFAULTS["max_queue"],
                    help="requests that may wait for a slot; past it the server answers 429")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=DEFAULTS["max_prompt_tokens"],
                    help="longest prompt accepted, in tokens (a longer one gets 400)")
