@@ -180,7 +180,8 @@ def evaluate(
     and is itself marked `"partial": true`. Pass such results back as `resume` and the tasks it finished
     are kept, not run again, and a long-context task it cut short goes on from its first unanswered
     prompt, ending with the result an uninterrupted run gives; its `wall_time_s` then adds up the
-    runs' time up to their last saved batch. Only what was done with this run's settings is kept (SETTINGS, and a task's own lengths and limit); the rest runs again.
+    runs' time up to their last saved batch. Only what was done with this run's settings is kept
+    (SETTINGS, and a task's own lengths and limit); the rest runs again.
     `chat_template` puts the generative tasks' prompts in the tokenizer's chat template (`run_harness`).
     """
     names = parse_tasks(tasks)

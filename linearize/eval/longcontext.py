@@ -416,10 +416,10 @@ def run_longcontext(
     which a real model batches by size), in a fixed order, each call with the longest answer any of
     the length's prompts needs. `on_progress`, if given, gets the result so far after every call but
     the last (`result_so_far`): `summarize` over the lengths done, with "samples" holding every prompt
-    answered so far (those of an unfinished length too), marked `"partial": True`. Pass such a result's "samples" back as
-    `finished` (same settings) and the prompts they hold are kept, not generated again: the calls
-    after them are the ones an uninterrupted sweep makes, and so is the result. A task whose `depth`
-    places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
+    answered so far (those of an unfinished length too), marked `"partial": True`. Pass such a
+    result's "samples" back as `finished` (same settings) and the prompts they hold are kept, not
+    generated again: the calls after them are the ones an uninterrupted sweep makes, and so is the
+    result. A task whose `depth` places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
     """
     spec = TASKS[task]
     variants = spec.variants
