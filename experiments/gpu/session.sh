@@ -32,8 +32,8 @@ case $part in
     # [L B]`: the forward state pass alone at each block, warps and stages (B=32 L=8K); `kernels host`: our forward's
     # time split between the host and the GPU (events, host, CUDA graph replay); `kernels features`: the
     # features kernel alone at the 8B shape, L = 16K (weights bf16 or float32, programs walking blocks or
-    # one a block); `kernels still-blocks [CONTEXTS]`: STILL's 8B-shape prefill under each kernel block
-    # size (experiments/scripts/time_still_block.py, contexts joined by +); `kernels bench [OPS]`: `bench
+    # one a block); `kernels still-blocks [CONTEXTS [BLOCKS [TILES]]]`: STILL's 8B-shape prefill under each
+    # kernel block size and forward tiling (experiments/scripts/time_still_block.py, values joined by +); `kernels bench [OPS]`: `bench
     # kernels` (Table 3: every shape, every op or the ops OPS names joined by +, into the docs' format;
     # fla's kernels take ~6 minutes to compile and tune on a cold machine); no word: the check's timings.
     case ${1:-} in
@@ -44,7 +44,11 @@ case $part in
       host) step host 120 python -m experiments.kernel_check --no-check --no-bench --host ;;
       features) step features 120 python -m experiments.kernel_check --no-check --no-bench --sweep-features \
                   --lengths 16384 ;;
-      still-blocks) step still_blocks 400 python -m experiments.scripts.time_still_block --contexts "${2:-16k+128k}" ;;
+      still-blocks) contexts=${2:-16k}
+                    blocks=${3:-8192+4096+2048+1024}
+                    tiles=${4:-64x32/8/3+64x64/8/2+128x64/8/2+128x32/8/3}
+                    step still_blocks 400 python -m experiments.scripts.time_still_block --contexts "${contexts//+/,}" \
+                      --blocks "${blocks//+/,}" --tiles "${tiles//+/,}" ;;
       states) step states 480 python -m experiments.kernel_check --no-check --no-bench --sweep-states \
                 --lengths "${2:-8192}" --batches "${3:-32}" ;;
       bench) ops=()

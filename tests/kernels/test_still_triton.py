@@ -91,6 +91,27 @@ def test_a_continued_call_needing_gradients_takes_the_reference(interpreter):
     assert out["state_names"] and out["state_exact"] and out["state"] < 1e-6, out
 
 
+@pytest.mark.parametrize("rows, columns", [(32, 16), (16, 32)])
+def test_the_forward_kernels_tiles_do_not_change_its_values(rows, columns, interpreter):
+    """`forward_launch` with more queries a program than keys a step, and fewer: a fresh pass (values and
+    gradients) and a continued call equal the reference as with the kernel's own tiles."""
+    # The worker serves later cases too: the kernel's own tiles come back whatever happens.
+    code = ("import linearize.ops.still.triton as kernels\n"
+            "from linearize.ops.still.testing import compare_continued, compare_still\n"
+            "from test_still_triton import CONTINUED_CASES, INTERPRETER_CASES\n"
+            "own = kernels.forward_launch\n"
+            f"kernels.forward_launch = lambda dtype, D, F: {{'BM': {rows}, 'BN': {columns}, 'num_warps': 4, "
+            "'num_stages': 2}\n"
+            "try:\n"
+            "    result = {'fresh': compare_still(INTERPRETER_CASES['L100-gqa-gate'], 'cpu'),\n"
+            "              'continued': compare_continued(CONTINUED_CASES['L100-after50-gqa-gate'], 'cpu')}\n"
+            "finally:\n"
+            "    kernels.forward_launch = own")
+    out = interpreter.run(code, f"still tiles {rows}x{columns}")
+    _check(INTERPRETER_CASES["L100-gqa-gate"], out["fresh"])
+    _check_continued(CONTINUED_CASES["L100-after50-gqa-gate"], out["continued"])
+
+
 @pytest.mark.parametrize("name, block", [("L130-gqa-gate", 48), ("L100-mha-nogate-pad10", 64)])
 def test_a_long_fresh_call_in_kernel_blocks_equals_one_pass(name, block, interpreter):
     """KERNEL_BLOCK made tiny: the first block fresh, the others continued, against one `still_parallel`

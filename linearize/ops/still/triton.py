@@ -46,6 +46,12 @@ def block_size(dtype, D, F):
     return max(16, min(64, block))
 
 
+def forward_launch(dtype, D, F) -> dict:
+    """`_fwd_kernel`'s tiles and launch options (queries a program, keys a step, warps, stages)."""
+    block = block_size(dtype, D, F)
+    return {"BM": block, "BN": block, "num_warps": 4, "num_stages": 3}
+
+
 def key_kernel_launch(dtype, D, F) -> dict:
     """`_bwd_dkv_kernel`'s tiles and launch options: half as many keys a program as queries, and 8 warps.
     Its three [keys, d] accumulators beside the keys' own tiles spill registers at 64 x 64 and 4 warps
@@ -230,10 +236,10 @@ def _forward(q, k, v, fq, fk, gate, fold, valid, scale, eps, save, parts_dtype):
     parts = (torch.empty_like(q, dtype=parts_dtype), torch.empty_like(q, dtype=parts_dtype)) if save else (y, y)
     m, l_soft, den = (torch.empty(B, H, L, device=q.device, dtype=torch.float32) for _ in range(3))
     arg = torch.empty(B, H, L, device=q.device, dtype=torch.int32)
-    block = block_size(dtype, D, F)
-    _fwd_kernel[(B * H, triton.cdiv(L, block))](q, k, v, fq, fk, g, fold, valid, y, *parts, m, l_soft, den, arg, L, H,
-                                                HKV, scale, eps, D=D, F=F, BM=block, BN=block, GATE=gate is not None,
-                                                SAVE=save, DT=DOT_DTYPES[dtype])
+    launch = forward_launch(dtype, D, F)
+    _fwd_kernel[(B * H, triton.cdiv(L, launch["BM"]))](q, k, v, fq, fk, g, fold, valid, y, *parts, m, l_soft, den, arg,
+                                                       L, H, HKV, scale, eps, D=D, F=F, GATE=gate is not None,
+                                                       SAVE=save, DT=DOT_DTYPES[dtype], **launch)
     return (q, k, v, fq, fk, fold, valid), (y, *parts, m, l_soft, den, arg)
 
 
