@@ -5,7 +5,8 @@ the device. Register spills, the usual reason a tile configuration is slow, can 
 
     python -m experiments.kernel_resources
 
-prints them for STILL's backward key kernel at the shapes the models use, and for Lizard's forward
+prints them for STILL's backward key kernel at the shapes the models use, for its forward kernel's
+tilings at the Llama-3-8B shape, and for Lizard's forward
 at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), for its window
 d k / d v pass at the key-row blocks and warps the sweeps weighed, for its forward state pass beside
 fla's (`chunk_fwd_kernel_h`, where fla is installed), for its fused backward chunk kernel at 4
@@ -62,6 +63,14 @@ def still_key_kernel_types(dtype: str) -> dict[str, str]:
     return {"Q": tile, "K": tile, "V": tile, "FQ": tile, "FK": tile, "FOLD": "*i32", "VALID": "*i8", "DN": f32,
             "GDN": f32, "DDEN": f32, "DMAX": f32, "M": f32, "ARG": "*i32", "DK": f32, "DV": f32, "DFK": tile,
             "L": "i32", "H": "i32", "HKV": "i32", "scale": "fp32"}
+
+
+def still_forward_types() -> dict[str, str]:
+    """`still_triton._fwd_kernel`'s argument types for bf16 q, k, v and features, float32 parts."""
+    f32 = "*fp32"
+    return {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "FQ": "*bf16", "FK": "*bf16", "G": f32, "FOLD": "*i32",
+            "VALID": "*i8", "Y": "*bf16", "YS": f32, "YL": f32, "M": f32, "LS": f32, "DEN": f32, "ARG": "*i32",
+            "L": "i32", "H": "i32", "HKV": "i32", "scale": "fp32", "eps": "fp32"}
 
 
 def lizard_forward_types() -> dict[str, str]:
@@ -214,6 +223,18 @@ def main() -> None:
                               {"D": d, "F": d, "DT": still_triton.DOT_DTYPES[dtype]} | tiles, divisible=("L",),
                               num_warps=launch["num_warps"], num_stages=launch["num_stages"])
             print(f"  {name} d={d} {tiles}: {found}")
+
+    print("STILL's forward kernel, bf16, d = 128, 64 features (the Llama-3-8B shape), the wide tiles against square ones: "
+          "a gated fresh prefill, a continued call (its parts saved, no gate) and a gated training pass:")
+    square = {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 3}
+    for label, launch in (("wide (forward_launch on a GPU with the shared memory)", still_triton.WIDE_FORWARD),
+                          ("square (block_size)", square)):
+        for gate, save in ((True, False), (False, True), (True, True)):
+            tiles = {"BM": launch["BM"], "BN": launch["BN"], "GATE": gate, "SAVE": save}
+            found = resources(still_triton._fwd_kernel, still_forward_types(),
+                              {"D": 128, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16]} | tiles,
+                              divisible=("L",), num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+            print(f"  {label}, gate={gate} save={save}: {found}")
 
     from linearize.ops.gla_window import triton as lizard_triton
 

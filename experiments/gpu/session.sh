@@ -6,7 +6,7 @@
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
-# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | trainshape SHAPE [SECONDS] (bench train at an 8B shape) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # experiments/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
@@ -112,10 +112,13 @@ case $part in
       --set rope_in_window=true "${pace[@]}" --time-limit 540 --out "$res/serve-${1:-llama3-8b}" ;;
   trainshape)
     # `bench train` at a shape (llama3-8b, mistral-7b, qwen3-8b): the LoRA reference, stages 1 and 2,
-    # 2K and 8K, checkpointing on and off, the best Lizard. A second word: the run's time limit in
-    # seconds (default 540), for what is left of a session's device time.
+    # 2K and 8K, checkpointing on and off, the best Lizard. Further words narrow it to what is left of a
+    # session's device time: the run's time limit in seconds (default 540), the lengths (joined by +)
+    # and checkpointing (on, off or both), e.g. `trainshape llama3-8b 300 2k on`.
+    lengths=${3:-2k+8k}
     step "train_$1" 570 python -m linearize.cli bench train --shape "${1:?shape}" --set combine=shared \
-      --set rope_in_window=true --time-limit "${2:-540}" --out "$res/train-$1" ;;
+      --set rope_in_window=true --time-limit "${2:-540}" --seq-lens "${lengths//+/,}" \
+      --gradient-checkpointing "${4:-both}" --out "$res/train-$1" ;;
   memory)
     # A real teacher's decode memory and speed by context (`memory gemma3 full`): the best Lizard on its
     # layers LAYERS (all or full) beside the teacher, 1K to 128K at batch 1.

@@ -110,11 +110,12 @@ class OpCount(TorchDispatchMode):
 
 
 def failure(error: BaseException) -> dict:
-    """A row's status for a failed measurement; the traceback goes to stderr so a GPU log shows it."""
-    if isinstance(error, OOM):
-        return {"status": "oom"}
+    """A row's status for a failed measurement, with the error's first line (for an OOM, what it tried to
+    allocate and what was free); the traceback goes to stderr so a GPU log shows where it failed."""
     traceback.print_exception(error, file=sys.stderr)
     lines = str(error).strip().splitlines()
+    if isinstance(error, OOM):
+        return {"status": "oom", "reason": lines[0] if lines else "out of memory"}
     return {"status": "error", "reason": f"{type(error).__name__}: {lines[0] if lines else ''}"}
 
 

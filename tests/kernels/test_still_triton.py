@@ -34,6 +34,9 @@ GPU_CASES = {
                                          slots=768, pad=37),
     "L300-d128-bf16": StillCase(L=300, H=4, HKV=1, D=128, F=128, window=64, chunk=64, per_chunk=8, slots=64,
                                 dtype=bf16),
+    # The wide forward tiles (`forward_launch`): 16-bit, head dim 128, 64 features.
+    "L700-d128-f64-bf16": StillCase(L=700, H=8, HKV=2, D=128, F=64, window=128, chunk=64, per_chunk=16, slots=128,
+                                    dtype=bf16),
 }
 
 FAST_CASES = ("L100-gqa-gate",)
@@ -100,7 +103,7 @@ def test_the_forward_kernels_tiles_do_not_change_its_values(rows, columns, inter
             "from linearize.ops.still.testing import compare_continued, compare_still\n"
             "from test_still_triton import CONTINUED_CASES, INTERPRETER_CASES\n"
             "own = kernels.forward_launch\n"
-            f"kernels.forward_launch = lambda dtype, D, F: {{'BM': {rows}, 'BN': {columns}, 'num_warps': 4, "
+            f"kernels.forward_launch = lambda dtype, D, F, device=None, **_: {{'BM': {rows}, 'BN': {columns}, 'num_warps': 4, "
             "'num_stages': 2}\n"
             "try:\n"
             "    result = {'fresh': compare_still(INTERPRETER_CASES['L100-gqa-gate'], 'cpu'),\n"
@@ -184,3 +187,27 @@ def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path(dtype):
     assert out["logits"] < tol and out["scored"] < tol and (dtype == bf16 or out["grads"] < tol), out
     assert out["state_names"] and out["state_exact"] and out["state"] < tol and out["prefill_logits"] < tol, out
     assert out["same_tokens"] or dtype == bf16, out
+
+
+def test_the_forward_takes_wide_tiles_only_where_they_were_measured_and_fit(monkeypatch):
+    """16-bit, head dim 128, at most 64 features, on a GPU with the shared memory, and not a gated pass
+    saving the backward's parts (which spills at those tiles): the wide tiles; square ones otherwise."""
+    from types import SimpleNamespace
+
+    from linearize.ops.still import triton as kernels
+
+    shared = {"memory": 232_448}  # an H100's or H200's opt-in shared memory a block
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(shared_memory_per_block_optin=shared["memory"]))
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    wide = kernels.WIDE_FORWARD
+    assert kernels.forward_launch(bf16, 128, 64, gpu, gate=True) == wide  # a gated prefill
+    assert kernels.forward_launch(torch.float16, 128, 32, gpu, save=True) == wide  # a continued call's parts
+    square = {"num_warps": 4, "num_stages": 3}
+    assert kernels.forward_launch(bf16, 128, 64, gpu, gate=True, save=True) == {"BM": 32, "BN": 32, **square}
+    assert kernels.forward_launch(torch.float32, 128, 64, gpu) == {"BM": 16, "BN": 16, **square}
+    assert kernels.forward_launch(bf16, 64, 64, gpu) == {"BM": 64, "BN": 64, **square}
+    assert kernels.forward_launch(bf16, 128, 128, gpu) == {"BM": 32, "BN": 32, **square}
+    assert kernels.forward_launch(bf16, 128, 64, cpu) == {"BM": 32, "BN": 32, **square}
+    shared["memory"] = 101_376  # a consumer GPU's
+    assert kernels.forward_launch(bf16, 128, 64, gpu) == {"BM": 32, "BN": 32, **square}

@@ -46,8 +46,23 @@ def block_size(dtype, D, F):
     return max(16, min(64, block))
 
 
-def forward_launch(dtype, D, F) -> dict:
-    """`_fwd_kernel`'s tiles and launch options (queries a program, keys a step, warps, stages)."""
+# `_fwd_kernel` at 16-bit head dim 128 with up to 64 features (8B-class models): 128 queries a program,
+# 64 keys a step, 8 warps, 2 stages, which compile for sm_90 in the shared memory below and prefill
+# faster than square tiles at the Llama-3-8B shape (`python -m experiments.scripts.time_still_block`;
+# docs/benchmarks.md has the run). Not for a gated pass that saves the backward's parts (training): that
+# one spills registers at these tiles (`python -m experiments.kernel_resources`).
+WIDE_FORWARD = {"BM": 128, "BN": 64, "num_warps": 8, "num_stages": 2}
+WIDE_FORWARD_SHARED = 131_328
+
+
+def forward_launch(dtype, D, F, device=None, *, gate=False, save=False) -> dict:
+    """`_fwd_kernel`'s tiles and launch options (queries a program, keys a step, warps, stages) for a pass
+    with or without a gate, saving the parts or not: the wide tiles where they were measured faster and
+    the GPU has their shared memory, else square tiles of `block_size`."""
+    if (torch.finfo(dtype).bits == 16 and D == 128 and F <= 64 and not (gate and save) and device is not None
+            and device.type == "cuda"
+            and torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= WIDE_FORWARD_SHARED):
+        return dict(WIDE_FORWARD)
     block = block_size(dtype, D, F)
     return {"BM": block, "BN": block, "num_warps": 4, "num_stages": 3}
 
@@ -236,7 +251,7 @@ def _forward(q, k, v, fq, fk, gate, fold, valid, scale, eps, save, parts_dtype):
     parts = (torch.empty_like(q, dtype=parts_dtype), torch.empty_like(q, dtype=parts_dtype)) if save else (y, y)
     m, l_soft, den = (torch.empty(B, H, L, device=q.device, dtype=torch.float32) for _ in range(3))
     arg = torch.empty(B, H, L, device=q.device, dtype=torch.int32)
-    launch = forward_launch(dtype, D, F)
+    launch = forward_launch(dtype, D, F, q.device, gate=gate is not None, save=save)
     _fwd_kernel[(B * H, triton.cdiv(L, launch["BM"]))](q, k, v, fq, fk, g, fold, valid, y, *parts, m, l_soft, den, arg,
                                                        L, H, HKV, scale, eps, D=D, F=F, GATE=gate is not None,
                                                        SAVE=save, DT=DOT_DTYPES[dtype], **launch)
