@@ -73,6 +73,19 @@ def still_forward_types() -> dict[str, str]:
             "L": "i32", "H": "i32", "HKV": "i32", "scale": "fp32", "eps": "fp32"}
 
 
+def still_forward(launch: dict, gate: bool, save: bool) -> dict[str, int]:
+    """`still_triton._fwd_kernel` at the Llama-3-8B shape (bf16, d = 128, 64 features) under `launch`
+    (`forward_launch`'s form: tiles, warps, stages), gated or not, saving the backward's parts or not."""
+    import torch
+
+    from linearize.ops.still import triton as still_triton
+
+    constants = {"D": 128, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": launch["BM"],
+                 "BN": launch["BN"], "GATE": gate, "SAVE": save}
+    return resources(still_triton._fwd_kernel, still_forward_types(), constants, divisible=("L",),
+                     num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+
+
 def lizard_forward_types() -> dict[str, str]:
     """`lizard_triton._fwd_kernel`'s argument types for bf16 operands (a scalar gate's float32 log g)."""
     tile, f32 = "*bf16", "*fp32"
@@ -230,11 +243,7 @@ def main() -> None:
     for label, launch in (("wide (forward_launch on a GPU with the shared memory)", still_triton.WIDE_FORWARD),
                           ("square (block_size)", square)):
         for gate, save in ((True, False), (False, True), (True, True)):
-            tiles = {"BM": launch["BM"], "BN": launch["BN"], "GATE": gate, "SAVE": save}
-            found = resources(still_triton._fwd_kernel, still_forward_types(),
-                              {"D": 128, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16]} | tiles,
-                              divisible=("L",), num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-            print(f"  {label}, gate={gate} save={save}: {found}")
+            print(f"  {label}, gate={gate} save={save}: {still_forward(launch, gate, save)}")
 
     from linearize.ops.gla_window import triton as lizard_triton
 

@@ -46,7 +46,7 @@ case $part in
                   --lengths 16384 ;;
       still-blocks) contexts=${2:-16k}
                     blocks=${3:-8192+4096+2048+1024}
-                    tiles=${4:-64x32/8/3+64x64/8/2+128x64/8/2+128x32/8/3}
+                    tiles=${4:-32x32/4/3+64x32/8/3+64x64/8/2+128x32/8/3}  # beside the kernel's own tiles (forward_launch)
                     step still_blocks 400 python -m experiments.scripts.time_still_block --contexts "${contexts//+/,}" \
                       --blocks "${blocks//+/,}" --tiles "${tiles//+/,}" ;;
       states) step states 480 python -m experiments.kernel_check --no-check --no-bench --sweep-states \

@@ -22,6 +22,7 @@ import torch
 from linearize.bench.shapes import random_model
 from linearize.train.config import DistillConfig
 from linearize.train.losses import stage_loss
+from linearize.train.runtime import Runtime
 from linearize.train.step import TrainStep, make_optimizer
 from linearize.train.student import linearized_student, prepare_stage
 
@@ -74,12 +75,13 @@ def main() -> None:
             mib = saved_outside_checkpoints(stage, checkpointing, ids)
             print(f"stage {stage}, checkpointing {'on' if checkpointing else 'off'}: "
                   f"{mib:.2f} MiB saved outside the checkpoints")
+    rt = Runtime.start("cpu", "auto")  # float32, no autocast: the models above are built on the CPU
     for stage in (1, 2):
         model = student(stage, True, *ids.shape)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = make_optimizer([{"params": params, "lr": 1e-3}], ids.device, cuda_graph=False)
+        optimizer = make_optimizer([{"params": params, "lr": 1e-3}], rt.device, cuda_graph=False)
         step = TrainStep(lambda ids, model=model, stage=stage: stage_loss(model, ids, stage), params, optimizer,
-                         1.0, lambda cache=True: contextlib.nullcontext(), cuda_graph=False)
+                         1.0, rt.autocast, cuda_graph=False)
         sizes = [live_tensor_bytes()]
         for _ in range(args.steps):
             step([ids])

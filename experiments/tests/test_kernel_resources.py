@@ -53,6 +53,18 @@ def test_alignment_hints_as_at_launch_save_registers(still_triton):
     assert hinted["spilled"] < plain["spilled"]
 
 
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("gate, save", [(True, False), (False, True)])
+def test_still_wide_forward_fits_its_shared_memory_without_spilling(still_triton, gate, save):
+    """The wide tiles where `forward_launch` takes them (a gated prefill, a continued call's parts):
+    no spills, in exactly the shared memory it checks the GPU for; a gated pass saving the parts,
+    which it leaves on square tiles, spills."""
+    found = res.still_forward(still_triton.WIDE_FORWARD, gate, save)
+    assert found["spilled"] == 0 and found["shared"] == still_triton.WIDE_FORWARD_SHARED
+    assert res.still_forward(still_triton.WIDE_FORWARD, True, True)["spilled"] > 0
+
+
 def test_every_argument_needs_a_type_or_value(still_triton):
     with pytest.raises(ValueError, match="no type or value for .*BN"):
         res.resources(still_triton._bwd_dkv_kernel, res.still_key_kernel_types("bf16"),
