@@ -10,7 +10,7 @@ tilings at the Llama-3-8B shape, and for Lizard's forward
 at the Table 3 shapes (docs/kernels.md compares them with the H200's own report), for its window
 d k / d v pass at the key-row blocks and warps the sweeps weighed, for its forward state pass beside
 fla's (`chunk_fwd_kernel_h`, where fla is installed), for its fused backward chunk kernel at 4
-and 8 warps, and for its features kernel at the Llama-3-8B shape.
+and 8 warps, and for its features kernel and that kernel's backward at the Llama-3-8B shape.
 """
 
 from __future__ import annotations
@@ -222,6 +222,22 @@ def features_kernel(weights: str, walk: bool, native: bool | None = None) -> dic
     return resources(features_triton._features_kernel, types, constants, divisible=("L", *strides), num_warps=4)
 
 
+def features_backward(grad_x: bool, columns: int) -> dict[str, int]:
+    """The features kernel's backward (`features_triton._features_bwd_kernel`) at the Llama-3-8B shape
+    (as `features_kernel`), float32 weights as they train, the weights' gradients alone (stage 1: q and k
+    frozen) or with the inputs' (`grad_x`, stage 2), taking x and W `columns` columns at a time."""
+    from linearize.ops.features import triton as features_triton
+
+    types = {name: "*bf16" for name in ("q", "k", "dfq", "dfk", "dqw", "dkw")} | {
+        name: "*fp32" for name in ("w_q", "w_k", "cos", "sin", "dq", "dk", "dw_q", "dw_k")} | {"L": "i32", "NB": "i32"}
+    strides = ("sq_b", "sq_h", "sq_l", "sk_b", "sk_h", "sk_l", "sc_b", "sc_l")
+    types |= {name: "i32" for name in strides}
+    constants = {"H": 32, "N_REP": 4, "D": 128, "F": 64, "BL": features_triton.BWD_TOKENS_PER_PROGRAM, "BD": columns,
+                 "ROPE": True, "GRAD_X": grad_x, "GRAD_W": True}
+    return resources(features_triton._features_bwd_kernel, types, constants, divisible=("L", *strides),
+                     num_warps=features_triton.BWD_WARPS)
+
+
 def main() -> None:
     import torch
 
@@ -279,6 +295,8 @@ def main() -> None:
         for grad_v in (True, False):
             found = lizard_chunk_backward(warps, cfg.stages, cfg.chunk, grad_v)
             print(f"  {warps} warps, {'with' if grad_v else 'without'} d v: {found}")
+    from linearize.ops.features import triton as features_triton
+
     print("Lizard's features kernel, a prefill at the Llama-3-8B shape (d = 128, f = 64, RoPE), bf16 q and k, 4 warps:")
     variants = {"bf16 weights, one pass (as launched)": ("bf16", False, True),
                 "bf16 weights through 3xTF32": ("bf16", False, False),
@@ -288,6 +306,12 @@ def main() -> None:
     for label, (weights, walk, native) in variants.items():
         found = features_kernel(weights, walk, native)
         print(f"  {label}: {found}, {programs_per_sm(found, 4)} programs an SM")
+    warps = features_triton.BWD_WARPS
+    print(f"Its backward at that shape, float32 weights, {warps} warps, by the columns of x and W held at once:")
+    for grad_x, stage in ((False, "stage 1, the weights' gradients"), (True, "stage 2, the inputs' too")):
+        for columns in (features_triton.BWD_COLUMNS, 128):
+            found = features_backward(grad_x, columns)
+            print(f"  {stage}, {columns} columns: {found}, {programs_per_sm(found, warps)} programs an SM")
 
 
 if __name__ == "__main__":

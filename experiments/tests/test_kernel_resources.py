@@ -141,3 +141,15 @@ def test_features_kernel_one_pass_on_bf16_weights_spills_least():
     assert one_pass["spilled"] < walking["spilled"] < tf32_walking["spilled"]
     assert one_pass["spilled"] < min(bf16_tf32["spilled"], tf32["spilled"])
     assert res.programs_per_sm(one_pass, 4) == 2
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_features_backward_holds_stage_1_in_registers_at_the_8b_shape():
+    """Stage 1's features backward (weights' gradients) at d = 128 as launched, a column block at a
+    time: no spills, where holding all 128 columns of x and W takes more registers."""
+    from linearize.ops.features import triton as features_triton
+
+    launched = res.features_backward(False, features_triton.BWD_COLUMNS)
+    whole = res.features_backward(False, 128)
+    assert launched["spilled"] == 0 and launched["registers"] < whole["registers"]

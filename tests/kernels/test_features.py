@@ -148,13 +148,29 @@ GRADIENT_CASES = {
     "gqa4-rope-L70-weights-only": {"L": 70, "H": 8, "HKV": 2, "wrt": "weights"},
     "mha-no-rope-L20-inputs-only": {"L": 20, "HKV": 4, "rope": False, "wrt": "inputs"},
     "gqa-no-rope-L16-D32-F16-one-position": {"L": 16, "D": 32, "rope": False, "cos_batch": 1},
+    # The backward takes x and W a column block at a time (BWD_COLUMNS, 64 as launched): two blocks here,
+    # with each column's rotation partner in the other block.
+    "gqa-rope-L37-D32-two-column-blocks": {"L": 37, "D": 32, "columns": 16},
 }
 
 
-def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, wrt="both") -> dict:
+def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch=None, wrt="both",
+                    columns=None) -> dict:
     """Max abs errors of `LizardFeaturesFunction`'s outputs and of the gradients it gives q, k and the
     two weights (`wrt`: inputs, weights or both; stage 2 and stage 1 need one each), against autograd
-    through the feature maps, repeat_kv and rotate, for random upstream gradients. float32."""
+    through the feature maps, repeat_kv and rotate, for random upstream gradients. float32. `columns`:
+    the backward's column block (None: as launched)."""
+    from linearize.ops.features import triton as features_triton
+
+    launched = features_triton.BWD_COLUMNS
+    features_triton.BWD_COLUMNS = columns or launched
+    try:
+        return _gradient_errors(device, L, B, H, HKV, D, F, rope, cos_batch, wrt)
+    finally:  # the interpreter's worker outlives the case
+        features_triton.BWD_COLUMNS = launched
+
+
+def _gradient_errors(device, L, B, H, HKV, D, F, rope, cos_batch, wrt) -> dict:
     from linearize.ops.features.triton import LizardFeaturesFunction
 
     r, maps, q, k, position = _inputs(device, 1, L, B, H, HKV, D, F, rope, cos_batch)
@@ -180,7 +196,7 @@ def gradient_errors(device, L, B=2, H=4, HKV=2, D=16, F=16, rope=True, cos_batch
     return out
 
 
-FAST_GRADIENT_CASES = ("gqa-rope-L37-inputs-and-weights",)
+FAST_GRADIENT_CASES = ("gqa-rope-L37-inputs-and-weights", "gqa-rope-L37-D32-two-column-blocks")
 
 
 @pytest.mark.parametrize("name", cases(GRADIENT_CASES, FAST_GRADIENT_CASES))

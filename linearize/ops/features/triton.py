@@ -182,12 +182,16 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
 
 
 BWD_TOKENS_PER_PROGRAM = 64  # rows of a backward block; fewer blocks, fewer partial weight gradients
+# Columns of x and W a backward program holds at once: at d = 128 the whole [64, 128] x and [128, f] W
+# tiles (float32, split for 3xTF32) left no registers for the softmax's gradient (spills and minutes of
+# ptxas at the Llama-3-8B shape: `python -m experiments.kernel_resources`).
+BWD_COLUMNS = 64
+BWD_WARPS = 4
 
 
 @triton.jit
-def _signed_softmax_grad(x, W, g_at, rows, live, f, F: tl.constexpr):
-    """d u for phi = [softmax(u), softmax(-u)], u = x W, given d phi at `g_at` [., 2F] rows `rows`."""
-    u = tl.dot(x, W, input_precision="tf32x3")
+def _signed_softmax_grad(u, g_at, rows, live, f, F: tl.constexpr):
+    """d u for phi = [softmax(u), softmax(-u)], given u [R, F] and d phi at `g_at` [., 2F] rows `rows`."""
     up = tl.exp(u - tl.max(u, axis=1)[:, None])
     up = up / tl.sum(up, axis=1)[:, None]
     down = tl.exp(tl.min(u, axis=1)[:, None] - u)
@@ -201,7 +205,7 @@ def _signed_softmax_grad(x, W, g_at, rows, live, f, F: tl.constexpr):
 
 @triton.jit
 def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
-    """d x from d (x cos + rotate_half(x) sin) at `g_at` [., D], rows `rows`."""
+    """d x from d (x cos + rotate_half(x) sin) at `g_at` [., D], rows `rows`, columns `d`."""
     g = tl.load(g_at + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     partner = (d + D // 2) % D
     c = tl.load(c_at + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -216,46 +220,51 @@ def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
 def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, dw_q, dw_k, L, NB,
                          sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                          H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-                         BL: tl.constexpr, ROPE: tl.constexpr, GRAD_X: tl.constexpr, GRAD_W: tl.constexpr):
-    """Grid (B*H_kv, NB = cdiv(L, BL)): `_features_kernel`'s backward for a KV head and its query heads
-    over a block of tokens. Gradients in, contiguous: dfq, dfk [B, H, L, 2F] and, with ROPE, dqw
-    [B, H, L, D], dkw [B, H_kv, L, D]. Out, float32 and contiguous: with GRAD_X, dq [B, H, L, D] and dk
-    [B, H_kv, L, D] (the group's phi_k terms summed); with GRAD_W, each block's share of the weights'
-    gradients, dw_q, dw_k [B, H, NB, D, F] (summed over batch and blocks afterwards)."""
-    bk = tl.program_id(0).to(tl.int64)
+                         BL: tl.constexpr, BD: tl.constexpr, ROPE: tl.constexpr, GRAD_X: tl.constexpr,
+                         GRAD_W: tl.constexpr):
+    """Grid (B*H, NB = cdiv(L, BL), 2): `_features_kernel`'s backward for one query head's phi_q (axis 2
+    = 0) or phi_k (1, from its KV head's k) over a block of tokens, `BD` columns of x and W at a time:
+    u = x W over the column blocks, its gradient d u, then each column block's gradients. Gradients in,
+    contiguous: dfq, dfk [B, H, L, 2F] and, with ROPE, dqw [B, H, L, D], dkw [B, H_kv, L, D]. Out, float32
+    and contiguous: with GRAD_X, dq [B, H, L, D] and dk [B, H, L, D] per query head (the caller sums a
+    group's; the rotation's term goes to the group's first head); with GRAD_W, each block's share of
+    the weights' gradients, dw_q, dw_k [B, H, NB, D, F] (summed over batch and blocks afterwards)."""
+    bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    b, hk = bk // (H // N_REP), bk % (H // N_REP)
+    side = tl.program_id(2)
+    b, h = bh // H, bh % H
+    hk = h // N_REP
     rows = blk * BL + tl.arange(0, BL)
     live = rows < L
-    d, f = tl.arange(0, D), tl.arange(0, F)
-    c_at, s_at = cos + b * sc_b + rows[:, None] * sc_l, sin + b * sc_b + rows[:, None] * sc_l
-    x_k = tl.load(k + b * sk_b + hk * sk_h + rows[:, None] * sk_l + d[None, :], mask=live[:, None],
-                  other=0.0).to(tl.float32)
-    d_k = tl.zeros([BL, D], dtype=tl.float32)
-    for r in tl.static_range(N_REP):
-        h = hk * N_REP + r
-        bh = b * H + h
-        weights = h * D * F + d[:, None] * F + f[None, :]
-        W_q = tl.load(w_q + weights).to(tl.float32)
-        W_k = tl.load(w_k + weights).to(tl.float32)
-        x_q = tl.load(q + b * sq_b + h * sq_h + rows[:, None] * sq_l + d[None, :], mask=live[:, None],
-                      other=0.0).to(tl.float32)
-        du_q = _signed_softmax_grad(x_q, W_q, dfq + bh * L * 2 * F, rows, live, f, F)
-        du_k = _signed_softmax_grad(x_k, W_k, dfk + bh * L * 2 * F, rows, live, f, F)
-        if GRAD_X:
-            d_q = tl.dot(du_q, tl.trans(W_q), input_precision="tf32x3")
-            if ROPE:
-                d_q += _rotation_grad(dqw + bh * L * D, c_at, s_at, rows, live, d, D)
-            tl.store(dq + bh * L * D + rows[:, None] * D + d[None, :], d_q, mask=live[:, None])
-            d_k += tl.dot(du_k, tl.trans(W_k), input_precision="tf32x3")
+    f = tl.arange(0, F)
+    if side == 0:
+        x_at, sx_l, w, g_at = q + b * sq_b + h * sq_h, sq_l, w_q, dfq
+        dx, dw, drot = dq, dw_q, dqw + bh * L * D
+    else:
+        x_at, sx_l, w, g_at = k + b * sk_b + hk * sk_h, sk_l, w_k, dfk
+        dx, dw, drot = dk, dw_k, dkw + (b * (H // N_REP) + hk) * L * D
+    rotated_here = (side == 0) | (h % N_REP == 0)  # a KV head's rotation: once, not once a query head
+    u = tl.zeros([BL, F], dtype=tl.float32)
+    for start in tl.static_range(0, D, BD):
+        d = start + tl.arange(0, BD)
+        x = tl.load(x_at + rows[:, None] * sx_l + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        W = tl.load(w + h * D * F + d[:, None] * F + f[None, :]).to(tl.float32)
+        u += tl.dot(x, W, input_precision="tf32x3")
+    du = _signed_softmax_grad(u, g_at + bh * L * 2 * F, rows, live, f, F)
+    for start in tl.static_range(0, D, BD):
+        d = start + tl.arange(0, BD)
         if GRAD_W:
+            x = tl.load(x_at + rows[:, None] * sx_l + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             part = (bh * NB + blk) * D * F + d[:, None] * F + f[None, :]
-            tl.store(dw_q + part, tl.dot(tl.trans(x_q), du_q, input_precision="tf32x3"))
-            tl.store(dw_k + part, tl.dot(tl.trans(x_k), du_k, input_precision="tf32x3"))
-    if GRAD_X:
-        if ROPE:
-            d_k += _rotation_grad(dkw + bk * L * D, c_at, s_at, rows, live, d, D)
-        tl.store(dk + bk * L * D + rows[:, None] * D + d[None, :], d_k, mask=live[:, None])
+            tl.store(dw + part, tl.dot(tl.trans(x), du, input_precision="tf32x3"))
+        if GRAD_X:
+            W = tl.load(w + h * D * F + d[:, None] * F + f[None, :]).to(tl.float32)
+            d_x = tl.dot(du, tl.trans(W), input_precision="tf32x3")
+            if ROPE:  # noqa: SIM102 (a constexpr, compiled out, then a value known at run time)
+                if rotated_here:
+                    c_at, s_at = cos + b * sc_b + rows[:, None] * sc_l, sin + b * sc_b + rows[:, None] * sc_l
+                    d_x += _rotation_grad(drot, c_at, s_at, rows, live, d, D)
+            tl.store(dx + bh * L * D + rows[:, None] * D + d[None, :], d_x, mask=live[:, None])
 
 
 class LizardFeaturesFunction(torch.autograd.Function):
@@ -292,18 +301,18 @@ class LizardFeaturesFunction(torch.autograd.Function):
         f32 = {"device": q.device, "dtype": torch.float32}
         unused = dfq  # a placeholder where the kernel reads or writes nothing
         dq = torch.empty(B, H, L, D, **f32) if grad_x else unused
-        dk = torch.empty(B, HKV, L, D, **f32) if grad_x else unused
+        dk = torch.empty(B, H, L, D, **f32) if grad_x else unused  # per query head, summed below
         dw_q = torch.empty(B, H, NB, D, F, **f32) if grad_w else unused
         dw_k = torch.empty_like(dw_q) if grad_w else unused
         cos, sin = (_unit_last(t.expand(B, L, D)) for t in position) if ctx.rope else (unused, unused)
         # Read only with GRAD_X (through the rotation).
         dqw, dkw = (dense(d_rotated[0], B, H, L, D), dense(d_rotated[1], B, HKV, L, D)) if ctx.rope and grad_x \
             else (unused, unused)
-        _features_bwd_kernel[(B * HKV, NB)](
+        _features_bwd_kernel[(B * H, NB, 2)](
             q, k, w_q.contiguous(), w_k.contiguous(), cos, sin, dfq, dfk, dqw, dkw,
             dq, dk, dw_q, dw_k, L, NB, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM, ROPE=ctx.rope,
-            GRAD_X=grad_x, GRAD_W=grad_w, num_warps=4)
-        dq, dk = (dq.to(q.dtype), dk.to(k.dtype)) if grad_x else (None, None)
+            cos.stride(0), cos.stride(1), H=H, N_REP=H // HKV, D=D, F=F, BL=BWD_TOKENS_PER_PROGRAM,
+            BD=min(D, BWD_COLUMNS), ROPE=ctx.rope, GRAD_X=grad_x, GRAD_W=grad_w, num_warps=BWD_WARPS)
+        dq, dk = (dq.to(q.dtype), dk.view(B, HKV, H // HKV, L, D).sum(2).to(k.dtype)) if grad_x else (None, None)
         dw_q, dw_k = (dw_q.sum((0, 2)).to(w_q.dtype), dw_k.sum((0, 2)).to(w_k.dtype)) if grad_w else (None, None)
         return dq, dk, dw_q, dw_k, None, None, None
