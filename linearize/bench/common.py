@@ -191,6 +191,24 @@ def options_note(settings: dict) -> str:
     return f" Method options: {options}." if options else ""
 
 
+# What names a row or point in its line on stderr, in this order; lengths as 2K, 32K.
+ROW_NAME = ("model", "op", "mode", "sweep", "B", "H", "L", "D", "batch", "context", "seq_len", "gradient_checkpointing",
+            "clients", "prompt_length")
+LENGTHS = ("context", "seq_len", "prompt_length")
+
+
+def record_row(results: dict, entries: str, row: dict, out: Path) -> None:
+    """Append `row` to `results[entries]`, rewrite the JSON, and say on stderr how it ended: a long run's
+    log shows how far it has come, point by point."""
+    results[entries].append(row)
+    save_json(results, out)
+    name = ", ".join(f"{key} {size_label(row[key]) if key in LENGTHS else row[key]}" for key in ROW_NAME if key in row)
+    outcome = row.get("status", "ok") + (f" ({row['reason']})" if row.get("reason") else "")
+    if row.get("wall_s") is not None:
+        outcome += f", {row['wall_s']:.1f} s"
+    print(f"bench {results['bench']}: {len(results[entries])} done; {name}: {outcome}", file=sys.stderr, flush=True)
+
+
 def save_json(results: dict, out: Path) -> Path:
     """Rewritten after every measurement, so a run cut short still leaves what it measured."""
     out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from .common import (
     free_memory,
     new_results,
     number,
-    save_json,
+    record_row,
     size_label,
     time_ms,
     write_outputs,
@@ -232,8 +232,7 @@ def bench(out: Path, *, quick: bool = False, ops: list[str] | None = None) -> li
                         row.update(failure(e))
                     row["wall_s"] = time.perf_counter() - started
                 free_memory()
-                results["rows"].append(row)
-                save_json(results, out)
+                record_row(results, "rows", row, out)
     return write_outputs(results, out, tables, plots)
 
 

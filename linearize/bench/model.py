@@ -44,8 +44,8 @@ from .common import (
     options_note,
     parse_sizes,
     peak_bytes,
+    record_row,
     reset_peak,
-    save_json,
     size_label,
     time_ms,
     wall_ms,
@@ -225,8 +225,7 @@ def sweep(model, variant: str, name: str, points: list[tuple[int, int]], setting
             previous = (tokens, time.monotonic() - started)
             row["wall_s"] = previous[1]
         free_memory()  # after the except block, so an OOM's traceback no longer holds its tensors
-        results["points"].append(row)
-        save_json(results, out)
+        record_row(results, "points", row, out)
 
 
 def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = DEFAULT_METHODS,

@@ -27,6 +27,7 @@ skipped; so is one that would end past the model's share of the time limit.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 
@@ -45,8 +46,8 @@ from .common import (
     options_note,
     parse_sizes,
     peak_bytes,
+    record_row,
     reset_peak,
-    save_json,
     size_label,
     write_outputs,
 )
@@ -69,50 +70,89 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-async def _client(engine: Engine, prompt: list[int], params: SamplingParams) -> dict:
-    submitted = time.perf_counter()
-    request = engine.submit(prompt, params)
-    arrivals = [time.perf_counter() async for _ in request.tokens()]
-    return {"submitted": submitted, "arrivals": arrivals, "finish_reason": request.finish_reason}
+async def _client(engine: Engine, prompt: list[int], params: SamplingParams, record: dict) -> None:
+    """One client's request, its token arrivals kept in `record` as they come (a point cut at the time
+    limit keeps what had arrived)."""
+    record["submitted"] = time.perf_counter()
+    request = record["request"] = engine.submit(prompt, params)
+    async for _ in request.tokens():
+        record["arrivals"].append(time.perf_counter())
+    record["finish_reason"] = request.finish_reason
 
 
-def measure_point(model, *, clients: int, prompt_length: int, settings: dict, device: torch.device) -> dict:
-    """One (clients, prompt length) point on a fresh engine."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a time limit's SIGINT) during a point, carrying the point as it stood."""
+
+    def __init__(self, point: dict):
+        super().__init__()
+        self.point = point
+
+
+def measure_point(model, *, clients: int, prompt_length: int, settings: dict, device: torch.device,
+                  deadline: float = math.inf) -> dict:
+    """One (clients, prompt length) point on a fresh engine. At `deadline` (time.monotonic()) the
+    requests still running are cancelled and the point is recorded as "cut", with what had arrived;
+    an interrupt raises `Interrupted` with the point so far."""
     generator = torch.Generator().manual_seed(clients * 1_000_003 + prompt_length)
     prompts = torch.randint(3, model.config.vocab_size, (clients, prompt_length), generator=generator).tolist()
     params = SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
     engine = Engine(model, max_batch=min(clients, settings["max_batch"]), max_queue=clients,
                     prefill_chunk=settings["prefill_chunk"], prefill_budget=settings["prefill_budget"])
+    records = [{"arrivals": [], "finish_reason": None, "request": None} for _ in prompts]
+    cut = []
+
+    async def cut_at_deadline():
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        cut.append(time.perf_counter())
+        for record in records:
+            if record["request"] is not None:
+                record["request"].cancel()
 
     async def run_clients():
-        return await asyncio.gather(*(_client(engine, prompt, params) for prompt in prompts))
+        guard = asyncio.create_task(cut_at_deadline()) if math.isfinite(deadline) else None
+        try:
+            await asyncio.gather(*(_client(engine, prompt, params, record) for prompt, record in zip(prompts, records)))
+        finally:
+            if guard is not None:
+                guard.cancel()
 
     reset_peak(device)
     engine.start()
     started = time.perf_counter()
+    interrupted = False
     try:
-        records = asyncio.run(run_clients())
+        asyncio.run(run_clients())
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         engine.stop(drain=False)
     wall = time.perf_counter() - started
-    errors = [r["finish_reason"] for r in records if r["finish_reason"] not in ("length", "stop")]
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {clients} requests ended with {errors[0]!r}")
+    finished = [r for r in records if r["finish_reason"] in ("length", "stop")]
+    errors = [r["finish_reason"] for r in records if r["finish_reason"] not in ("length", "stop", "cancelled", None)]
+    if not interrupted and (errors or (not cut and len(finished) < clients)):
+        reasons = errors or [r["finish_reason"] for r in records if r not in finished]
+        raise RuntimeError(f"{len(reasons)} of {clients} requests ended with {reasons[0]!r}")
+    answered = [r for r in records if r["arrivals"]]
     tokens = sum(len(r["arrivals"]) for r in records)
-    ttft = [(r["arrivals"][0] - r["submitted"]) * 1e3 for r in records]
-    gaps = [(b - a) * 1e3 for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-    all_prefilled = max(r["arrivals"][0] for r in records)
-    tail_tokens = sum(t > all_prefilled for r in records for t in r["arrivals"])
-    tail_s = started + wall - all_prefilled
-    return {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "peak_running": engine.peak_running,
-            "prefill_calls": engine.prefill_calls, "prefilled_tokens": engine.prefilled_tokens,
-            "kv_budget_bytes": engine.kv_budget_bytes if engine.mode == "kv" else None,
-            "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "all_prefilled_s": all_prefilled - started,
-            "decode_tokens_per_s": tail_tokens / tail_s if tail_tokens else None,
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
-            "peak_bytes": peak_bytes(device)}
+    ttft = [(r["arrivals"][0] - r["submitted"]) * 1e3 for r in answered]
+    gaps = [(b - a) * 1e3 for r in answered for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    all_prefilled = max(r["arrivals"][0] for r in answered) if len(answered) == clients else None
+    tail_tokens = 0 if all_prefilled is None else sum(t > all_prefilled for r in records for t in r["arrivals"])
+    point = {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "peak_running": engine.peak_running,
+             "prefill_calls": engine.prefill_calls, "prefilled_tokens": engine.prefilled_tokens,
+             "kv_budget_bytes": engine.kv_budget_bytes if engine.mode == "kv" else None,
+             "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+             "all_prefilled_s": None if all_prefilled is None else all_prefilled - started,
+             "decode_tokens_per_s": tail_tokens / (started + wall - all_prefilled) if tail_tokens else None,
+             "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
+             "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
+             "peak_bytes": peak_bytes(device)}
+    progress = f"{len(finished)} of {clients} requests finished, {len(answered)} had begun answering"
+    if interrupted:
+        raise Interrupted(point | {"status": "cut", "reason": f"interrupted after {wall:.0f} s: {progress}"})
+    if cut and len(finished) < clients:
+        point.update(status="cut", reason=f"cut at the time limit after {cut[0] - started:.0f} s: {progress}")
+    return point
 
 
 def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
@@ -147,16 +187,22 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
                 else:
                     try:
                         point.update(measure_point(net, clients=clients, prompt_length=prompt_length,
-                                                   settings=settings, device=device))
+                                                   settings=settings, device=device, deadline=deadline))
                         last = (clients, point["wall_s"])
+                        if point["status"] == "cut":
+                            stopped = f"a smaller point was cut at the time limit ({size_label(prompt_length)} x {clients})"
+                    except Interrupted as e:  # what the point had, and the points before it, are kept
+                        point.update(e.point)
+                        record_row(results, "points", point, out)
+                        write_outputs(results, out, tables, plots)
+                        raise
                     except OOM as e:
                         point.update(status="oom", error=str(e).splitlines()[0])
                         stopped = f"a smaller point ran out of memory ({size_label(prompt_length)} x {clients})"
                     except Exception as e:  # noqa: BLE001 (recorded, and the other points go on)
                         point.update(failure(e))
                     free_memory()
-                results["points"].append(point)
-                save_json(results, out)
+                record_row(results, "points", point, out)
         del net
         free_memory()
     return write_outputs(results, out, tables, plots)
@@ -172,24 +218,36 @@ def tables(results: dict) -> list[str]:
     keys = sorted({(p["clients"], p["prompt_length"]) for p in points}, key=lambda k: (k[1], k[0]))
     by = {(p["model"], p["clients"], p["prompt_length"]): p for p in points}
     for clients, length in keys:
-        cells = [cell(by.get((v, clients, length)), lambda r: number(r["output_tokens_per_s"])) for v in variants]
+        cells = [throughput_cell(by.get((v, clients, length))) for v in variants]
         lines.append(f"| {clients} | {size_label(length)} | " + " | ".join(cells) + " |")
     caption = ("Latency, phases and memory (all prefilled: when the last request got its first token, as a share "
-               "of the wall time; decode tokens/s: the output rate after it):")
+               "of the wall time; decode tokens/s: the output rate after it; a point cut at the time limit: what "
+               "had arrived by then):")
     header = ("| model | clients | prompt | TTFT p50 / p99 ms | ITL p50 / p99 ms | all prefilled | decode tokens/s "
               "| peak memory | batching |")
     lines += ["", caption, "", header, "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
-        if p["status"] != "ok":
+        if p["status"] not in ("ok", "cut"):
             continue
-        itl = "–" if p["itl_p50_ms"] is None else f"{number(p['itl_p50_ms'])} / {number(p['itl_p99_ms'])}"
+        pair = lambda a, b: "–" if a is None else f"{number(a)} / {number(b)}"
         decode = "–" if p["decode_tokens_per_s"] is None else number(p["decode_tokens_per_s"])
-        prefilled = f"{100 * p['all_prefilled_s'] / p['wall_s']:.0f}%"
+        prefilled = "–" if p["all_prefilled_s"] is None else f"{100 * p['all_prefilled_s'] / p['wall_s']:.0f}%"
         memory = human_bytes(p["peak_bytes"]) if p["peak_bytes"] is not None else "– (CPU)"
-        lines.append(f"| {p['model']} | {p['clients']} | {size_label(p['prompt_length'])} | "
-                     f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])} | {itl} | {prefilled} | {decode} | "
-                     f"{memory} | {batching(p)} |")
+        model = p["model"] + (" (cut)" if p["status"] == "cut" else "")
+        lines.append(f"| {model} | {p['clients']} | {size_label(p['prompt_length'])} | "
+                     f"{pair(p['ttft_p50_ms'], p['ttft_p99_ms'])} | {pair(p['itl_p50_ms'], p['itl_p99_ms'])} | "
+                     f"{prefilled} | {decode} | {memory} | {batching(p)} |")
+    cut = [p for p in points if p["status"] == "cut"]
+    if cut:
+        lines += [""] + [f"- {p['model']}, {p['clients']} x {size_label(p['prompt_length'])}: {p['reason']}." for p in cut]
     return lines
+
+
+def throughput_cell(point: dict | None) -> str:
+    """Output tokens/s; a point cut at the time limit shows its rate so far, marked."""
+    if point is not None and point["status"] == "cut":
+        return f"{number(point['output_tokens_per_s'])} (cut)"
+    return cell(point, lambda r: number(r["output_tokens_per_s"]))
 
 
 def batching(point: dict) -> str:
@@ -222,7 +280,8 @@ def plots(results: dict, out: Path) -> list[Path]:
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("output tokens/s")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.lines:  # none where every point was cut, skipped or failed
+        ax.legend(fontsize=7)
     path = out / "serve.tokens_per_s.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return [path]

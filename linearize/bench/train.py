@@ -54,8 +54,8 @@ from .common import (
     number,
     options_note,
     peak_bytes,
+    record_row,
     reset_peak,
-    save_json,
     size_label,
     time_ms,
     write_outputs,
@@ -266,8 +266,7 @@ def bench(out: Path, *, model: str | None = None, shape: str | None = None, meth
                 last = time.monotonic() - started
                 row["wall_s"] = last
                 started = time.monotonic()
-            results["rows"].append(row)
-            save_json(results, out)
+            record_row(results, "rows", row, out)
         del built
         free_memory()
     return write_outputs(results, out, tables, plots)

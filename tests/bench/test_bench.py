@@ -1,6 +1,8 @@
 """`linearize bench` on CPU with --quick: every subcommand writes json/md/png; GPU-only rows are skipped cleanly."""
 
 import json
+import signal
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -355,7 +357,7 @@ def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tm
     time_limit = 60.0
     measured = []
 
-    def fake_point(net, *, clients, prompt_length, settings, device):
+    def fake_point(net, *, clients, prompt_length, settings, device, deadline):
         measured.append(clients)
         # A sixth of the time limit, whatever the clients, and at once.
         return {"status": "ok", "mode": "slots", "slots": clients, "peak_running": clients, "kv_budget_bytes": None,
@@ -370,6 +372,46 @@ def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tm
     assert measured == [1, 1, 4]
     assert [p["status"] for p in points] == ["ok", "skipped", "ok", "ok"]
     assert {p["reason"] for p in points if p["status"] == "skipped"} == {"would pass the time limit"}
+
+
+def test_serve_cuts_a_point_at_the_time_limit_and_keeps_what_arrived(teacher_dir, tmp_path, capsys):
+    """A point still running at its model's share of the time limit is cut: its requests are cancelled,
+    it is recorded as "cut" with the tokens that had arrived, the model's larger points are skipped, and
+    the tables mark it; each point says on stderr how it ended."""
+    from linearize.bench import serve as serve_bench
+
+    serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
+                      options={"window": 8}, clients=[4, 8], prompt_lengths=[256], max_tokens=64, time_limit=0.2)
+    points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
+    assert [(p["clients"], p["status"]) for p in points] == [(4, "cut"), (8, "skipped")] * 2
+    for p in points[::2]:
+        assert p["reason"].startswith("cut at the time limit after") and "of 4 requests finished" in p["reason"]
+        assert p["output_tokens"] < 4 * 64 and p["wall_s"] < 30
+    assert {p["reason"] for p in points[1::2]} == {"a smaller point was cut at the time limit (256 x 4)"}
+    markdown = (tmp_path / "serve" / "serve.md").read_text()
+    assert "(cut)" in markdown and "cut at the time limit after" in markdown
+    err = capsys.readouterr().err
+    assert err.count("bench serve: ") == 4
+    first = next(line for line in err.splitlines() if line.startswith("bench serve: 1 done; "))
+    assert serve_bench.SOFTMAX in first and "clients 4, prompt_length 256: cut (cut at the time limit after" in first
+
+
+def test_serve_interrupted_keeps_the_point_so_far_and_writes_the_tables(teacher_dir, tmp_path):
+    """Ctrl-C (a time limit's SIGINT) in a point: the point is recorded as cut with what had arrived,
+    serve.json and serve.md are written, and the interrupt goes on to the caller."""
+    from linearize.bench import serve as serve_bench
+
+    timer = threading.Timer(3.0, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
+                              options={"window": 8}, clients=[4], prompt_lengths=[4096], max_tokens=256)
+    finally:
+        timer.cancel()
+    points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
+    assert points[-1]["status"] == "cut" and points[-1]["reason"].startswith("interrupted after")
+    assert "(cut)" in (tmp_path / "serve" / "serve.md").read_text()
 
 
 def test_serve_percentiles_interpolate():

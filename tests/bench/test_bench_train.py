@@ -255,5 +255,6 @@ def test_liger_times_stage_2_and_refuses_stage_1_in_one_line(teacher_dir, tmp_pa
     run("bench", "train", "--out", tmp_path / "liger", "--model", teacher_dir, "--method", "liger", "--quick",
         "--steps", "1", "--modes", "stage2", "--set", "window=8")
     assert [r["status"] for r in load(tmp_path / "liger")["rows"]] == ["ok"]
+    capsys.readouterr()  # the run's own lines, before the refusal's
     refused_in_one_line(capsys, tmp_path / "out", "--model", teacher_dir, "--method", "liger", "--quick", "--modes",
                         "stage1,stage2", names="liger adds no parameters for stage 1")
