@@ -65,11 +65,13 @@ def test_concurrent_greedy_requests_get_their_offline_tokens(method):
 
 
 class FakeClock:
-    """The engine's clock, moved by the model's calls alone: a prefill call 1 unit a token, a decode step
-    (one token a row) 40 units, so the chunks the engine sizes from its timings are known exactly."""
+    """The engine's clock, moved by the model's calls alone: a prefill call `fixed` units plus 1 unit a
+    token, a decode step (one token a row) 40 units, so the chunks the engine sizes from its timings are
+    known exactly."""
 
-    def __init__(self, model):
+    def __init__(self, model, fixed: float = 0.0):
         self.now = 0.0
+        self.fixed = fixed
         self.prefills = []  # the tokens of each prefill call (one prompt, several tokens)
         model.register_forward_pre_hook(self.advance, with_kwargs=True)
 
@@ -77,7 +79,7 @@ class FakeClock:
         length = kwargs["input_ids"].shape[1]
         if length > 1:
             self.prefills.append(length)
-        self.now += 40.0 if length == 1 else float(length)
+        self.now += 40.0 if length == 1 else self.fixed + length
 
     def perf_counter(self):
         return self.now
@@ -108,12 +110,37 @@ def test_a_prompt_arriving_while_others_decode_is_prefilled_in_chunks_of_the_bud
     assert clock.prefills == [5] + [chunk] * (120 // chunk)
 
 
+def test_a_calls_fixed_share_sets_the_fewest_tokens_a_paced_chunk_takes(monkeypatch):
+    """A prefill call costing 60 units plus 1 a token, a step 40: no chunk fits a budget of one step, so
+    after the first paced chunk (16 tokens: the 5-token call's 13 units a token leave room for the floor
+    alone) the fitted cost gives the fixed share's worth, 60 tokens, which keeps most of a call's time on
+    its tokens. Each request still gets its offline greedy tokens."""
+    import linearize.serve.engine as engine_module
+
+    model = student()
+    first, second = prompts(1, seed=5)[0][:5], prompts(1, seed=6)[0] * 120
+    first, second = first + [7] * (5 - len(first)), second[:120]
+    expected = [offline(model, first, 30), offline(model, second, 3)]
+    clock = FakeClock(model, fixed=60.0)
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = Engine(model, max_batch=2, prefill_chunk=128, prefill_budget=1.0, cuda_graph=False)
+
+    async def main():
+        return await asyncio.gather(collect(engine, first, SamplingParams(max_tokens=30, ignore_eos=True)),
+                                    collect(engine, second, SamplingParams(max_tokens=3, ignore_eos=True)))
+
+    assert [tokens for tokens, _ in serve(engine, main())] == expected
+    assert clock.prefills == [5, 16, 60, 44]
+    assert engine._prefill_cost.fit() == (60.0, 1.0)
+
+
 def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
     engine = Engine(student(), prefill_chunk=256, prefill_budget=1.0, cuda_graph=False)
     assert engine.prefill_tokens() == 256  # nothing decodes
     engine._running = [object()]
     assert engine.prefill_tokens() == 256  # nothing timed yet
-    engine._step_s, engine._prefill_s_per_token = 0.040, 0.001
+    engine._step_s = 0.040
+    engine._prefill_cost.add(100, 0.100)  # one size: its time per token sizes the chunk
     assert engine.prefill_tokens() == 40
     engine._step_s = 1e-6  # a step far faster than a token of prefill: prompts still advance
     assert engine.prefill_tokens() == MIN_PREFILL_CHUNK

@@ -6,8 +6,9 @@ Each scheduler turn
    their KV cache fits the memory budget), prefilling a new prompt alone, one chunk of tokens per turn,
    so that long prompts interleave with the running requests' steps: `prefill_chunk` tokens, or with
    `prefill_budget` > 0 and requests decoding, as many as take about `prefill_budget` times the last
-   decode step's time (from the last chunk's time per token), so that a turn with a prefill takes at
-   most about 1 + `prefill_budget` steps and the gaps between a request's tokens stay even;
+   decode step's time (by the fitted cost of a call, `pacing.PrefillCost`; never fewer than its fixed
+   share is worth), so that a turn with a prefill takes about 1 + `prefill_budget` steps and the gaps
+   between a request's tokens stay even;
 2. copies a finished prefill's state into its row;
 3. steps every row once, in one forward of the batch, and hands each running request its next token.
 
@@ -53,6 +54,7 @@ from ..cache import compact_softmax_layers
 from ..decode import StaticDecoder, fully_linearized
 from . import kv_slots
 from .kv_slots import BatchedKVCache
+from .pacing import PrefillCost
 
 # The default KV budget on a GPU: this share of the memory free when the engine starts, less the room a
 # step's attention works in (`kv_slots.step_bytes_per_token`).
@@ -184,10 +186,10 @@ class Engine:
         self.device = parameter.device
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.prefill_budget = prefill_budget
-        # The last decode step's seconds and the last prefill chunk's seconds per token: what sizes the
-        # next chunk while requests decode (`prefill_tokens`).
+        # The last decode step's seconds and what prefill calls cost: what sizes the next chunk while
+        # requests decode (`prefill_tokens`).
         self._step_s: float | None = None
-        self._prefill_s_per_token: float | None = None
+        self._prefill_cost = PrefillCost()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.cuda_graph = cuda_graph
         self.slotted = fully_linearized(model)
@@ -363,13 +365,22 @@ class Engine:
 
     def prefill_tokens(self) -> int:
         """Prompt tokens the next prefill call takes: `prefill_chunk` while no request decodes (or with
-        `prefill_budget` 0, or before a step and a chunk have been timed), else as many as the last
-        chunk's time per token says take `prefill_budget` times the last decode step, within
-        MIN_PREFILL_CHUNK..`prefill_chunk`."""
-        if not (self._running and self.prefill_budget and self._step_s and self._prefill_s_per_token):
+        `prefill_budget` 0, or before a step and a chunk have been timed), else the chunk whose call takes
+        about `prefill_budget` times the last decode step, by the fitted cost of a call (`PrefillCost`:
+        fixed + per token; the last chunk's time per token until calls of two sizes are seen), but never
+        fewer tokens than the fixed share's worth, below which a call would spend most of its time on
+        what every call pays; within MIN_PREFILL_CHUNK..`prefill_chunk`."""
+        cost = self._prefill_cost
+        if not (self._running and self.prefill_budget and self._step_s and cost.last_per_token_s):
             return self.prefill_chunk
-        tokens = int(self.prefill_budget * self._step_s / self._prefill_s_per_token)
-        return max(min(MIN_PREFILL_CHUNK, self.prefill_chunk), min(self.prefill_chunk, tokens))
+        budget_s = self.prefill_budget * self._step_s
+        fit = cost.fit()
+        if fit is None:
+            tokens = budget_s / cost.last_per_token_s
+        else:
+            fixed_s, per_token_s = fit
+            tokens = max((budget_s - fixed_s) / per_token_s, fixed_s / per_token_s)
+        return max(min(MIN_PREFILL_CHUNK, self.prefill_chunk), min(self.prefill_chunk, int(tokens)))
 
     def _drop_cancelled(self) -> None:
         for group in (self._prefilling, self._running):
@@ -384,7 +395,7 @@ class Engine:
         logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the chunk's own time, not a queue the next step waits on
-        self._prefill_s_per_token = (time.perf_counter() - started) / (end - active.done)
+        self._prefill_cost.add(end - active.done, time.perf_counter() - started)
         self.prefill_calls += 1
         self.prefilled_tokens += end - active.done
         active.done = end
