@@ -105,8 +105,8 @@ case $part in
   serve)
     # `bench serve` at a shape (default llama3-8b), the best Lizard against the batched teacher; a
     # second word B: only 64 clients with 4K prompts (the inter-token latency target), at
-    # --prefill-budget B (at B = 1 on an H100 the teacher's point ran 18 minutes unfinished: a point
-    # still running at its model's share of the time limit is cut, with what had arrived).
+    # --prefill-budget B (a point still running at its model's share of the time limit is cut, with
+    # what had arrived).
     pace=()
     [ -n "${2:-}" ] && pace=(--clients 64 --prompt-lengths 4k --prefill-budget "$2")
     step "serve_${1:-llama3-8b}" 570 python -m linearize.cli bench serve --shape "${1:-llama3-8b}" --set combine=shared \
