@@ -183,8 +183,8 @@ def lizard_features(q, k, w_q, w_k, position_embeddings=None, dtype=torch.float3
 
 BWD_TOKENS_PER_PROGRAM = 64  # rows of a backward block; fewer blocks, fewer partial weight gradients
 # Columns of x and W a backward program holds at once: at d = 128, the whole [64, 128] x and [128, f] W
-# tiles (float32, split for 3xTF32) with the softmax's gradient take more registers than a thread has
-# (`python -m experiments.kernel_resources` compares the two).
+# tiles (float32, split for 3xTF32) beside the softmax's gradient spill in stage 2 and fit fewer programs
+# an SM in stage 1 (`python -m experiments.kernel_resources` compares the two).
 BWD_COLUMNS = 64
 BWD_WARPS = 4
 
