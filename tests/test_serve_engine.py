@@ -85,19 +85,17 @@ class FakeClock:
         return self.now
 
 
-@pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
-def test_a_prompt_arriving_while_others_decode_is_prefilled_in_chunks_of_the_budget(budget, monkeypatch):
-    """While a request decodes (a step: 40 units), a 120-token prompt is prefilled in chunks that take
-    `budget` steps at the last chunk's time per token (1 unit): 40 tokens at budget 1, 20 at 0.5, and
-    whole `prefill_chunk`s (128) at 0. The first prompt, with nothing decoding, takes a whole chunk.
-    Each request still gets its offline greedy tokens."""
+def paced_prefills(monkeypatch, budget: float, fixed: float = 0.0) -> tuple[FakeClock, Engine]:
+    """A 5-token prompt, then, while it decodes 30 tokens, a 120-token one, on an engine of `budget`
+    timed by a FakeClock of `fixed` units a prefill call; asserts each request gets its offline greedy
+    tokens, and returns the clock (its prefill calls) and the engine."""
     import linearize.serve.engine as engine_module
 
     model = student()
     first, second = prompts(1, seed=5)[0][:5], prompts(1, seed=6)[0] * 120
     first, second = first + [7] * (5 - len(first)), second[:120]
     expected = [offline(model, first, 30), offline(model, second, 3)]
-    clock = FakeClock(model)
+    clock = FakeClock(model, fixed)
     monkeypatch.setattr(engine_module, "time", clock)
     engine = Engine(model, max_batch=2, prefill_chunk=128, prefill_budget=budget, cuda_graph=False)
 
@@ -106,6 +104,16 @@ def test_a_prompt_arriving_while_others_decode_is_prefilled_in_chunks_of_the_bud
                                     collect(engine, second, SamplingParams(max_tokens=3, ignore_eos=True)))
 
     assert [tokens for tokens, _ in serve(engine, main())] == expected
+    return clock, engine
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
+def test_a_prompt_arriving_while_others_decode_is_prefilled_in_chunks_of_the_budget(budget, monkeypatch):
+    """While a request decodes (a step: 40 units), a 120-token prompt is prefilled in chunks that take
+    `budget` steps at a prefill call's cost (1 unit a token, nothing fixed): 40 tokens at budget 1, 20 at
+    0.5, and whole `prefill_chunk`s (128) at 0. The first prompt, with nothing decoding, takes a whole
+    chunk. Each request still gets its offline greedy tokens."""
+    clock, _ = paced_prefills(monkeypatch, budget)
     chunk = {1.0: 40, 0.5: 20, 0.0: 120}[budget]
     assert clock.prefills == [5] + [chunk] * (120 // chunk)
 
@@ -115,21 +123,7 @@ def test_a_calls_fixed_share_sets_the_fewest_tokens_a_paced_chunk_takes(monkeypa
     after the first paced chunk (16 tokens: the 5-token call's 13 units a token leave room for the floor
     alone) the fitted cost gives the fixed share's worth, 60 tokens, which keeps most of a call's time on
     its tokens. Each request still gets its offline greedy tokens."""
-    import linearize.serve.engine as engine_module
-
-    model = student()
-    first, second = prompts(1, seed=5)[0][:5], prompts(1, seed=6)[0] * 120
-    first, second = first + [7] * (5 - len(first)), second[:120]
-    expected = [offline(model, first, 30), offline(model, second, 3)]
-    clock = FakeClock(model, fixed=60.0)
-    monkeypatch.setattr(engine_module, "time", clock)
-    engine = Engine(model, max_batch=2, prefill_chunk=128, prefill_budget=1.0, cuda_graph=False)
-
-    async def main():
-        return await asyncio.gather(collect(engine, first, SamplingParams(max_tokens=30, ignore_eos=True)),
-                                    collect(engine, second, SamplingParams(max_tokens=3, ignore_eos=True)))
-
-    assert [tokens for tokens, _ in serve(engine, main())] == expected
+    clock, engine = paced_prefills(monkeypatch, 1.0, fixed=60.0)
     assert clock.prefills == [5, 16, 60, 44]
     assert engine._prefill_cost.fit() == (60.0, 1.0)
 
