@@ -217,6 +217,18 @@ def _rotation_grad(g_at, c_at, s_at, rows, live, d, D: tl.constexpr):
 
 
 @triton.jit
+def _x_columns(x_at, sx_l, rows, live, d):
+    """Columns `d` of the rows `rows` of x (q or k, row stride `sx_l`), float32."""
+    return tl.load(x_at + rows[:, None] * sx_l + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _w_columns(w_at, d, f, F: tl.constexpr):
+    """Rows `d` (the input columns) of a head's [D, F] weight, float32."""
+    return tl.load(w_at + d[:, None] * F + f[None, :]).to(tl.float32)
+
+
+@triton.jit
 def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, dw_q, dw_k, L, NB,
                          sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                          H: tl.constexpr, N_REP: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
@@ -244,24 +256,25 @@ def _features_bwd_kernel(q, k, w_q, w_k, cos, sin, dfq, dfk, dqw, dkw, dq, dk, d
         x_at, sx_l, w, g_at = k + b * sk_b + hk * sk_h, sk_l, w_k, dfk
         dx, dw, drot = dk, dw_k, dkw + (b * (H // N_REP) + hk) * L * D
     rotated_here = (side == 0) | (h % N_REP == 0)  # a KV head's rotation: once, not once a query head
+    w_at = w + h * D * F
     u = tl.zeros([BL, F], dtype=tl.float32)
     for start in tl.static_range(0, D, BD):
         d = start + tl.arange(0, BD)
-        x = tl.load(x_at + rows[:, None] * sx_l + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        W = tl.load(w + h * D * F + d[:, None] * F + f[None, :]).to(tl.float32)
+        x, W = _x_columns(x_at, sx_l, rows, live, d), _w_columns(w_at, d, f, F)
         u += tl.dot(x, W, input_precision="tf32x3")
     du = _signed_softmax_grad(u, g_at + bh * L * 2 * F, rows, live, f, F)
+    # Each column block's x and W are loaded again rather than held from the first loop: the registers
+    # are what the column blocks are for.
     for start in tl.static_range(0, D, BD):
         d = start + tl.arange(0, BD)
         if GRAD_W:
-            x = tl.load(x_at + rows[:, None] * sx_l + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             part = (bh * NB + blk) * D * F + d[:, None] * F + f[None, :]
+            x = _x_columns(x_at, sx_l, rows, live, d)
             tl.store(dw + part, tl.dot(tl.trans(x), du, input_precision="tf32x3"))
         if GRAD_X:
-            W = tl.load(w + h * D * F + d[:, None] * F + f[None, :]).to(tl.float32)
-            d_x = tl.dot(du, tl.trans(W), input_precision="tf32x3")
+            d_x = tl.dot(du, tl.trans(_w_columns(w_at, d, f, F)), input_precision="tf32x3")
             if ROPE:  # noqa: SIM102 (a constexpr, compiled out, then a value known at run time)
-                if rotated_here:
+                if rotated_here:  # its pointers formed here: held across the loop they cost registers
                     c_at, s_at = cos + b * sc_b + rows[:, None] * sc_l, sin + b * sc_b + rows[:, None] * sc_l
                     d_x += _rotation_grad(drot, c_at, s_at, rows, live, d, D)
             tl.store(dx + bh * L * D + rows[:, None] * D + d[None, :], d_x, mask=live[:, None])
