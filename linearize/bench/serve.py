@@ -197,7 +197,7 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
                         write_outputs(results, out, tables, plots)
                         raise
                     except OOM as e:
-                        point.update(status="oom", error=str(e).splitlines()[0])
+                        point.update(failure(e))
                         stopped = f"a smaller point ran out of memory ({size_label(prompt_length)} x {clients})"
                     except Exception as e:  # noqa: BLE001 (recorded, and the other points go on)
                         point.update(failure(e))
