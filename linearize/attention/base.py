@@ -67,7 +67,7 @@ class LinearizedAttention(nn.Module):
         if arch.qk_norm != "none":
             self.q_norm, self.k_norm = teacher.q_norm, teacher.k_norm
         # Stage 1: return the teacher's softmax output (so the next layer sees teacher hidden states)
-        # and keep the MSE of our own output against it.
+        # and keep the MSE of our own output against it: the first of each step (`stage_loss` clears it).
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
         # Stage 1: q and k with RoPE as `attend` computed them for its own use (`keep_rotated`); the
@@ -166,7 +166,13 @@ class LinearizedAttention(nn.Module):
             # In the outputs' dtype: mse_loss squares and sums in float32 either way (its gradient too);
             # float32 copies of both [B, L, hidden] outputs cost ~4% of a bf16 stage-1 step. The value
             # itself is then rounded to bf16 (~0.2%).
-            self.transfer_loss = nn.functional.mse_loss(out, target)
+            loss = nn.functional.mse_loss(out, target)
+            # Activation checkpointing runs this forward again in the backward: a loss kept from that
+            # run would hold the recomputed activations of every layer until the next step (at the 8B
+            # shape, ~2 GiB a layer). The recomputation must still form it: its saved tensors are the
+            # ones the backward asks for.
+            if self.transfer_loss is None:
+                self.transfer_loss = loss
             return target, None
         return out, None
 

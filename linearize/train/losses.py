@@ -132,10 +132,13 @@ def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
     with unpadded_attention(model):
         if stage == 2:
             return next_token_loss(model, input_ids)
+        layers = linearized_layers(model)
+        for layer in layers:  # each layer records its first loss of the step
+            layer.transfer_loss = None
         # Through the full model (FSDP's root) but with logits for one position only: stage 1 needs
         # just the per-layer losses recorded on the way.
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-    losses = [layer.transfer_loss for layer in linearized_layers(model)]
+    losses = [layer.transfer_loss for layer in layers]
     return torch.stack(losses).float().mean()
 
 

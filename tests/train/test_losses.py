@@ -160,3 +160,34 @@ def test_stage2_loss_of_a_linearized_student_with_lora_is_its_own_loss(autocast)
         theirs = _loss_and_grads(model, _own_loss, ids)
     assert set(ours[1]) == names and all(g.any() for g in ours[1].values())
     _assert_same(ours, theirs, **({"rtol": 2e-2, "atol": 1e-4} if autocast else {}))
+
+
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_stage1_under_activation_checkpointing_keeps_the_forwards_losses_and_gradients(method):
+    """Checkpointing re-runs each decoder layer's forward in the backward. The losses the step returned
+    stay the layers' record (a loss kept from the recomputation would hold that layer's recomputed
+    activations until the next step: every layer's, by the end of the backward), and the gradients are
+    the ones without checkpointing."""
+    from linearize.train import DistillConfig
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import linearized_layers, linearized_student, prepare_stage
+
+    cfg = DistillConfig(model="tiny", method=method, out="unused", options=TINY_OPTIONS[method])
+    model, names = prepare_stage(linearized_student(tiny_teacher(), cfg), cfg, 1)
+    model.train()
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 1), ids)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recorded = []
+
+    def recording_loss(m, x):
+        loss = stage_loss(m, x, 1)
+        recorded.extend(layer.transfer_loss for layer in linearized_layers(m))
+        return loss
+
+    checkpointed = _loss_and_grads(model, recording_loss, ids)
+    layers = linearized_layers(model)
+    assert len(recorded) == len(layers) > 1
+    assert all(layer.transfer_loss is kept for layer, kept in zip(layers, recorded, strict=True))
+    assert set(checkpointed[1]) == names and any(g.any() for g in checkpointed[1].values())
+    _assert_same(checkpointed, plain)
