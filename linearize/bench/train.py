@@ -44,7 +44,8 @@ from ..train.distillation import build_student
 from ..train.losses import stage_loss
 from ..train.runtime import Runtime
 from ..train.step import WARMUP_STEPS, TrainStep, make_optimizer
-from ..train.student import linearized_layers, linearized_student, prepare_stage, upcast_to_float32, weights_dtype
+from ..train.student import (enable_checkpointing, linearized_layers, linearized_student, prepare_stage,
+                             upcast_to_float32, weights_dtype)
 from .common import (
     GIB,
     cell,
@@ -154,7 +155,7 @@ def set_checkpointing(model, on: bool) -> None:
     """Activation checkpointing per decoder layer, as `prepare_stage` turns it on for
     DistillConfig.gradient_checkpointing."""
     if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     else:
         model.gradient_checkpointing_disable()
 

@@ -87,7 +87,16 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
         p.requires_grad_(name in names)
     upcast_to_float32(p for p in model.parameters() if p.requires_grad)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if not names:
         raise ValueError(f"stage {stage} of {cfg.method} has nothing to train")
     return model, names
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing per decoder layer, non-reentrant. HF's `gradient_checkpointing_enable`
+    also makes the input embeddings' output require a gradient, which only reentrant checkpointing
+    needs. In stage 1, where each layer's loss depends on that layer alone, it would send a gradient
+    down the whole residual stream, through every MLP and projection of the teacher."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()

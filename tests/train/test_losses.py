@@ -166,18 +166,22 @@ def test_stage2_loss_of_a_linearized_student_with_lora_is_its_own_loss(autocast)
 def test_stage1_under_activation_checkpointing_keeps_the_forwards_losses_and_gradients(method):
     """Checkpointing re-runs each decoder layer's forward in the backward. The losses the step returned
     stay the layers' record (a loss kept from the recomputation would hold that layer's recomputed
-    activations until the next step: every layer's, by the end of the backward), and the gradients are
-    the ones without checkpointing."""
+    activations until the next step: every layer's, by the end of the backward), the gradients are the
+    ones without checkpointing, and no gradient crosses a layer: each one's loss is its own."""
     from linearize.train import DistillConfig
     from linearize.train.losses import stage_loss
-    from linearize.train.student import linearized_layers, linearized_student, prepare_stage
+    from linearize.train.student import enable_checkpointing, linearized_layers, linearized_student, prepare_stage
 
     cfg = DistillConfig(model="tiny", method=method, out="unused", options=TINY_OPTIONS[method])
     model, names = prepare_stage(linearized_student(tiny_teacher(), cfg), cfg, 1)
     model.train()
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
     plain = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 1), ids)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
+    inputs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(kwargs.get("hidden_states", *args[:1])),
+                                        with_kwargs=True)
     recorded = []
 
     def recording_loss(m, x):
@@ -189,5 +193,28 @@ def test_stage1_under_activation_checkpointing_keeps_the_forwards_losses_and_gra
     layers = linearized_layers(model)
     assert len(recorded) == len(layers) > 1
     assert all(layer.transfer_loss is kept for layer, kept in zip(layers, recorded, strict=True))
+    assert inputs and not any(hidden.requires_grad for hidden in inputs)
     assert set(checkpointed[1]) == names and any(g.any() for g in checkpointed[1].values())
+    _assert_same(checkpointed, plain)
+
+
+def test_stage2_under_activation_checkpointing_has_the_same_gradients():
+    """Without the embeddings' output requiring a gradient (`enable_checkpointing`), the adapters of
+    every layer still get theirs: non-reentrant checkpointing needs no input that requires one."""
+    from linearize.train import DistillConfig
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import enable_checkpointing, linearized_student, prepare_stage
+
+    cfg = DistillConfig(model="tiny", method="lizard", out="unused", options=TINY_OPTIONS["lizard"])
+    model, names = prepare_stage(linearized_student(tiny_teacher(), cfg), cfg, 2)
+    model.train()
+    with torch.no_grad():  # lora_B starts at zero, which would leave lora_A without a gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    plain = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 2), ids)
+    enable_checkpointing(model)
+    checkpointed = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 2), ids)
+    assert set(checkpointed[1]) == names and all(g.any() for g in checkpointed[1].values())
     _assert_same(checkpointed, plain)
