@@ -44,8 +44,14 @@ from ..train.distillation import build_student
 from ..train.losses import stage_loss
 from ..train.runtime import Runtime
 from ..train.step import WARMUP_STEPS, TrainStep, make_optimizer
-from ..train.student import (enable_checkpointing, linearized_layers, linearized_student, prepare_stage,
-                             upcast_to_float32, weights_dtype)
+from ..train.student import (
+    enable_checkpointing,
+    linearized_layers,
+    linearized_student,
+    prepare_stage,
+    upcast_to_float32,
+    weights_dtype,
+)
 from .common import (
     GIB,
     cell,
