@@ -86,6 +86,40 @@ def still_forward(launch: dict, gate: bool, save: bool) -> dict[str, int]:
                      num_warps=launch["num_warps"], num_stages=launch["num_stages"])
 
 
+def still_query_kernel_types(dtype: str) -> dict[str, str]:
+    """`still_triton._bwd_dq_kernel`'s argument types for q, k, v and features in `dtype` ("bf16", "fp32")."""
+    tile, f32 = f"*{dtype}", "*fp32"
+    return {"Q": tile, "K": tile, "V": tile, "FQ": tile, "FK": tile, "FOLD": "*i32", "VALID": "*i8", "DN": f32,
+            "GDN": f32, "DDEN": f32, "DMAX": f32, "M": f32, "ARG": "*i32", "DQ": f32, "DFQ": tile, "L": "i32",
+            "H": "i32", "HKV": "i32", "scale": "fp32"}
+
+
+def still_kernels(d: int, features: int, dtype) -> dict[str, dict[str, int]]:
+    """STILL's three kernels as the dispatch launches them for head dim `d`, `features` per feature map and
+    `dtype` operands (no GPU: `forward_launch`'s square tiles): the gated training forward that saves
+    the backward's parts, the d q pass and the d k / d v pass."""
+    import torch
+
+    from linearize.ops.still import triton as still_triton
+
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    shapes = {"D": d, "F": features, "DT": still_triton.DOT_DTYPES[dtype]}
+    forward = still_triton.forward_launch(dtype, d, features, gate=True, save=True)
+    block = still_triton.block_size(dtype, d, features)
+    keys = still_triton.key_kernel_launch(dtype, d, features)
+    forward_types = {**still_forward_types(), **{t: f"*{name}" for t in ("Q", "K", "V", "FQ", "FK", "Y")}}
+    return {
+        "forward": resources(still_triton._fwd_kernel, forward_types,
+                             shapes | {"BM": forward["BM"], "BN": forward["BN"], "GATE": True, "SAVE": True},
+                             divisible=("L",), num_warps=forward["num_warps"], num_stages=forward["num_stages"]),
+        "d q": resources(still_triton._bwd_dq_kernel, still_query_kernel_types(name),
+                         shapes | {"BM": block, "BN": block}, divisible=("L",)),
+        "d k, d v": resources(still_triton._bwd_dkv_kernel, still_key_kernel_types(name),
+                              shapes | {"BM": keys["BM"], "BN": keys["BN"]}, divisible=("L",),
+                              num_warps=keys["num_warps"], num_stages=keys["num_stages"]),
+    }
+
+
 def lizard_forward_types() -> dict[str, str]:
     """`lizard_triton._fwd_kernel`'s argument types for bf16 operands (a scalar gate's float32 log g)."""
     tile, f32 = "*bf16", "*fp32"
@@ -260,6 +294,12 @@ def main() -> None:
                           ("square (block_size)", square)):
         for gate, save in ((True, False), (False, True), (True, True)):
             print(f"  {label}, gate={gate} save={save}: {still_forward(launch, gate, save)}")
+
+    print("STILL's kernels at Gemma's head dim, d = 256 with 256 features (16 x 16 tiles), as launched: "
+          "the dispatch takes them in 16 bits only")
+    for dtype in (torch.bfloat16, torch.float32):
+        for kernel, found in still_kernels(256, 256, dtype).items():
+            print(f"  {dtype}, {kernel}: {found}")
 
     from linearize.ops.gla_window import triton as lizard_triton
 

@@ -153,3 +153,12 @@ def test_features_backward_holds_stage_1_in_registers_at_the_8b_shape():
     launched = res.features_backward(False, features_triton.BWD_COLUMNS)
     whole = res.features_backward(False, 128)
     assert launched["spilled"] == 0 and launched["registers"] < whole["registers"]
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_still_kernels_at_head_dim_256_fit_in_16_bits_and_spill_in_float32():
+    """Why `still_triton.supports` takes Gemma's 256-wide heads in 16 bits only."""
+    bf16, fp32 = (res.still_kernels(256, 256, dtype) for dtype in (torch.bfloat16, torch.float32))
+    assert all(found["spilled"] == 0 and found["shared"] <= 227 * 1024 for found in bf16.values()), bf16
+    assert all(found["spilled"] > 0 for found in fp32.values()), fp32

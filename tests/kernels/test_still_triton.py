@@ -26,6 +26,8 @@ INTERPRETER_CASES = {
     "L70-random-pad10": StillCase(L=70, routing="random", pad=10),
     "L40-recency": StillCase(L=40, routing="recency"),
     "L3-nopad": StillCase(L=3, pad=0),
+    # Gemma's head dim: 16 x 16 tiles, 16-bit only.
+    "L40-d256-f256-bf16": StillCase(L=40, H=2, HKV=1, D=256, F=256, dtype=bf16),
 }
 GPU_CASES = {
     **INTERPRETER_CASES,
@@ -37,6 +39,8 @@ GPU_CASES = {
     # The wide forward tiles (`forward_launch`): 16-bit, head dim 128, 64 features.
     "L700-d128-f64-bf16": StillCase(L=700, H=8, HKV=2, D=128, F=64, window=128, chunk=64, per_chunk=16, slots=128,
                                     dtype=bf16),
+    "L500-d256-f256-bf16": StillCase(L=500, H=4, HKV=1, D=256, F=256, window=128, chunk=64, per_chunk=8, slots=128,
+                                     dtype=bf16),
 }
 
 FAST_CASES = ("L100-gqa-gate",)
@@ -52,6 +56,7 @@ CONTINUED_CASES = {
     "L70-after33-random-pad10": StillCase(L=70, prefix=33, routing="random", pad=10),
     "L40-after17-recency-nogate": StillCase(L=40, prefix=17, routing="recency", gate=False),
     "L3-after9-nopad": StillCase(L=3, prefix=9, pad=0),
+    "L40-after20-d256-f256-bf16": StillCase(L=40, prefix=20, H=2, HKV=1, D=256, F=256, dtype=bf16),
 }
 FAST_CONTINUED = ("L100-after50-gqa-gate",)
 
@@ -211,3 +216,18 @@ def test_the_forward_takes_wide_tiles_only_where_they_were_measured_and_fit(monk
     assert kernels.forward_launch(bf16, 128, 64, cpu) == {"BM": 32, "BN": 32, **square}
     shared["memory"] = 101_376  # a consumer GPU's
     assert kernels.forward_launch(bf16, 128, 64, gpu) == {"BM": 32, "BN": 32, **square}
+
+
+def test_head_dim_256_takes_the_kernels_in_16_bits_only(monkeypatch):
+    """Gemma's 256-wide heads: in float32 every kernel spills registers on sm_90, so those calls keep
+    the PyTorch form; the reason says so."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from linearize.ops.still.triton import supports
+
+    q, k = torch.zeros(1, 2, 8, 256), torch.zeros(1, 1, 8, 256)
+    assert supports(q, k, 256, torch.bfloat16) is None
+    assert supports(q.bfloat16(), k.bfloat16(), 256) is None
+    assert supports(q, k, 256) == "head dim 256 needs 16-bit operands, not torch.float32"
+    assert supports(q[..., :128], k[..., :128], 256) == "feature dim 256 needs 16-bit operands, not torch.float32"
+    assert supports(torch.zeros(1, 2, 8, 512), torch.zeros(1, 1, 8, 512), 64, torch.bfloat16) == (
+        "head dim 512 not in 16/32/64/128/256")

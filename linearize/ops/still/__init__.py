@@ -34,13 +34,14 @@ KERNEL_BLOCK = 8192
 __all__ = ["KERNEL_BLOCK", "MAX_PARALLEL", "init_state", "still", "still_step", "unsupported_reason"]
 
 
-def unsupported_reason(q, k, features: int) -> str | None:
-    """None when the kernels (fresh and continued calls) take these inputs, else why not."""
+def unsupported_reason(q, k, features: int, dtype: torch.dtype | None = None) -> str | None:
+    """None when the kernels (fresh and continued calls, their operands in `dtype`, default q's) take
+    these inputs, else why not."""
     if not backend.use_kernels():
         return "the backend is torch" if backend.get_backend() == "torch" else "triton or a CUDA device missing"
     from .triton import supports
 
-    return supports(q, k, features)
+    return supports(q, k, features, dtype)
 
 
 def still(q, k, v, valid, gate, state, phi_q, phi_k, *, fresh, start, caching, dtype=None, step=still_step,
@@ -55,8 +56,8 @@ def still(q, k, v, valid, gate, state, phi_q, phi_k, *, fresh, start, caching, d
     L = q.shape[2]
     if not fresh and L == 1:
         return step(q, k, v, valid, gate, state, phi_q, phi_k, **options)
-    if unsupported_reason(q, k, phi_q.out_dim) is None:
-        dtype = dtype or q.dtype
+    dtype = dtype or q.dtype
+    if unsupported_reason(q, k, phi_q.out_dim, dtype) is None:
         if not _wants_gradients(q, k, v, gate, phi_q, phi_k):
             def through_kernels(*block, start, fresh, keep):
                 run = _fresh_pass_through_kernels if fresh else _continued_through_kernels

@@ -90,7 +90,7 @@ def compare_still(case: StillCase, device="cuda", seed=0):
     """Relative errors vs float64, of the kernels and of the reference op in float32, per output and
     gradient; plus which path ran ("kernel" or the reason not)."""
     tensors, valid, dy = make_inputs(case, device, seed)
-    reason = unsupported_reason(tensors[0], tensors[1], case.F)
+    reason = unsupported_reason(tensors[0], tensors[1], case.F, case.dtype)
     ours = _run(case, tensors, valid, dy, None)
     exact = _run(case, tensors, valid, dy, torch.float64)
     fp32 = _run(case, tensors, valid, dy, torch.float32)
@@ -163,7 +163,7 @@ def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False
             inputs = (inputs[0].clone().requires_grad_(requires_grad), *inputs[1:])
             y, new_state = dispatch.still(*inputs, state, phi_q, phi_k, fresh=False, start=case.prefix,
                                           caching=True, dtype=case.dtype, **options)
-    reason = unsupported_reason(q, k, case.F)
+    reason = unsupported_reason(q, k, case.F, case.dtype)
     return {"path": reason or "kernel", "calls": len(calls), "y": _rel(y.detach(), ref_y), "dtype": str(y.dtype),
             "differentiable": y.requires_grad,
             **state_errors(new_state, ref_state)}

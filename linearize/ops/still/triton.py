@@ -219,16 +219,23 @@ def _bwd_dkv_kernel(Q, K, V, FQ, FK, FOLD, VALID, DN, GDN, DDEN, DMAX, M, ARG, D
     _store_tile(DFK + bh * L * F, j, L, dfk, F, F)
 
 
-def supports(q, k, features: int) -> str | None:
-    """None when the kernels take these inputs (q, k and `features` per feature map), else why not."""
+def supports(q, k, features: int, dtype: torch.dtype | None = None) -> str | None:
+    """None when the kernels take these inputs (q, k and `features` per feature map, the kernels'
+    operands in `dtype`, default q's), else why not."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if not (q.is_cuda or (interpreting and q.device.type == "cpu")):
         return f"device {q.device.type}"
-    if q.dtype not in DOT_DTYPES:
-        return f"dtype {q.dtype}"
+    dtype = dtype or q.dtype
+    for t in (q.dtype, dtype):
+        if t not in DOT_DTYPES:
+            return f"dtype {t}"
     for name, n in (("head dim", q.shape[-1]), ("feature dim", features)):
-        if n not in (16, 32, 64, 128):
-            return f"{name} {n} not in 16/32/64/128"
+        if n not in (16, 32, 64, 128, 256):
+            return f"{name} {n} not in 16/32/64/128/256"
+        # Gemma's 256-wide heads take 16 x 16 tiles (`block_size`): in 16 bits they compile for sm_90
+        # without spilling, in float32 every kernel spills (`python -m experiments.kernel_resources`).
+        if n == 256 and torch.finfo(dtype).bits != 16:
+            return f"{name} 256 needs 16-bit operands, not {dtype}"
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         return "query heads must be a multiple of the KV heads"
     if q.shape[2] == 0:
