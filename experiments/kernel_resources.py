@@ -57,12 +57,22 @@ def resources(kernel, types: dict[str, str], constants: dict, *, divisible=(), a
     return {"registers": int(registers), "spilled": int(stack), "shared": compiled.metadata.shared}
 
 
-def still_key_kernel_types(dtype: str) -> dict[str, str]:
-    """`still_triton._bwd_dkv_kernel`'s argument types for q, k, v and features in `dtype` ("bf16", "fp32")."""
+def _still_backward_types(dtype: str) -> dict[str, str]:
+    """The argument types STILL's two backward kernels share, q, k, v and features in `dtype`."""
     tile, f32 = f"*{dtype}", "*fp32"
     return {"Q": tile, "K": tile, "V": tile, "FQ": tile, "FK": tile, "FOLD": "*i32", "VALID": "*i8", "DN": f32,
-            "GDN": f32, "DDEN": f32, "DMAX": f32, "M": f32, "ARG": "*i32", "DK": f32, "DV": f32, "DFK": tile,
-            "L": "i32", "H": "i32", "HKV": "i32", "scale": "fp32"}
+            "GDN": f32, "DDEN": f32, "DMAX": f32, "M": f32, "ARG": "*i32", "L": "i32", "H": "i32", "HKV": "i32",
+            "scale": "fp32"}
+
+
+def still_key_kernel_types(dtype: str) -> dict[str, str]:
+    """`still_triton._bwd_dkv_kernel`'s argument types for q, k, v and features in `dtype` ("bf16", "fp32")."""
+    return _still_backward_types(dtype) | {"DK": "*fp32", "DV": "*fp32", "DFK": f"*{dtype}"}
+
+
+def still_query_kernel_types(dtype: str) -> dict[str, str]:
+    """`still_triton._bwd_dq_kernel`'s argument types for q, k, v and features in `dtype` ("bf16", "fp32")."""
+    return _still_backward_types(dtype) | {"DQ": "*fp32", "DFQ": f"*{dtype}"}
 
 
 def still_forward_types() -> dict[str, str]:
@@ -84,14 +94,6 @@ def still_forward(launch: dict, gate: bool, save: bool) -> dict[str, int]:
                  "BN": launch["BN"], "GATE": gate, "SAVE": save}
     return resources(still_triton._fwd_kernel, still_forward_types(), constants, divisible=("L",),
                      num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-
-
-def still_query_kernel_types(dtype: str) -> dict[str, str]:
-    """`still_triton._bwd_dq_kernel`'s argument types for q, k, v and features in `dtype` ("bf16", "fp32")."""
-    tile, f32 = f"*{dtype}", "*fp32"
-    return {"Q": tile, "K": tile, "V": tile, "FQ": tile, "FK": tile, "FOLD": "*i32", "VALID": "*i8", "DN": f32,
-            "GDN": f32, "DDEN": f32, "DMAX": f32, "M": f32, "ARG": "*i32", "DQ": f32, "DFQ": tile, "L": "i32",
-            "H": "i32", "HKV": "i32", "scale": "fp32"}
 
 
 def still_kernels(d: int, features: int, dtype) -> dict[str, dict[str, int]]:

@@ -226,10 +226,10 @@ def tables(results: dict) -> list[str]:
     header = ("| model | clients | prompt | TTFT p50 / p99 ms | ITL p50 / p99 ms | all prefilled | decode tokens/s "
               "| peak memory | batching |")
     lines += ["", caption, "", header, "|---|---|---|---|---|---|---|---|---|"]
+    pair = lambda a, b: "–" if a is None else f"{number(a)} / {number(b)}"  # p50 / p99
     for p in points:
         if p["status"] not in ("ok", "cut"):
             continue
-        pair = lambda a, b: "–" if a is None else f"{number(a)} / {number(b)}"
         decode = "–" if p["decode_tokens_per_s"] is None else number(p["decode_tokens_per_s"])
         prefilled = "–" if p["all_prefilled_s"] is None else f"{100 * p['all_prefilled_s'] / p['wall_s']:.0f}%"
         memory = human_bytes(p["peak_bytes"]) if p["peak_bytes"] is not None else "– (CPU)"

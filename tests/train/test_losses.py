@@ -133,27 +133,35 @@ def test_stage2_loss_is_the_models_own_loss_without_full_logits(arch):
     _assert_same(ours, _loss_and_grads(model, _own_loss, ids))
 
 
+def _lora_student(teacher):
+    """(model, trained names): stage 2 of the recipes' Lizard on `teacher`, its lora_B moved off zero,
+    where it starts and would leave lora_A without a gradient."""
+    from linearize.train import DistillConfig
+    from linearize.train.student import linearized_student, prepare_stage
+
+    cfg = DistillConfig(model="tiny", method="lizard", out="unused", options=TINY_OPTIONS["lizard"])
+    model, names = prepare_stage(linearized_student(teacher, cfg), cfg, 2)
+    model.train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
+    return model, names
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_stage2_loss_of_a_linearized_student_with_lora_is_its_own_loss(autocast):
     """The distillation's stage 2: LoRA on the student's q/k/v; under autocast, the teacher's weights in
     bf16 as a bf16 run loads them (its buffers float32, as loading leaves them). Only the adapters get
     gradients."""
-    from linearize.train import DistillConfig
     from linearize.train.losses import stage_loss
-    from linearize.train.student import linearized_student, prepare_stage
 
-    cfg = DistillConfig(model="tiny", method="lizard", out="unused", options=TINY_OPTIONS["lizard"])
     teacher = tiny_teacher()
     if autocast:
         for p in teacher.parameters():
             p.data = p.data.to(torch.bfloat16)
-    model, names = prepare_stage(linearized_student(teacher, cfg), cfg, 2)
-    model.train()
+    model, names = _lora_student(teacher)
     assert {p.dtype for n, p in model.named_parameters() if n in names} == {torch.float32}
-    with torch.no_grad():  # lora_B starts at zero, which would leave lora_A without a gradient
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ours = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 2), ids)
@@ -201,17 +209,10 @@ def test_stage1_under_activation_checkpointing_keeps_the_forwards_losses_and_gra
 def test_stage2_under_activation_checkpointing_has_the_same_gradients():
     """Without the embeddings' output requiring a gradient (`enable_checkpointing`), the adapters of
     every layer still get theirs: non-reentrant checkpointing needs no input that requires one."""
-    from linearize.train import DistillConfig
     from linearize.train.losses import stage_loss
-    from linearize.train.student import enable_checkpointing, linearized_student, prepare_stage
+    from linearize.train.student import enable_checkpointing
 
-    cfg = DistillConfig(model="tiny", method="lizard", out="unused", options=TINY_OPTIONS["lizard"])
-    model, names = prepare_stage(linearized_student(tiny_teacher(), cfg), cfg, 2)
-    model.train()
-    with torch.no_grad():  # lora_B starts at zero, which would leave lora_A without a gradient
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
+    model, names = _lora_student(tiny_teacher())
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1))
     plain = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 2), ids)
     enable_checkpointing(model)
