@@ -83,14 +83,15 @@ def still_forward_types() -> dict[str, str]:
             "L": "i32", "H": "i32", "HKV": "i32", "scale": "fp32", "eps": "fp32"}
 
 
-def still_forward(launch: dict, gate: bool, save: bool) -> dict[str, int]:
-    """`still_triton._fwd_kernel` at the Llama-3-8B shape (bf16, d = 128, 64 features) under `launch`
-    (`forward_launch`'s form: tiles, warps, stages), gated or not, saving the backward's parts or not."""
+def still_forward(launch: dict, gate: bool, save: bool, features: int) -> dict[str, int]:
+    """`still_triton._fwd_kernel` in bf16 at d = 128 (the Llama-3-8B shape, whose feature maps have 128
+    features) under `launch` (`forward_launch`'s form: tiles, warps, stages), gated or not, saving the
+    backward's parts or not."""
     import torch
 
     from linearize.ops.still import triton as still_triton
 
-    constants = {"D": 128, "F": 64, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": launch["BM"],
+    constants = {"D": 128, "F": features, "DT": still_triton.DOT_DTYPES[torch.bfloat16], "BM": launch["BM"],
                  "BN": launch["BN"], "GATE": gate, "SAVE": save}
     return resources(still_triton._fwd_kernel, still_forward_types(), constants, divisible=("L",),
                      num_warps=launch["num_warps"], num_stages=launch["num_stages"])
@@ -289,13 +290,16 @@ def main() -> None:
                               num_warps=launch["num_warps"], num_stages=launch["num_stages"])
             print(f"  {name} d={d} {tiles}: {found}")
 
-    print("STILL's forward kernel, bf16, d = 128, 64 features (the Llama-3-8B shape), the wide tiles against square ones: "
-          "a gated fresh prefill, a continued call (its parts saved, no gate) and a gated training pass:")
+    print("STILL's forward kernel, bf16, d = 128, 64 and 128 features (the Llama-3-8B shape: 128), the wide tiles "
+          "against square ones: a gated fresh prefill, a continued call (its parts saved, no gate) and a gated "
+          "training pass:")
     square = {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 3}
-    for label, launch in (("wide (forward_launch on a GPU with the shared memory)", still_triton.WIDE_FORWARD),
-                          ("square (block_size)", square)):
-        for gate, save in ((True, False), (False, True), (True, True)):
-            print(f"  {label}, gate={gate} save={save}: {still_forward(launch, gate, save)}")
+    for features in (64, 128):
+        for label, launch in (("wide (forward_launch on a GPU with the shared memory)", still_triton.WIDE_FORWARD),
+                              ("square (block_size)", square)):
+            for gate, save in ((True, False), (False, True), (True, True)):
+                found = still_forward(launch, gate, save, features)
+                print(f"  {features} features, {label}, gate={gate} save={save}: {found}")
 
     print("STILL's kernels at Gemma's head dim, d = 256 with 256 features (16 x 16 tiles), as launched: "
           "the dispatch takes them in 16 bits only")

@@ -125,7 +125,7 @@ def test_a_calls_fixed_share_sets_the_fewest_tokens_a_paced_chunk_takes(monkeypa
     its tokens. Each request still gets its offline greedy tokens."""
     clock, engine = paced_prefills(monkeypatch, 1.0, fixed=60.0)
     assert clock.prefills == [5, 16, 60, 44]
-    assert engine._prefill_cost.fit() == (60.0, 1.0)
+    assert engine.prefill_cost.fit() == (60.0, 1.0)
 
 
 def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
@@ -134,7 +134,7 @@ def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
     engine._running = [object()]
     assert engine.prefill_tokens() == 256  # nothing timed yet
     engine._step_s = 0.040
-    engine._prefill_cost.add(100, 0.100)  # one size: its time per token sizes the chunk
+    engine.prefill_cost.add(100, 0.100)  # one size: its time per token sizes the chunk
     assert engine.prefill_tokens() == 40
     engine._step_s = 1e-6  # a step far faster than a token of prefill: prompts still advance
     assert engine.prefill_tokens() == MIN_PREFILL_CHUNK

@@ -36,6 +36,8 @@ def title(results: dict) -> str:
         options.append(f"ops {'+'.join(settings['ops'])}")
     if settings.get("cuda_graph"):
         options.append("cuda graph")
+    if settings.get("prefill_budget"):
+        options.append(f"prefill budget {settings['prefill_budget']:g}")
     if settings.get("compile_decode"):
         options.append(f"decode compiled ({settings['compile_decode']})")
     return f"{results['title']} ({', '.join(options)})" if options else results["title"]

@@ -11,7 +11,8 @@ wall time at the moment every request has its first token (`all_prefilled_s`): b
 still prefills prompts between decode steps, after it only decodes, and `decode_tokens_per_s` is the
 output rate over that tail alone. Output tokens/s over the whole point is what a user sees; the tail's
 rate is what the constant-size state buys once the prompts are in. The engine runs in this process
-without HTTP: the scheduler, its slots and the model are what is measured.
+without HTTP: the scheduler, its slots and the model are what is measured. Each model first serves an
+untimed warm-up point, so that its first measured point does not pay for compiling kernels.
 
 A linearized model's requests hold one fixed-size state slot each, stepped together ("slots"); the
 softmax teacher's requests hold one row each of a batched KV cache, whose keys and values grow with every
@@ -80,6 +81,17 @@ async def _client(engine: Engine, prompt: list[int], params: SamplingParams, rec
     record["finish_reason"] = request.finish_reason
 
 
+def prefill_fit(engine: Engine) -> dict | None:
+    """The engine's fitted cost of a prefill call at the point's end (what `--prefill-budget` paces by):
+    its fixed milliseconds, microseconds a token, and the tokens whose own cost equals the fixed share
+    (the least a paced call takes)."""
+    fit = engine.prefill_cost.fit()
+    if fit is None:
+        return None
+    fixed_s, per_token_s = fit
+    return {"fixed_ms": fixed_s * 1e3, "per_token_us": per_token_s * 1e6, "fixed_tokens": fixed_s / per_token_s}
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or a time limit's SIGINT) during a point, carrying the point as it stood."""
 
@@ -146,13 +158,25 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
              "decode_tokens_per_s": tail_tokens / (started + wall - all_prefilled) if tail_tokens else None,
              "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
              "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
-             "peak_bytes": peak_bytes(device)}
+             "peak_bytes": peak_bytes(device), "prefill_fit": prefill_fit(engine)}
     progress = f"{len(finished)} of {clients} requests finished, {len(answered)} had begun answering"
     if interrupted:
         raise Interrupted(point | {"status": "cut", "reason": f"interrupted after {wall:.0f} s: {progress}"})
     if cut and len(finished) < clients:
         point.update(status="cut", reason=f"cut at the time limit after {cut[0] - started:.0f} s: {progress}")
     return point
+
+
+def warm_up(net, settings: dict, device: torch.device, deadline: float) -> float:
+    """An untimed point before a model's first (the fewest clients, the shortest prompt up to one prefill
+    chunk, a few tokens each), so that kernel compilation, CUDA graph capture and the allocator's first
+    growth are not counted in the first measured point. Returns its seconds, which the record keeps."""
+    started = time.perf_counter()
+    measure_point(net, clients=min(settings["clients"]),
+                  prompt_length=min(*settings["prompt_lengths"], settings["prefill_chunk"]),
+                  settings=settings | {"max_tokens": min(4, settings["max_tokens"])}, device=device, deadline=deadline)
+    free_memory()
+    return time.perf_counter() - started
 
 
 def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", methods: list[str] = ("lizard",),
@@ -172,7 +196,13 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
     for i, variant in enumerate(variants):
         deadline = time.monotonic() + (end - time.monotonic()) / (len(variants) - i)
         net = build(settings, variant, device, dtype)
-        results["models"].append({"name": variant, "linearize": getattr(net.config, "linearize", None)})
+        try:
+            warm_up_s = warm_up(net, settings, device, deadline)
+        except Interrupted:  # the points before it are kept
+            write_outputs(results, out, tables, plots)
+            raise
+        results["models"].append({"name": variant, "linearize": getattr(net.config, "linearize", None),
+                                  "warm_up_s": warm_up_s})
         stopped = None
         for prompt_length in settings["prompt_lengths"]:
             last = None  # (clients, wall seconds) of the last point measured at this length
@@ -262,7 +292,11 @@ def batching(point: dict) -> str:
     calls = point.get("prefill_calls")
     if not calls:
         return rows
-    return f"{rows}; prompts in {calls} calls of {number(point['prefilled_tokens'] / calls)} tokens on average"
+    text = f"{rows}; prompts in {calls} calls of {number(point['prefilled_tokens'] / calls)} tokens on average"
+    fit = point.get("prefill_fit")
+    if fit:  # what a paced call can get down to: it never takes fewer tokens than the fixed share's worth
+        text += f"; a call's fixed share {number(fit['fixed_ms'])} ms, {number(fit['fixed_tokens'])} tokens' worth"
+    return text
 
 
 def plots(results: dict, out: Path) -> list[Path]:

@@ -189,7 +189,7 @@ class Engine:
         # The last decode step's seconds and what prefill calls cost: what sizes the next chunk while
         # requests decode (`prefill_tokens`).
         self._step_s: float | None = None
-        self._prefill_cost = PrefillCost()
+        self.prefill_cost = PrefillCost()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.cuda_graph = cuda_graph
         self.slotted = fully_linearized(model)
@@ -370,7 +370,7 @@ class Engine:
         fixed + per token; the last chunk's time per token until calls of two sizes are seen), but never
         fewer tokens than the fixed share's worth, below which a call would spend most of its time on
         what every call pays; within MIN_PREFILL_CHUNK..`prefill_chunk`."""
-        cost = self._prefill_cost
+        cost = self.prefill_cost
         if not (self._running and self.prefill_budget and self._step_s and cost.last_per_token_s):
             return self.prefill_chunk
         budget_s = self.prefill_budget * self._step_s
@@ -395,7 +395,7 @@ class Engine:
         logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the chunk's own time, not a queue the next step waits on
-        self._prefill_cost.add(end - active.done, time.perf_counter() - started)
+        self.prefill_cost.add(end - active.done, time.perf_counter() - started)
         self.prefill_calls += 1
         self.prefilled_tokens += end - active.done
         active.done = end

@@ -251,6 +251,13 @@ def test_a_model_run_of_other_methods_is_another_section():
     assert title(still).endswith("(methods still)") and title(both).endswith("(methods lizard+still)")
 
 
+def test_a_paced_serve_run_is_another_section():
+    """`bench serve --prefill-budget 1` must not replace the whole-chunk run's section."""
+    whole = new_results("serve", "Serving", torch.device("cpu"), {"prefill_budget": 0.0})
+    paced = new_results("serve", "Serving", torch.device("cpu"), {"prefill_budget": 1.0})
+    assert title(whole) == whole["title"] and title(paced).endswith("(prefill budget 1)")
+
+
 def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_path, monkeypatch):
     measure = model_bench.measure_point
 
@@ -358,7 +365,7 @@ def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tm
     measured = []
 
     def fake_point(net, *, clients, prompt_length, settings, device, deadline):
-        measured.append(clients)
+        measured.append((clients, prompt_length))
         # A sixth of the time limit, whatever the clients, and at once.
         return {"status": "ok", "mode": "slots", "slots": clients, "peak_running": clients, "kv_budget_bytes": None,
                 "wall_s": time_limit / 6, "output_tokens": clients, "output_tokens_per_s": 1.0, "all_prefilled_s": 1.0,
@@ -369,7 +376,8 @@ def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tm
     monkeypatch.setattr(serve_bench, "build", lambda settings, variant, device, dtype: SimpleNamespace(config=None))
     serve_bench.bench(tmp_path / "serve", quick=True, clients=[1, 4], time_limit=time_limit)
     points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
-    assert measured == [1, 1, 4]
+    # Each model's warm-up first (the fewest clients, the prompt cut to one prefill chunk), then its points.
+    assert measured == [(1, 16), (1, 32), (1, 16), (1, 32), (4, 32)]
     assert [p["status"] for p in points] == ["ok", "skipped", "ok", "ok"]
     assert {p["reason"] for p in points if p["status"] == "skipped"} == {"would pass the time limit"}
 
@@ -412,6 +420,25 @@ def test_serve_interrupted_keeps_the_point_so_far_and_writes_the_tables(teacher_
     points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
     assert points[-1]["status"] == "cut" and points[-1]["reason"].startswith("interrupted after")
     assert "(cut)" in (tmp_path / "serve" / "serve.md").read_text()
+
+
+def test_serve_records_the_fitted_cost_of_a_prefill_call_and_the_table_shows_it():
+    """The engine's fit of its prefill calls (fixed + per token) goes into the point, with the tokens
+    its fixed share is worth (the least a paced call takes), and into the latency table's last column."""
+    from types import SimpleNamespace
+
+    from linearize.bench import serve as serve_bench
+    from linearize.serve.pacing import PrefillCost
+
+    cost = PrefillCost()
+    assert serve_bench.prefill_fit(SimpleNamespace(prefill_cost=cost)) is None
+    for tokens in (1000, 4000):  # 50 ms a call, 10 microseconds a token
+        cost.add(tokens, 0.050 + tokens * 1e-5)
+    fit = serve_bench.prefill_fit(SimpleNamespace(prefill_cost=cost))
+    assert fit == pytest.approx({"fixed_ms": 50.0, "per_token_us": 10.0, "fixed_tokens": 5000.0})
+    point = {"mode": "slots", "slots": 4, "prefill_calls": 2, "prefilled_tokens": 5000, "prefill_fit": fit}
+    assert serve_bench.batching(point) == ("4 slots; prompts in 2 calls of 2,500 tokens on average; "
+                                          "a call's fixed share 50 ms, 5,000 tokens' worth")
 
 
 def test_serve_percentiles_interpolate():

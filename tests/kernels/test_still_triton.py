@@ -36,7 +36,7 @@ GPU_CASES = {
                                          slots=768, pad=37),
     "L300-d128-bf16": StillCase(L=300, H=4, HKV=1, D=128, F=128, window=64, chunk=64, per_chunk=8, slots=64,
                                 dtype=bf16),
-    # The wide forward tiles (`forward_launch`): 16-bit, head dim 128, 64 features.
+    # The wide forward tiles (`forward_launch`): 16-bit, head dim 128, 64 features (L300-d128-bf16: 128).
     "L700-d128-f64-bf16": StillCase(L=700, H=8, HKV=2, D=128, F=64, window=128, chunk=64, per_chunk=16, slots=128,
                                     dtype=bf16),
     "L500-d256-f256-bf16": StillCase(L=500, H=4, HKV=1, D=256, F=256, window=128, chunk=64, per_chunk=8, slots=128,
@@ -195,8 +195,9 @@ def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path(dtype):
 
 
 def test_the_forward_takes_wide_tiles_only_where_they_were_measured_and_fit(monkeypatch):
-    """16-bit, head dim 128, at most 64 features, on a GPU with the shared memory, and not a gated pass
-    saving the backward's parts (which spills at those tiles): the wide tiles; square ones otherwise."""
+    """16-bit, head dim 128, at most 128 features, on a GPU with the shared memory they need at that many
+    features, and not a gated pass saving the backward's parts (which spills at those tiles): the wide
+    tiles; square ones otherwise."""
     from types import SimpleNamespace
 
     from linearize.ops.still import triton as kernels
@@ -212,8 +213,12 @@ def test_the_forward_takes_wide_tiles_only_where_they_were_measured_and_fit(monk
     assert kernels.forward_launch(bf16, 128, 64, gpu, gate=True, save=True) == {"BM": 32, "BN": 32, **square}
     assert kernels.forward_launch(torch.float32, 128, 64, gpu) == {"BM": 16, "BN": 16, **square}
     assert kernels.forward_launch(bf16, 64, 64, gpu) == {"BM": 64, "BN": 64, **square}
-    assert kernels.forward_launch(bf16, 128, 128, gpu) == {"BM": 32, "BN": 32, **square}
+    assert kernels.forward_launch(bf16, 128, 128, gpu, gate=True) == wide  # the Llama-3-8B shape's features
+    assert kernels.forward_launch(bf16, 128, 256, gpu) == {"BM": 16, "BN": 16, **square}
     assert kernels.forward_launch(bf16, 128, 64, cpu) == {"BM": 32, "BN": 32, **square}
+    shared["memory"] = 150_000  # room for the wide tiles at 64 features, not at 128
+    assert kernels.forward_launch(bf16, 128, 64, gpu) == wide
+    assert kernels.forward_launch(bf16, 128, 128, gpu) == {"BM": 32, "BN": 32, **square}
     shared["memory"] = 101_376  # a consumer GPU's
     assert kernels.forward_launch(bf16, 128, 64, gpu) == {"BM": 32, "BN": 32, **square}
 

@@ -46,22 +46,24 @@ def block_size(dtype, D, F):
     return max(16, min(64, block))
 
 
-# `_fwd_kernel` at 16-bit head dim 128 with up to 64 features (8B-class models): 128 queries a program,
-# 64 keys a step, 8 warps, 2 stages, which compile for sm_90 in the shared memory below and prefill
-# faster than square tiles at the Llama-3-8B shape (`python -m experiments.scripts.time_still_block`;
-# docs/benchmarks.md has the run). Not for a gated pass that saves the backward's parts (training): that
-# one spills registers at these tiles (`python -m experiments.kernel_resources`).
+# `_fwd_kernel` at 16-bit head dim 128 with up to 128 features (8B-class models have 128): 128 queries a
+# program, 64 keys a step, 8 warps, 2 stages. They prefill faster than square tiles at the Llama-3-8B shape
+# (`python -m experiments.scripts.time_still_block`; docs/benchmarks.md has the run), though at 128
+# features they spill 8 bytes a thread for sm_90; the shared memory they need, by features, is below
+# (`python -m experiments.kernel_resources`). Not for a gated pass that saves the backward's parts
+# (training): that one spills ~200 bytes a thread at these tiles.
 WIDE_FORWARD = {"BM": 128, "BN": 64, "num_warps": 8, "num_stages": 2}
-WIDE_FORWARD_SHARED = 131_328
+WIDE_FORWARD_SHARED = {64: 131_328, 128: 164_096}
 
 
 def forward_launch(dtype, D, F, device=None, *, gate=False, save=False) -> dict:
     """`_fwd_kernel`'s tiles and launch options (queries a program, keys a step, warps, stages) for a pass
     with or without a gate, saving the parts or not: the wide tiles where they were measured faster and
     the GPU has their shared memory, else square tiles of `block_size`."""
-    if (torch.finfo(dtype).bits == 16 and D == 128 and F <= 64 and not (gate and save) and device is not None
+    if (torch.finfo(dtype).bits == 16 and D == 128 and F <= 128 and not (gate and save) and device is not None
             and device.type == "cuda"
-            and torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= WIDE_FORWARD_SHARED):
+            and torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+            >= WIDE_FORWARD_SHARED[64 if F <= 64 else 128]):
         return dict(WIDE_FORWARD)
     block = block_size(dtype, D, F)
     return {"BM": block, "BN": block, "num_warps": 4, "num_stages": 3}
