@@ -37,7 +37,7 @@ GRAPH_METHODS = ("lizard", "liger", "lolcats", "still")
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
     # One side stream per device for every decoder's warm-up and capture: cuBLAS keeps a workspace
     # (tens of MiB) per stream it has run on, so a new stream per capture leaves one more behind each time.
     if device not in _CAPTURE_STREAMS:
@@ -188,7 +188,7 @@ class StaticDecoder:
                 layer.seen = seen
 
         try:
-            stream = _capture_stream(self.device)
+            stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._run()  # compiles, where asked, outside the capture

@@ -133,3 +133,34 @@ def test_decoders_leave_no_memory_behind():
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[2] == allocated[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", METHODS)
+def test_graphed_static_prefill_equals_eager_and_captures(method, dtype):
+    """The serving engine's paced prefill: chunks replayed from graphs (first and later chunks, two
+    sequences through one cache) give the eager chunks' logits and state, and every size captured."""
+    from linearize.prefill import StaticPrefill, largest_size, power_of_two_sizes
+
+    model = cuda_student(method).to(dtype)
+    graphed = StaticPrefill(model, sizes=power_of_two_sizes(16), cuda_graph=True)
+    graphed.capture()
+    assert graphed.graphed, graphed.graph_error
+    eager = StaticPrefill(model, sizes=graphed.sizes, cuda_graph=False)
+    g = torch.Generator().manual_seed(4)
+    for length in (45, 23):
+        prompt = torch.randint(3, 128, (length,), generator=g).tolist()
+        last = []
+        for prefill in (graphed, eager):
+            prefill.reset()
+            done = 0
+            while done < length:
+                size = largest_size(prefill.sizes, min(16, length - done))
+                logits = prefill.run(prompt[done:done + size]).clone()
+                done += size
+            last.append(logits)
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(*last, **tolerance)
+        for mine, theirs in zip(graphed.cache.layers, eager.cache.layers, strict=True):
+            for name, tensor in theirs.state.items():
+                torch.testing.assert_close(mine.state[name], tensor, **tolerance, msg=name)

@@ -43,16 +43,18 @@ def serve(engine, coroutine):
         engine.stop()
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["own-caches", "static-prefill"])
 @pytest.mark.parametrize("method", METHODS)
-def test_concurrent_greedy_requests_get_their_offline_tokens(method):
+def test_concurrent_greedy_requests_get_their_offline_tokens(method, static):
     """Twelve prompts of 1 to 39 tokens through 4 slots, arriving at different times, prefilled in
-    chunks of 7 tokens between the running requests' steps: each gets the tokens that greedy
-    decoding of it alone gives, and slots are reused as requests finish."""
+    chunks of 7 tokens (or, through the fixed-shape prefill cache, of 4, 2 and 1) between the running
+    requests' steps: each gets the tokens that greedy decoding of it alone gives, and slots are reused
+    as requests finish."""
     model = student(method)
     batch = prompts(12)
     lengths = [3 + i % 5 for i in range(12)]
     expected = [offline(model, p, n) for p, n in zip(batch, lengths)]
-    engine = Engine(model, max_batch=4, max_queue=16, prefill_chunk=7, cuda_graph=False)
+    engine = Engine(model, max_batch=4, max_queue=16, prefill_chunk=7, cuda_graph=False, static_prefill=static)
 
     async def main():
         return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=n, ignore_eos=True), 0.002 * i)
@@ -62,6 +64,15 @@ def test_concurrent_greedy_requests_get_their_offline_tokens(method):
     assert [tokens for tokens, _ in results] == expected
     assert {reason for _, reason in results} == {"length"}
     assert engine.stats()["running"] == 0
+    # Chunks of 7, or of the largest power of two up to 7 that the prompt's rest holds.
+    sizes = [4, 2, 1] if static else [7]
+    calls = 0
+    for prompt in batch:
+        rest = len(prompt)
+        while rest:
+            rest -= next(size for size in sizes if size <= rest) if static else min(7, rest)
+            calls += 1
+    assert engine.prefill_calls == calls
 
 
 class FakeClock:
@@ -97,7 +108,7 @@ def paced_prefills(monkeypatch, budget: float, fixed: float = 0.0) -> tuple[Fake
     expected = [offline(model, first, 30), offline(model, second, 3)]
     clock = FakeClock(model, fixed)
     monkeypatch.setattr(engine_module, "time", clock)
-    engine = Engine(model, max_batch=2, prefill_chunk=128, prefill_budget=budget, cuda_graph=False)
+    engine = engine_module.Engine(model, max_batch=2, prefill_chunk=128, prefill_budget=budget, cuda_graph=False)
 
     async def main():
         return await asyncio.gather(collect(engine, first, SamplingParams(max_tokens=30, ignore_eos=True)),
@@ -126,6 +137,25 @@ def test_a_calls_fixed_share_sets_the_fewest_tokens_a_paced_chunk_takes(monkeypa
     clock, engine = paced_prefills(monkeypatch, 1.0, fixed=60.0)
     assert clock.prefills == [5, 16, 60, 44]
     assert engine.prefill_cost.fit() == (60.0, 1.0)
+
+
+def test_the_static_prefill_cuts_paced_chunks_to_its_sizes_and_is_on_where_it_pays(monkeypatch):
+    """Through the fixed-shape prefill cache every prefill call is a power of two up to `prefill_chunk`
+    (128), whatever size the budget asks for, and each request still gets its offline greedy tokens. By
+    default it is on only for paced prefills with graphed steps (a GPU), and never outside slots mode."""
+    import linearize.serve.engine as engine_module
+
+    real = engine_module.Engine
+
+    def static_engine(*args, **kwargs):
+        return real(*args, **kwargs, static_prefill=True)
+
+    monkeypatch.setattr(engine_module, "Engine", static_engine)
+    clock, engine = paced_prefills(monkeypatch, 1.0)
+    assert engine.static_prefill and clock.prefills
+    assert all(n & (n - 1) == 0 and n <= 128 for n in clock.prefills), clock.prefills
+    assert not real(student(), prefill_budget=1.0, cuda_graph=False).static_prefill  # a CPU
+    assert not real(tiny_teacher("llama"), static_prefill=True).static_prefill  # kv mode
 
 
 def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():

@@ -144,7 +144,9 @@ class LinearizedAttention(nn.Module):
 
         cache = (claim_cache_layer(past_key_values, self.layer_idx, self.mask_window)
                  if past_key_values is not None else None)
-        state = cache.state if cache is not None else None
+        # A layer that has seen no token holds no sequence's state (a fixed-shape cache reset for a new
+        # sequence keeps its tensors): the call takes the fresh path.
+        state = cache.state if cache is not None and cache.seen else None
         self.caching = cache is not None
         self.frozen_cache = cache is not None and cache.frozen
         start = cache.seen if cache is not None else 0

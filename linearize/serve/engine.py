@@ -8,7 +8,9 @@ Each scheduler turn
    `prefill_budget` > 0 and requests decoding, as many as take about `prefill_budget` times the last
    decode step's time (by the fitted cost of a call, `pacing.PrefillCost`; never fewer than its fixed
    share is worth), so that a turn with a prefill takes about 1 + `prefill_budget` steps and the gaps
-   between a request's tokens stay even;
+   between a request's tokens stay even (in slots mode on a GPU, through one fixed-shape cache in
+   chunks replayed from CUDA graphs, `linearize.prefill`, so that a small chunk costs its tokens and
+   not an eager forward's launches);
 2. copies a finished prefill's state into its row;
 3. steps every row once, in one forward of the batch, and hands each running request its next token.
 
@@ -52,6 +54,7 @@ from transformers import DynamicCache
 from ..attention import LinearizedAttention
 from ..cache import compact_softmax_layers
 from ..decode import StaticDecoder, fully_linearized
+from ..prefill import StaticPrefill, largest_size, power_of_two_sizes
 from . import kv_slots
 from .kv_slots import BatchedKVCache
 from .pacing import PrefillCost
@@ -170,11 +173,16 @@ class Engine:
 
     `kv_budget_bytes` (kv mode only): the most bytes of keys and values the admitted requests may reach;
     None: on a GPU, 90% of the memory free when the engine starts, less a step's working room; on a CPU,
-    no limit."""
+    no limit.
+
+    `static_prefill` (slots mode only): prefill the prompts through one fixed-shape cache in chunks of
+    power-of-two sizes up to `prefill_chunk`, each replayed from a CUDA graph (`linearize.prefill`), so
+    that a small paced chunk costs its tokens and not an eager forward's launches. None: on where it pays,
+    with `prefill_budget` > 0 and the decode steps replayed from graphs (on a GPU)."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
                  prefill_budget: float = 0.0, eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, static_prefill: bool | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
         if not (math.isfinite(prefill_budget) and prefill_budget >= 0):
@@ -210,6 +218,11 @@ class Engine:
         self._running: list[_Active] = []
         self._free_slots = list(range(max_batch)) if self.slotted else []
         self._decoder: StaticDecoder | None = None
+        graphs = self.device.type == "cuda" and cuda_graph is not False
+        if static_prefill is None:
+            static_prefill = graphs and prefill_budget > 0
+        self.static_prefill = static_prefill and self.slotted
+        self._prefill: StaticPrefill | None = None  # made at `start`
         self._wake = threading.Condition()
         self._accepting = True
         self._stopping = False
@@ -231,6 +244,14 @@ class Engine:
     def start(self) -> None:
         if self._kv is not None and self.kv_budget_bytes is None and self.device.type == "cuda":
             self.kv_budget_bytes = self._default_kv_budget()
+        if self.static_prefill and self._prefill is None and self._thread is None:
+            # Before any request, in this thread: the decoder first (it fuses the projections the prefill's
+            # graphs then read), then every chunk size's graphs, so that no turn waits for a capture.
+            with torch.inference_mode():
+                self._slot_decoder()
+                self._prefill = StaticPrefill(self.model, sizes=power_of_two_sizes(self.prefill_chunk),
+                                              cuda_graph=self.cuda_graph)
+                self._prefill.capture()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="linearize-engine", daemon=True)
             self._thread.start()
@@ -268,6 +289,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._prefill = None  # its graphs read the projections that closing the decoder unfuses
         if self._decoder is not None:
             self._decoder.close()
             self._decoder = None
@@ -389,10 +411,17 @@ class Engine:
 
     def _prefill_chunk(self, active: _Active, tokens: int) -> None:
         prompt = active.request.prompt_ids
-        end = min(len(prompt), active.done + tokens)
         started = time.perf_counter()
-        ids = torch.tensor([prompt[active.done:end]], device=self.device)
-        logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
+        if self._prefill is not None:
+            # The fixed cache holds the prompt at the head of the prefills until its row takes it.
+            if active.done == 0:
+                self._prefill.reset()
+            end = active.done + largest_size(self._prefill.sizes, min(tokens, len(prompt) - active.done))
+            logits = self._prefill.run(prompt[active.done:end])
+        else:
+            end = min(len(prompt), active.done + tokens)
+            ids = torch.tensor([prompt[active.done:end]], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the chunk's own time, not a queue the next step waits on
         self.prefill_cost.add(end - active.done, time.perf_counter() - started)
@@ -410,7 +439,7 @@ class Engine:
             if self.slotted:
                 decoder = self._slot_decoder()
                 slot = self._free_slots.pop(0)  # back with all the others in `_fail_active` if the load fails
-                decoder.load_row(slot, active.cache, len(prompt))
+                decoder.load_row(slot, active.cache if self._prefill is None else self._prefill.cache, len(prompt))
                 active.slot = slot
             elif self._kv is not None:
                 row = len(self._running)  # the running requests hold rows 0..n-1
