@@ -45,6 +45,20 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[device]
 
 
+def kept_states(layers: list[LinearizeCacheLayer]):
+    """A copy of the layers' states and token counts; returns the function that puts them back (a graph's
+    warm-up and capture run the model, which writes a frozen state in place)."""
+    saved = [({name: t.clone() for name, t in layer.state.items()}, layer.seen) for layer in layers]
+
+    def restore():
+        for layer, (state, seen) in zip(layers, saved, strict=True):
+            for name, t in layer.state.items():
+                t.copy_(state[name])
+            layer.seen = seen
+
+    return restore
+
+
 class StaticDecoder:
     def __init__(self, model, cache, *, batch: int, cuda_graph: bool | None = None,
                  compile_backend: str | None = None, padding: torch.Tensor | None = None):
@@ -179,14 +193,7 @@ class StaticDecoder:
 
     def _capture(self) -> None:
         # Warm-up and capture both run the step: keep the state and the token count to put them back.
-        saved = [({name: t.clone() for name, t in layer.state.items()}, layer.seen) for layer in self.layers]
-
-        def restore():
-            for layer, (state, seen) in zip(self.layers, saved):
-                for name, t in layer.state.items():
-                    t.copy_(state[name])
-                layer.seen = seen
-
+        restore = kept_states(self.layers)
         try:
             stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())

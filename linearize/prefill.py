@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import LinearizeCacheLayer
-from .decode import GRAPH_METHODS, capture_stream, fully_linearized
+from .decode import GRAPH_METHODS, capture_stream, fully_linearized, kept_states
 
 
 def power_of_two_sizes(largest: int) -> tuple[int, ...]:
@@ -109,15 +109,7 @@ class StaticPrefill:
         key = (first, size)
         if key in self._graphs or not self.graphed:
             return self._graphs.get(key)
-        # Warm-up and capture both run the chunk: keep the state and the token count to put them back.
-        saved = [({name: t.clone() for name, t in layer.state.items()}, layer.seen) for layer in self.layers]
-
-        def restore():
-            for layer, (state, seen) in zip(self.layers, saved):
-                for name, t in layer.state.items():
-                    t.copy_(state[name])
-                layer.seen = seen
-
+        restore = kept_states(self.layers)  # warm-up and capture both run the chunk
         tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
         # A later chunk's positions: any past the first chunk's, as the replay overwrites them.
         positions = torch.arange(size, device=self.device).view(1, -1) + (0 if first else size)
