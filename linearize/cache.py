@@ -41,6 +41,10 @@ class LinearizeCacheLayer(CacheLayerMixin):
         self.state: dict[str, torch.Tensor] | None = None
         self.seen = 0
         self.frozen = False
+        # Set on the cache of one sequence that is never padded (`linearize.prefill.StaticPrefill`): every
+        # token is valid whatever mask HF builds, so nothing is read back from the device to check it
+        # (which a CUDA graph's capture would refuse).
+        self.unpadded = False
 
     def freeze(self) -> None:
         """From now on `store` writes into the current state's tensors (fixed addresses, for CUDA graphs)."""

@@ -59,6 +59,7 @@ class StaticPrefill:
         self.layers: list[LinearizeCacheLayer] = list(self.cache.layers)
         for layer in self.layers:
             layer.freeze()
+            layer.unpadded = True  # one sequence, never padded
         # Per (first chunk, size): the token and position buffers the graph reads, its logits, the graph.
         self._graphs: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph]] = {}
         self._pool = None

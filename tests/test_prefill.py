@@ -112,3 +112,29 @@ def test_a_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     assert not prefill.graphed
     assert prefill.graph_error == "RuntimeError: operation not permitted when stream is capturing"
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_every_chunk_is_marked_unpadded_whatever_mask_hf_builds(arch):
+    """What a graph's capture refuses: the kernels' dispatch reading the tokens' validity back from the
+    device (`gla_window.row_layout`), which it does for a call with a mask unless told every token is
+    valid. HF builds a mask for eager attention and for Gemma's sliding layers; the prefill's cache
+    holds one sequence, never padded, so every layer's call is marked unpadded, with the same result."""
+    from linearize.attention.base import LinearizedAttention
+
+    model = tiny_teacher(arch)
+    model.config._attn_implementation = "eager"  # a mask on every call
+    linearize.convert(model, "lizard", **TINY_OPTIONS["lizard"])
+    perturb_new_parameters(model)
+    model.eval()
+    ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(7))
+    expected, _ = one_call(model, ids)
+    layers = [m for m in model.modules() if isinstance(m, LinearizedAttention)]
+    assert not any(layer.unpadded for layer in layers)  # the one-call prefill had its mask
+    prefill = StaticPrefill(model, sizes=(8,), cuda_graph=False)
+    done = 0
+    for size in (8, 8, 5):
+        logits = prefill.run(ids[0, done:done + size].tolist())
+        done += size
+        assert all(layer.unpadded for layer in layers)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

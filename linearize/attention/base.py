@@ -140,10 +140,10 @@ class LinearizedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
         self.projection_dtype = q.dtype
-        self.unpadded = attention_mask is None
 
         cache = (claim_cache_layer(past_key_values, self.layer_idx, self.mask_window)
                  if past_key_values is not None else None)
+        self.unpadded = attention_mask is None or (cache is not None and cache.unpadded)
         # A layer that has seen no token holds no sequence's state (a fixed-shape cache reset for a new
         # sequence keeps its tensors): the call takes the fresh path.
         state = cache.state if cache is not None and cache.seen else None
