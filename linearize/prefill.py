@@ -69,6 +69,13 @@ class StaticPrefill:
     def seen(self) -> int:
         return self.layers[0].seen
 
+    @property
+    def path(self) -> str:
+        """How the chunks run, for the record."""
+        if self.graphed:
+            return f"cuda graphs ({len(self._graphs)} captured)"
+        return f"eager (graph capture failed: {self.graph_error})" if self.graph_error else "eager"
+
     def reset(self) -> None:
         """Start a new sequence: the next chunk takes the fresh path, which reads no state."""
         for layer in self.layers:

@@ -111,6 +111,8 @@ def test_a_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     logits = chunked(prefill, ids[0].tolist(), 8)
     assert not prefill.graphed
     assert prefill.graph_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert prefill.path == "eager (graph capture failed: RuntimeError: operation not permitted when stream is capturing)"
+    assert StaticPrefill(model, sizes=(4,), cuda_graph=False).path == "eager"
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 

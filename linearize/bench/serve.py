@@ -158,7 +158,7 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
              "decode_tokens_per_s": tail_tokens / (started + wall - all_prefilled) if tail_tokens else None,
              "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
              "itl_p50_ms": percentile(gaps, 50) if gaps else None, "itl_p99_ms": percentile(gaps, 99) if gaps else None,
-             "peak_bytes": peak_bytes(device), "prefill_fit": prefill_fit(engine)}
+             "peak_bytes": peak_bytes(device), "prefill_fit": prefill_fit(engine), "prefill_path": engine.prefill_path}
     progress = f"{len(finished)} of {clients} requests finished, {len(answered)} had begun answering"
     if interrupted:
         raise Interrupted(point | {"status": "cut", "reason": f"interrupted after {wall:.0f} s: {progress}"})
@@ -293,6 +293,8 @@ def batching(point: dict) -> str:
     if not calls:
         return rows
     text = f"{rows}; prompts in {calls} calls of {number(point['prefilled_tokens'] / calls)} tokens on average"
+    if point.get("prefill_path"):
+        text += f" through a fixed-shape cache, {point['prefill_path']}"
     fit = point.get("prefill_fit")
     if fit:  # what a paced call can get down to: it never takes fewer tokens than the fixed share's worth
         text += f"; a call's fixed share {number(fit['fixed_ms'])} ms, {number(fit['fixed_tokens'])} tokens' worth"

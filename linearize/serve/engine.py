@@ -223,6 +223,7 @@ class Engine:
             static_prefill = graphs and prefill_budget > 0
         self.static_prefill = static_prefill and self.slotted
         self._prefill: StaticPrefill | None = None  # made at `start`
+        self.prefill_path: str | None = None  # how its chunks run (`StaticPrefill.path`), once made
         self._wake = threading.Condition()
         self._accepting = True
         self._stopping = False
@@ -252,6 +253,7 @@ class Engine:
                 self._prefill = StaticPrefill(self.model, sizes=power_of_two_sizes(self.prefill_chunk),
                                               cuda_graph=self.cuda_graph)
                 self._prefill.capture()
+                self.prefill_path = self._prefill.path
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="linearize-engine", daemon=True)
             self._thread.start()

@@ -424,7 +424,8 @@ def test_serve_interrupted_keeps_the_point_so_far_and_writes_the_tables(teacher_
 
 def test_serve_records_the_fitted_cost_of_a_prefill_call_and_the_table_shows_it():
     """The engine's fit of its prefill calls (fixed + per token) goes into the point, with the tokens
-    its fixed share is worth (the least a paced call takes), and into the latency table's last column."""
+    its fixed share is worth (the least a paced call takes), and into the latency table's last column,
+    with how the prefill ran where it went through the fixed-shape cache."""
     from types import SimpleNamespace
 
     from linearize.bench import serve as serve_bench
@@ -439,6 +440,10 @@ def test_serve_records_the_fitted_cost_of_a_prefill_call_and_the_table_shows_it(
     point = {"mode": "slots", "slots": 4, "prefill_calls": 2, "prefilled_tokens": 5000, "prefill_fit": fit}
     assert serve_bench.batching(point) == ("4 slots; prompts in 2 calls of 2,500 tokens on average; "
                                           "a call's fixed share 50 ms, 5,000 tokens' worth")
+    point["prefill_path"] = "cuda graphs (30 captured)"
+    assert serve_bench.batching(point) == ("4 slots; prompts in 2 calls of 2,500 tokens on average through a "
+                                          "fixed-shape cache, cuda graphs (30 captured); a call's fixed share "
+                                          "50 ms, 5,000 tokens' worth")
 
 
 def test_serve_percentiles_interpolate():
