@@ -153,6 +153,7 @@ def test_the_static_prefill_cuts_paced_chunks_to_its_sizes_and_is_on_where_it_pa
     monkeypatch.setattr(engine_module, "Engine", static_engine)
     clock, engine = paced_prefills(monkeypatch, 1.0)
     assert engine.static_prefill and clock.prefills and engine.prefill_path == "eager"  # a CPU
+    assert engine.stats()["prefill"] == "eager"
     assert all(n & (n - 1) == 0 and n <= 128 for n in clock.prefills), clock.prefills
     assert not real(student(), prefill_budget=1.0, cuda_graph=False).static_prefill  # a CPU
     assert not real(tiny_teacher("llama"), static_prefill=True).static_prefill  # kv mode

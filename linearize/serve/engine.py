@@ -240,6 +240,8 @@ class Engine:
                      "slots": self.max_batch, "mode": self.mode}
             if self._kv is not None:
                 stats.update(kv_bytes=self._kv.nbytes, kv_budget_bytes=self.kv_budget_bytes)
+            if self.prefill_path is not None:
+                stats["prefill"] = self.prefill_path
             return stats
 
     def start(self) -> None:
