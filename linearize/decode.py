@@ -45,6 +45,30 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[device]
 
 
+def graphs_wanted(model, device: torch.device, cuda_graph: bool | None) -> bool:
+    """Whether a fixed-shape cache's calls replay CUDA graphs: `cuda_graph`, by default on a CUDA device,
+    for the methods whose calls can be captured; True without a CUDA device is refused."""
+    wanted = device.type == "cuda" if cuda_graph is None else cuda_graph
+    if wanted and device.type != "cuda":
+        raise ValueError("cuda_graph=True needs the model on a CUDA device")
+    return wanted and (getattr(model.config, "linearize", None) or {}).get("method") in GRAPH_METHODS
+
+
+def capture_graph(run, device: torch.device, *, between, pool=None):
+    """(graph, output) of `run` captured on the side stream, after one warm-up run there (which compiles
+    kernels outside the capture); `between` runs after the warm-up, e.g. to put back the state it wrote."""
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    between()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = run()
+    return graph, output
+
+
 def kept_states(layers: list[LinearizeCacheLayer]):
     """A copy of the layers' states and token counts; returns the function that puts them back (a graph's
     warm-up and capture run the model, which writes a frozen state in place)."""
@@ -70,10 +94,7 @@ class StaticDecoder:
         method = (getattr(model.config, "linearize", None) or {}).get("method")
         self.model, self.cache, self.layers = model, cache, layers
         self.device = next(model.parameters()).device
-        wanted = self.device.type == "cuda" if cuda_graph is None else cuda_graph
-        if wanted and self.device.type != "cuda":
-            raise ValueError("cuda_graph=True needs the model on a CUDA device")
-        self.graphed = wanted and method in GRAPH_METHODS
+        self.graphed = graphs_wanted(model, self.device, cuda_graph)
         for layer in layers:
             layer.freeze()
         # Fewer, larger weight reads a step (`fuse_projections`), until `close`; a model fused already
@@ -195,16 +216,8 @@ class StaticDecoder:
         # Warm-up and capture both run the step: keep the state and the token count to put them back.
         restore = kept_states(self.layers)
         try:
-            stream = capture_stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._run()  # compiles, where asked, outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            restore()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self.logits = self._run()
-            self.graph = graph
+            # The warm-up also compiles the step, where asked.
+            self.graph, self.logits = capture_graph(self._run, self.device, between=restore)
         finally:
             restore()
 

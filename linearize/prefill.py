@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import LinearizeCacheLayer
-from .decode import GRAPH_METHODS, capture_stream, fully_linearized, kept_states
+from .decode import capture_graph, fully_linearized, graphs_wanted, kept_states
 
 
 def power_of_two_sizes(largest: int) -> tuple[int, ...]:
@@ -45,11 +45,7 @@ class StaticPrefill:
         self.model = model
         self.device = next(model.parameters()).device
         self.sizes = tuple(sorted(set(sizes)))
-        method = (getattr(model.config, "linearize", None) or {}).get("method")
-        wanted = self.device.type == "cuda" if cuda_graph is None else cuda_graph
-        if wanted and self.device.type != "cuda":
-            raise ValueError("cuda_graph=True needs the model on a CUDA device")
-        self.graphed = wanted and method in GRAPH_METHODS
+        self.graphed = graphs_wanted(model, self.device, cuda_graph)
         self.graph_error: str | None = None
         # Every layer's state at its fixed shape, from one token; `reset` makes it a new sequence.
         self.cache = DynamicCache(config=model.config)
@@ -62,7 +58,8 @@ class StaticPrefill:
             layer.unpadded = True  # one sequence, never padded
         # Per (first chunk, size): the token and position buffers the graph reads, its logits, the graph.
         self._graphs: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph]] = {}
-        self._pool = None
+        # One memory pool for every graph: they replay one at a time.
+        self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self.reset()
 
     @property
@@ -86,26 +83,24 @@ class StaticPrefill:
         no later chunk waits for a capture."""
         for first in (True, False):
             for size in self.sizes:
-                if self.graphed:
-                    self._graph(first, size)
+                self._graph(first, size)  # none once one has failed
 
     @torch.no_grad()
     def run(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Prefill the next tokens of the sequence; returns the last one's logits [1, 1, vocab]."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
-        size, first = ids.shape[1], self.seen == 0
-        if self.graphed and size in self.sizes:
-            entry = self._graph(first, size)
-            if entry is not None:
-                tokens, positions, logits, graph = entry
-                tokens.copy_(ids)
-                positions.copy_(torch.arange(self.seen, self.seen + size, device=self.device))
-                graph.replay()
-                for layer in self.layers:  # the replay skipped the Python side of `store`
-                    layer.seen += size
-                return logits
-        positions = torch.arange(self.seen, self.seen + size, device=self.device)
-        return self._forward(ids, positions.view(1, -1))
+        size = ids.shape[1]
+        positions = torch.arange(self.seen, self.seen + size, device=self.device).view(1, -1)
+        entry = self._graph(self.seen == 0, size) if size in self.sizes else None
+        if entry is None:
+            return self._forward(ids, positions)
+        tokens, position_buffer, logits, graph = entry
+        tokens.copy_(ids)
+        position_buffer.copy_(positions)
+        graph.replay()
+        for layer in self.layers:  # the replay skipped the Python side of `store`
+            layer.seen += size
+        return logits
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True,
@@ -121,22 +116,15 @@ class StaticPrefill:
         tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
         # A later chunk's positions: any past the first chunk's, as the replay overwrites them.
         positions = torch.arange(size, device=self.device).view(1, -1) + (0 if first else size)
-        try:
-            for layer in self.layers:
-                layer.seen = 0 if first else size  # which path the chunk takes, fresh or continuing
-            stream = capture_stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(tokens, positions)  # compiles the kernels outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
+
+        def take_path():  # which path the chunk takes, fresh or continuing, in the warm-up and the capture
             for layer in self.layers:
                 layer.seen = 0 if first else size
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            # One memory pool for every graph: they replay one at a time.
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self._forward(tokens, positions)
+
+        try:
+            take_path()
+            graph, logits = capture_graph(lambda: self._forward(tokens, positions), self.device, between=take_path,
+                                          pool=self._pool)
             self._graphs[key] = (tokens, positions, logits, graph)
         except RuntimeError as e:  # something in the chunk cannot be captured: run chunks eagerly instead
             self.graphed, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"

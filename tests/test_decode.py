@@ -2,17 +2,9 @@
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, tiny_student
 
-import linearize
 from linearize.decode import StaticDecoder, fully_linearized, greedy_decode, until_end
-
-
-def student(method, arch="llama", **extra):
-    model = tiny_teacher(arch)
-    linearize.convert(model, method, **TINY_OPTIONS[method], **extra)
-    perturb_new_parameters(model)
-    return model
 
 
 def uncached_greedy(model, ids, n):
@@ -25,7 +17,7 @@ def uncached_greedy(model, ids, n):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_decode_equals_the_uncached_model(method):
-    model = student(method)
+    model = tiny_student(method)
     ids = torch.randint(3, 128, (2, 19), generator=torch.Generator().manual_seed(0))
     assert torch.equal(greedy_decode(model, ids, 14, cuda_graph=False), uncached_greedy(model, ids, 14))
 
@@ -35,7 +27,7 @@ def test_greedy_decode_equals_the_uncached_model(method):
 def test_a_prompt_prefilled_in_pieces_decodes_as_in_one_call(method, arch):
     """Prefill calls of a few tokens (left padding in the first ones, Gemma's sliding masks across
     them) continue one state: the tokens are the one-call prefill's."""
-    model = student(method, arch)
+    model = tiny_student(method, arch)
     ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
@@ -47,13 +39,13 @@ def test_a_prompt_prefilled_in_pieces_decodes_as_in_one_call(method, arch):
 def test_every_family_decodes_with_fused_projections_as_uncached(arch):
     """The static decoder fuses q/k/v (and the MLP's gate and up) into one GEMM each: with q/k norms,
     Phi-3's split qkv and Gemma's GELU MLP it still writes the uncached model's tokens."""
-    model = student("lizard", arch)
+    model = tiny_student("lizard", arch)
     ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(0))
     assert torch.equal(greedy_decode(model, ids, 10, cuda_graph=False), uncached_greedy(model, ids, 10))
 
 
 def test_decoding_stops_once_every_row_has_ended_and_until_end_cuts_each_row():
-    model = student("still")
+    model = tiny_student("still")
     ids = torch.randint(3, 128, (3, 11), generator=torch.Generator().manual_seed(1))
     full = greedy_decode(model, ids, 8, cuda_graph=False)
     ends = full[:, 2].tolist()  # every row ends by its third token
@@ -63,13 +55,13 @@ def test_decoding_stops_once_every_row_has_ended_and_until_end_cuts_each_row():
     cut = until_end(full, ends)
     assert [len(row) for row in cut] == [next(i for i, t in enumerate(row) if t in ends) for row in full.tolist()]
     assert all(row == full[i, : len(row)].tolist() for i, row in enumerate(cut))
-    assert fully_linearized(model) and not fully_linearized(student("lizard", softmax_layers=[1]))
+    assert fully_linearized(model) and not fully_linearized(tiny_student("lizard", softmax_layers=[1]))
 
 
 def test_steps_write_the_state_in_place():
     from transformers import DynamicCache
 
-    model = student("lizard")
+    model = tiny_student("lizard")
     cache = DynamicCache(config=model.config)
     ids = torch.randint(3, 128, (1, 9))
     with torch.no_grad():
@@ -85,22 +77,22 @@ def test_steps_write_the_state_in_place():
 def test_refuses_what_it_cannot_decode():
     from transformers import DynamicCache
 
-    hybrid = student("lizard", softmax_layers=[1])
+    hybrid = tiny_student("lizard", softmax_layers=[1])
     cache = DynamicCache(config=hybrid.config)
     with torch.no_grad():
         hybrid(torch.randint(3, 128, (1, 5)), past_key_values=cache)
     with pytest.raises(ValueError, match="fully linearized"):
         StaticDecoder(hybrid, cache, batch=1)
     with pytest.raises(ValueError, match="CUDA"):
-        greedy_decode(student("lizard"), torch.randint(3, 128, (1, 5)), 2, cuda_graph=True)
+        greedy_decode(tiny_student("lizard"), torch.randint(3, 128, (1, 5)), 2, cuda_graph=True)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        greedy_decode(student("lizard"), torch.randint(3, 128, (1, 5)), 0)
+        greedy_decode(tiny_student("lizard"), torch.randint(3, 128, (1, 5)), 0)
 
 
 def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch):
     from transformers import DynamicCache
 
-    model = student("lizard")
+    model = tiny_student("lizard")
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -124,7 +116,7 @@ def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncomp
     decodes the uncached model's tokens; a step that fails to compile runs uncompiled and says why."""
     from transformers import DynamicCache
 
-    model = student("lizard")
+    model = tiny_student("lizard")
     ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
     expected = uncached_greedy(model, ids, 4)
 
@@ -156,7 +148,7 @@ def test_eager_compiled_steps_compile_twice_then_reuse_the_graph():
 
     torch._dynamo.reset()
     counters.clear()
-    model = student("lizard")
+    model = tiny_student("lizard")
     ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(3))
     tokens = greedy_decode(model, ids, 7, cuda_graph=False, compile_backend="aot_eager")
     assert torch.equal(tokens, uncached_greedy(model, ids, 7))
@@ -175,7 +167,7 @@ def test_still_compiles_its_attention_step_once_for_every_layer_and_step(monkeyp
 
     torch._dynamo.reset()
     counters.clear()
-    model = student("still")
+    model = tiny_student("still")
     layers = [m for m in model.modules() if isinstance(m, StillAttention)]
     assert len(layers) == 2
     ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(4))

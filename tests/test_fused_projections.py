@@ -2,22 +2,15 @@
 
 import pytest
 import torch
-from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import METHODS, tiny_student
 
-import linearize
 from linearize.fused_projections import FusedGatedMLP, fuse_projections
-
-
-def student(method="lizard", arch="llama"):
-    model = linearize.convert(tiny_teacher(arch), method, **TINY_OPTIONS[method])
-    perturb_new_parameters(model)
-    return model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q, k and v have biases
 @pytest.mark.parametrize("method", METHODS)
 def test_fused_layers_give_the_same_logits_and_undo_restores_the_model(method, arch):
-    model = student(method, arch)
+    model = tiny_student(method, arch)
     ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(0))
     before = {name: t.clone() for name, t in model.state_dict().items()}
     with torch.no_grad():
@@ -41,7 +34,7 @@ def test_fused_layers_give_the_same_logits_and_undo_restores_the_model(method, a
 
 
 def test_fusing_costs_no_memory_and_undo_separates_the_weights_again():
-    model = student()
+    model = tiny_student()
     attention, mlp = model.get_decoder().layers[0].self_attn, model.get_decoder().layers[0].mlp
     parameters = sum(p.numel() for p in model.parameters())
     undo = fuse_projections(model)
@@ -55,7 +48,7 @@ def test_fusing_costs_no_memory_and_undo_separates_the_weights_again():
 
 
 def test_an_input_projection_in_another_dtype_stays_out_of_the_fused_gemm():
-    model = student()
+    model = tiny_student()
     attention = model.get_decoder().layers[0].self_attn
     attention.gate.double()
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -70,13 +63,13 @@ def test_an_input_projection_in_another_dtype_stays_out_of_the_fused_gemm():
 def test_layers_with_lora_are_left_alone():
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(student(), LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj"]))
+    model = get_peft_model(tiny_student(), LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj"]))
     assert fuse_projections(model.base_model.model) is None
 
 
 def test_hooked_layers_are_left_alone():
     """A hook (accelerate's offloading, a user's probe) expects its own layer's call: no fusing there."""
-    model = student()
+    model = tiny_student()
     for layer in model.get_decoder().layers:
         layer.self_attn.k_proj.register_forward_hook(lambda *args: None)
         layer.mlp.up_proj.register_forward_pre_hook(lambda *args: None)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import METHODS, tiny_student
 from transformers import DynamicCache
 
 import linearize
@@ -13,10 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def cuda_student(method):
-    model = tiny_teacher()
-    linearize.convert(model, method, **TINY_OPTIONS[method])
-    perturb_new_parameters(model)
-    return model.cuda()
+    return tiny_student(method).cuda()
 
 
 @pytest.mark.parametrize("method", METHODS)

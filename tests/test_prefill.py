@@ -3,19 +3,12 @@ logits and state, sequence after sequence."""
 
 import pytest
 import torch
-from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_student, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
 from linearize.decode import StaticDecoder
 from linearize.prefill import StaticPrefill, largest_size, power_of_two_sizes
-
-
-def student(method, arch="llama"):
-    model = tiny_teacher(arch)
-    linearize.convert(model, method, **TINY_OPTIONS[method])
-    perturb_new_parameters(model)
-    return model.eval()
 
 
 def one_call(model, ids):
@@ -49,7 +42,7 @@ def test_chunks_into_the_fixed_cache_give_the_one_call_prefill_sequence_after_se
     """Three prompts, one after another through the same cache (each starting fresh, nothing left of
     the one before), in chunks of 8, 4, 2 and 1 tokens: each prompt's last logits and every layer's
     state are the one-call prefill's."""
-    model = student(method, arch)
+    model = tiny_student(method, arch).eval()
     prefill = StaticPrefill(model, sizes=power_of_two_sizes(8), cuda_graph=False)
     generator = torch.Generator().manual_seed(5)
     for length in (23, 5, 17):
@@ -66,7 +59,7 @@ def test_chunks_into_the_fixed_cache_give_the_one_call_prefill_sequence_after_se
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_row_loaded_from_the_prefill_decodes_as_the_one_call_prefill(method):
-    model = student(method)
+    model = tiny_student(method).eval()
     ids = torch.randint(3, 128, (1, 13), generator=torch.Generator().manual_seed(2))
     expected_logits, cache = one_call(model, ids)
     reference = StaticDecoder(model, cache, batch=1, cuda_graph=False)
@@ -92,13 +85,13 @@ def test_refuses_a_model_with_softmax_layers_and_graphs_without_a_gpu():
     with pytest.raises(ValueError, match="fully linearized"):
         StaticPrefill(model, sizes=(4,))
     with pytest.raises(ValueError, match="CUDA device"):
-        StaticPrefill(student("lizard"), sizes=(4,), cuda_graph=True)
+        StaticPrefill(tiny_student("lizard").eval(), sizes=(4,), cuda_graph=True)
 
 
 def test_a_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     """On a GPU where capture fails: `graph_error` says why, and every chunk runs eagerly, with the
     same result."""
-    model = student("lizard")
+    model = tiny_student("lizard").eval()
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(1))
     expected, _ = one_call(model, ids)
     prefill = StaticPrefill(model, sizes=(4, 8), cuda_graph=False)
@@ -107,7 +100,7 @@ def test_a_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     def no_capture(device):
         raise RuntimeError("operation not permitted when stream is capturing\ndetails")
 
-    monkeypatch.setattr("linearize.prefill.capture_stream", no_capture)
+    monkeypatch.setattr("linearize.decode.capture_stream", no_capture)
     logits = chunked(prefill, ids[0].tolist(), 8)
     assert not prefill.graphed
     assert prefill.graph_error == "RuntimeError: operation not permitted when stream is capturing"

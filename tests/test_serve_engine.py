@@ -5,18 +5,11 @@ import asyncio
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, tiny_student, tiny_teacher
 
-import linearize
 from linearize.decode import greedy_decode
 from linearize.serve import kv_slots
 from linearize.serve.engine import MIN_PREFILL_CHUNK, Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
-
-
-def student(method="lizard", arch="llama", **options):
-    model = linearize.convert(tiny_teacher(arch), method, **{**TINY_OPTIONS[method], **options})
-    perturb_new_parameters(model)
-    return model
 
 
 def prompts(count, seed=0):
@@ -50,7 +43,7 @@ def test_concurrent_greedy_requests_get_their_offline_tokens(method, static):
     chunks of 7 tokens (or, through the fixed-shape prefill cache, of 4, 2 and 1) between the running
     requests' steps: each gets the tokens that greedy decoding of it alone gives, and slots are reused
     as requests finish."""
-    model = student(method)
+    model = tiny_student(method)
     batch = prompts(12)
     lengths = [3 + i % 5 for i in range(12)]
     expected = [offline(model, p, n) for p, n in zip(batch, lengths)]
@@ -102,7 +95,7 @@ def paced_prefills(monkeypatch, budget: float, fixed: float = 0.0) -> tuple[Fake
     tokens, and returns the clock (its prefill calls) and the engine."""
     import linearize.serve.engine as engine_module
 
-    model = student()
+    model = tiny_student()
     first, second = prompts(1, seed=5)[0][:5], prompts(1, seed=6)[0] * 120
     first, second = first + [7] * (5 - len(first)), second[:120]
     expected = [offline(model, first, 30), offline(model, second, 3)]
@@ -155,12 +148,12 @@ def test_the_static_prefill_cuts_paced_chunks_to_its_sizes_and_is_on_where_it_pa
     assert engine.static_prefill and clock.prefills and engine.prefill_path == "eager"  # a CPU
     assert engine.stats()["prefill"] == "eager"
     assert all(n & (n - 1) == 0 and n <= 128 for n in clock.prefills), clock.prefills
-    assert not real(student(), prefill_budget=1.0, cuda_graph=False).static_prefill  # a CPU
+    assert not real(tiny_student(), prefill_budget=1.0, cuda_graph=False).static_prefill  # a CPU
     assert not real(tiny_teacher("llama"), static_prefill=True).static_prefill  # kv mode
 
 
 def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
-    engine = Engine(student(), prefill_chunk=256, prefill_budget=1.0, cuda_graph=False)
+    engine = Engine(tiny_student(), prefill_chunk=256, prefill_budget=1.0, cuda_graph=False)
     assert engine.prefill_tokens() == 256  # nothing decodes
     engine._running = [object()]
     assert engine.prefill_tokens() == 256  # nothing timed yet
@@ -173,11 +166,11 @@ def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
     assert engine.prefill_tokens() == 256
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="prefill_budget must be a finite number >= 0"):
-            Engine(student(), prefill_budget=bad)
+            Engine(tiny_student(), prefill_budget=bad)
 
 
 def test_gemma_slots_and_a_model_with_softmax_layers_serves_each_request_alone():
-    for model in (student("lizard", "gemma3_text"), student("still", "gemma3_text", layers="full")):
+    for model in (tiny_student("lizard", "gemma3_text"), tiny_student("still", "gemma3_text", layers="full")):
         batch = prompts(5, seed=1)
         expected = [offline_uncached(model, p, 6) for p in batch]
         engine = Engine(model, max_batch=3, prefill_chunk=5, cuda_graph=False)
@@ -198,7 +191,7 @@ def offline_uncached(model, prompt, n):
 
 
 def test_eos_stops_a_request_unless_ignored_and_cancel_frees_its_slot():
-    model = student()
+    model = tiny_student()
     prompt = prompts(1, seed=2)[0]
     tokens = offline(model, prompt, 8)
     eos = tokens[3]
@@ -224,7 +217,7 @@ def test_eos_stops_a_request_unless_ignored_and_cancel_frees_its_slot():
 
 
 def test_a_full_queue_refuses_at_once_and_a_stopped_engine_takes_nothing():
-    model = student()
+    model = tiny_student()
     engine = Engine(model, max_batch=1, max_queue=1, cuda_graph=False)
 
     async def main():
@@ -246,7 +239,7 @@ def test_a_full_queue_refuses_at_once_and_a_stopped_engine_takes_nothing():
 
 
 def test_sampling_is_seeded_and_top_p_keeps_the_top_token_at_small_p():
-    model = student()
+    model = tiny_student()
     prompt = prompts(1, seed=3)[0]
     engine = Engine(model, max_batch=2, cuda_graph=False)
 
@@ -264,7 +257,7 @@ def test_sampling_is_seeded_and_top_p_keeps_the_top_token_at_small_p():
 def test_requests_whose_event_loop_has_closed_do_not_stop_the_engine():
     """A request's reader may be gone with its event loop (a test's, a server's after shutdown): the
     engine drops what it would have posted and goes on serving others."""
-    model = student()
+    model = tiny_student()
     prompt = prompts(1, seed=4)[0]
     expected = offline(model, prompt, 5)  # before the engine runs: the model is the engine thread's alone then
     engine = Engine(model, max_batch=2, cuda_graph=False)

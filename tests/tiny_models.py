@@ -52,6 +52,16 @@ def perturb_new_parameters(model, scale: float = 0.3, seed: int = 1):
 
 
 
+def tiny_student(method: str = "lizard", arch: str = "llama", **options):
+    """A tiny teacher of `arch` converted by `method` with TINY_OPTIONS (and `options` over them), its new
+    parameters moved off their init."""
+    import linearize
+
+    model = linearize.convert(tiny_teacher(arch), method, **{**TINY_OPTIONS[method], **options})
+    perturb_new_parameters(model)
+    return model
+
+
 def tiny_tokenizer():
     """A character-level tokenizer that fits the tiny models' 128-token vocabulary, built offline."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
