@@ -338,6 +338,33 @@ def test_fresh_pass_that_may_overflow_replays_without_a_host_check(monkeypatch):
         torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
 
 
+def test_continued_call_while_capturing_replays_without_a_host_check(monkeypatch):
+    """A continued call asks whether its picks fit the slots (a host read) except while a CUDA graph is
+    being captured, where it replays the eviction unchecked: the same outputs and state either way."""
+    (q, k, v, gate), valid, phi_q, phi_k = setup(16)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
+    _, state = still.still_parallel(q[:, :, :8], k[:, :, :8], v[:, :, :8], valid[:, :8], gate[:, :, :8],
+                                    state0(4, 16), phi_q, phi_k, start=0, **opts)
+
+    def second_half():
+        return still.still_parallel(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], valid[:, 8:], gate[:, :, 8:], state,
+                                    phi_q, phi_k, start=8, fresh=False, **opts)
+
+    y_checked, s_checked = second_half()
+    calls = []
+    real = still_routing._replay_with_eviction
+    monkeypatch.setattr(still_routing, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(still_routing, "capturing", lambda t: True)
+    for read in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"host read of a tensor ({read})"))
+    y_captured, s_captured = second_half()
+    monkeypatch.undo()
+    assert calls and s_checked["sal_used"].any()
+    torch.testing.assert_close(y_captured, y_checked, atol=1e-12, rtol=0)
+    for name in s_checked:
+        torch.testing.assert_close(s_captured[name], s_checked[name], atol=1e-12, rtol=0)
+
+
 def route_one_by_one(state, scores, chosen, positions, start, L):
     """The routing as `still_step` does it: `route_departure` once per departing token."""
     B, Hkv, K = state["sal_used"].shape

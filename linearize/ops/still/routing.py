@@ -267,7 +267,10 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
     departing = chosen[..., :L]
     leave = torch.arange(start + 1, start + L + 1, device=scores.device)
 
-    if fits or (not fresh and (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all()):
+    # A continued call checks whether its picks fit: a host sync, which a CUDA graph's capture refuses,
+    # so while capturing the general replay (the same routing either way) runs unchecked.
+    checked = not fresh and not capturing(scores)
+    if fits or (checked and (state["sal_used"].sum(-1) + departing.sum(-1) <= K).all()):
         fold_time[..., K : K + L] = torch.where(departing, NEVER, leave)
         if not keep_state:
             return fold_time, None, None
@@ -289,6 +292,11 @@ def _replay_routing(state, scores, chosen, key_valid, completes, positions, star
         return fold_time, slot_ids, slots
 
     return _replay_with_eviction(state, scores, chosen, positions, start, L)
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether `t`'s device stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _replay_with_eviction(state, scores, chosen, positions, start, L):
