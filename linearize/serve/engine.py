@@ -153,10 +153,11 @@ class Request:
 
 @dataclasses.dataclass
 class _Active:
-    """A request the scheduler works on: prefilling (its own cache, `done` prompt tokens in) or in a row."""
+    """A request the scheduler works on: prefilling (its own cache, or none through the engine's fixed-shape
+    prefill; `done` prompt tokens in) or in a row."""
 
     request: Request
-    cache: DynamicCache
+    cache: DynamicCache | None
     done: int = 0
     slot: int | None = None
     last: int | None = None  # the token the next step feeds
@@ -340,7 +341,9 @@ class Engine:
             if self._kv is not None and not self._kv_fits(self._waiting[0]):
                 break  # it waits for memory, and the ones behind it wait behind it
             request = self._waiting.popleft()
-            self._prefilling.append(_Active(request, DynamicCache(config=self.model.config)))
+            # With the fixed-shape prefill every prompt goes through its one cache, so none of its own.
+            cache = None if self._prefill is not None else DynamicCache(config=self.model.config)
+            self._prefilling.append(_Active(request, cache))
 
     # Memory for the kv mode: the buffers hold rows x capacity positions, every row as long as the longest,
     # so the admitted requests can take rows x their longest reach; the prefill in progress holds its own
@@ -434,7 +437,8 @@ class Engine:
         active.done = end
         if end < len(prompt):
             return
-        compact_softmax_layers(active.cache)  # what a serial request decodes on from here
+        if active.cache is not None:
+            compact_softmax_layers(active.cache)  # what a serial request decodes on from here
         limits = self._kv_limits()  # this request's row among them
         self._prefilling.remove(active)
         if not self._take(active, logits[0, -1]):
@@ -443,7 +447,7 @@ class Engine:
             if self.slotted:
                 decoder = self._slot_decoder()
                 slot = self._free_slots.pop(0)  # back with all the others in `_fail_active` if the load fails
-                decoder.load_row(slot, active.cache if self._prefill is None else self._prefill.cache, len(prompt))
+                decoder.load_row(slot, self._prefill.cache if self._prefill is not None else active.cache, len(prompt))
                 active.slot = slot
             elif self._kv is not None:
                 row = len(self._running)  # the running requests hold rows 0..n-1
