@@ -1,8 +1,8 @@
 """`linearize bench` on CPU with --quick: every subcommand writes json/md/png; GPU-only rows are skipped cleanly."""
 
+import asyncio
 import json
 import signal
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -404,19 +404,23 @@ def test_serve_cuts_a_point_at_the_time_limit_and_keeps_what_arrived(teacher_dir
     assert serve_bench.SOFTMAX in first and "clients 4, prompt_length 256: cut (cut at the time limit after" in first
 
 
-def test_serve_interrupted_keeps_the_point_so_far_and_writes_the_tables(teacher_dir, tmp_path):
+def test_serve_interrupted_keeps_the_point_so_far_and_writes_the_tables(teacher_dir, tmp_path, monkeypatch):
     """Ctrl-C (a time limit's SIGINT) in a point: the point is recorded as cut with what had arrived,
     serve.json and serve.md are written, and the interrupt goes on to the caller."""
     from linearize.bench import serve as serve_bench
 
-    timer = threading.Timer(3.0, signal.raise_signal, (signal.SIGINT,))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
-                              options={"window": 8}, clients=[4], prompt_lengths=[4096], max_tokens=256)
-    finally:
-        timer.cancel()
+    client, sent = serve_bench._client, []
+
+    async def interrupting_client(engine, prompt, params, record):
+        # One SIGINT, once a measured point (not the warm-up's few tokens) has requests in flight.
+        if params.max_tokens > 4 and not sent:
+            sent.append(asyncio.get_running_loop().call_later(0.2, signal.raise_signal, signal.SIGINT))
+        await client(engine, prompt, params, record)
+
+    monkeypatch.setattr(serve_bench, "_client", interrupting_client)
+    with pytest.raises(KeyboardInterrupt):
+        serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
+                          options={"window": 8}, clients=[4], prompt_lengths=[4096], max_tokens=256)
     points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
     assert points[-1]["status"] == "cut" and points[-1]["reason"].startswith("interrupted after")
     assert "(cut)" in (tmp_path / "serve" / "serve.md").read_text()
