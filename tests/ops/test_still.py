@@ -365,6 +365,22 @@ def test_continued_call_while_capturing_replays_without_a_host_check(monkeypatch
         torch.testing.assert_close(s_captured[name], s_checked[name], atol=1e-12, rtol=0)
 
 
+def test_continued_call_stores_positions_by_the_states_clock_not_the_python_start():
+    """A CUDA graph replays a call with the `start` it was captured at: the outputs and the state after
+    it (the slots' positions included) must not depend on that number, only on the state's clock."""
+    (q, k, v, gate), valid, phi_q, phi_k = setup(24)
+    opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
+    _, state = still.still_parallel(q[:, :, :8], k[:, :, :8], v[:, :, :8], valid[:, :8], gate[:, :, :8],
+                                    state0(4, 9), phi_q, phi_k, start=0, **opts)
+    runs = [still.still_parallel(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], valid[:, 8:], gate[:, :, 8:], state,
+                                 phi_q, phi_k, start=start, fresh=False, **opts) for start in (8, 40)]
+    (y, after), (y_frozen, after_frozen) = runs
+    assert after["sal_used"].any() and after["sal_pos"].max() >= 8  # slots were taken in the call
+    torch.testing.assert_close(y_frozen, y, atol=0, rtol=0)
+    for name in after:
+        torch.testing.assert_close(after_frozen[name], after[name], atol=0, rtol=0, msg=name)
+
+
 def route_one_by_one(state, scores, chosen, positions, start, L):
     """The routing as `still_step` does it: `route_departure` once per departing token."""
     B, Hkv, K = state["sal_used"].shape

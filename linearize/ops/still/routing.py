@@ -406,9 +406,17 @@ def _route(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, s
     keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
                                                                         eps)
     positions = torch.arange(start - W1, start + q.shape[2], device=q.device)
-    routed = _replay_routing(state, scores, chosen, key_valid, completes, positions, start, W1, chunk, per_chunk,
-                             fresh, keep_state)
-    return (keys, values, key_valid, scores, chosen, positions, *routed)
+    # The routing runs in the frame of `start`, a Python number, which a CUDA graph replaying the call
+    # freezes at its capture; the slots' positions, which outlive the call, are absolute. The state's
+    # own clock (`next_pos`, on the device, equal to `start` when run eagerly) maps between the two, so
+    # a replay compares and stores them right.
+    shift = (state["next_pos"] - start)[:, None, None]
+    framed = dict(state, sal_pos=state["sal_pos"] - shift)
+    fold_time, slot_ids, slots = _replay_routing(framed, scores, chosen, key_valid, completes, positions, start, W1,
+                                                 chunk, per_chunk, fresh, keep_state)
+    if slots is not None:
+        slots = dict(slots, pos=slots["pos"] + shift)
+    return keys, values, key_valid, scores, chosen, positions, fold_time, slot_ids, slots
 
 
 def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps, fk=None):
