@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -249,7 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def listen_for_interrupts() -> None:
+    """Make SIGINT raise KeyboardInterrupt even where the process started with it ignored, as a shell
+    starts its background commands: a time limit's SIGINT (`timeout --signal=INT`) or a `kill -INT`
+    must still stop a run the clean way (a checkpoint saved, the finished tasks and points kept)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
+    listen_for_interrupts()
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed as one line

@@ -146,3 +146,23 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_generate", interrupted)
     code, _, err = run(capsys, "generate", "--model", "x", "--prompt", "hi")
     assert code == 130 and err.strip() == "linearize: interrupted"
+
+
+def test_a_sigint_reaches_a_command_started_with_it_ignored(monkeypatch, capsys):
+    """A shell starts background commands with SIGINT ignored; the CLI listens again, so a time limit's
+    SIGINT interrupts the command the clean way (exit 130) instead of being dropped."""
+    import signal
+
+    from linearize import cli
+
+    def wait_for_the_signal(args):
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("the SIGINT was ignored")
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        monkeypatch.setattr(cli, "cmd_generate", wait_for_the_signal)
+        code, _, err = run(capsys, "generate", "--model", "x", "--prompt", "hi")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and err.strip() == "linearize: interrupted"

@@ -418,9 +418,14 @@ def test_serve_interrupted_keeps_the_point_so_far_and_writes_the_tables(teacher_
         await client(engine, prompt, params, record)
 
     monkeypatch.setattr(serve_bench, "_client", interrupting_client)
-    with pytest.raises(KeyboardInterrupt):
-        serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
-                          options={"window": 8}, clients=[4], prompt_lengths=[4096], max_tokens=256)
+    # As `linearize bench` listens (`cli.listen_for_interrupts`), also where pytest runs in the background.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
+                              options={"window": 8}, clients=[4], prompt_lengths=[4096], max_tokens=256)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     points = json.loads((tmp_path / "serve" / "serve.json").read_text())["points"]
     assert points[-1]["status"] == "cut" and points[-1]["reason"].startswith("interrupted after")
     assert "(cut)" in (tmp_path / "serve" / "serve.md").read_text()
