@@ -317,16 +317,27 @@ def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
         torch.testing.assert_close(s_par[name], s_rec[name], atol=1e-9, rtol=1e-8)
 
 
+def count_eviction_replays(monkeypatch) -> list:
+    """A list that grows by one at each call of the routing's eviction replay."""
+    calls = []
+    real = still_routing._replay_with_eviction
+    monkeypatch.setattr(still_routing, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def forbid_host_reads(monkeypatch):
+    """Fail the test at any read of a tensor's value into Python (a host sync on a GPU)."""
+    for read in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"host read of a tensor ({read})"))
+
+
 def test_fresh_pass_that_may_overflow_replays_without_a_host_check(monkeypatch):
     """A fresh pass whose picks could exceed the slots replays the eviction without asking whether they
     do (a host sync), and equals the recurrence also where they fit (here 3 chunks of 2 picks, 5 slots)."""
     (q, k, v, gate), valid, phi_q, phi_k = setup(12)
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
-    calls = []
-    real = still_routing._replay_with_eviction
-    monkeypatch.setattr(still_routing, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for read in ("__bool__", "__int__", "__float__", "item", "tolist"):
-        monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"host read of a tensor ({read})"))
+    calls = count_eviction_replays(monkeypatch)
+    forbid_host_reads(monkeypatch)
     y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
     # The kernels' routing.
     fold, _ = still_routing.fresh_routing(q, k, v, valid, state0(4, 9), start=0, eps=1e-6, **opts)
@@ -351,12 +362,9 @@ def test_continued_call_while_capturing_replays_without_a_host_check(monkeypatch
                                     phi_q, phi_k, start=8, fresh=False, **opts)
 
     y_checked, s_checked = second_half()
-    calls = []
-    real = still_routing._replay_with_eviction
-    monkeypatch.setattr(still_routing, "_replay_with_eviction", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_eviction_replays(monkeypatch)
     monkeypatch.setattr(still_routing, "capturing", lambda t: True)
-    for read in ("__bool__", "__int__", "__float__", "item", "tolist"):
-        monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"host read of a tensor ({read})"))
+    forbid_host_reads(monkeypatch)
     y_captured, s_captured = second_half()
     monkeypatch.undo()
     assert calls and s_checked["sal_used"].any()
