@@ -48,17 +48,21 @@ def length_label(length: int) -> str:
 
 
 def write_plots(results: dict, out: Path) -> dict[str, Path]:
-    """{plot name: PNG path}: ppl vs length and loss vs position for ppl, a heatmap per long-context task."""
+    """{plot name: PNG path}: ppl vs length and loss vs position for ppl, a depth x length heatmap per
+    long-context task, and a task x length heatmap per family (RULER, BABILong) in place of its tasks'
+    own: a family's twelve or five small figures would bury the one that compares them."""
     plots = {}
+    families = [(title, key, rows) for title, key, names in FAMILIES
+                if len(rows := family_rows(results["tasks"], names)) > 1]
+    in_family = {name for *_, rows in families for name, _ in rows}
     for name, result in results["tasks"].items():
         if name == "ppl":
             plots["ppl_by_length"] = plot_ppl(result, out.with_name(f"{out.stem}.ppl_by_length.png"))
             plots["loss_by_position"] = plot_positions(result, out.with_name(f"{out.stem}.loss_by_position.png"))
-        elif "grid" in result:
+        elif "grid" in result and name not in in_family:
             plots[name] = plot_heatmap(name, result, out.with_name(f"{out.stem}.{name}.png"))
-    for title, key, names in FAMILIES:
-        if len(rows := family_rows(results["tasks"], names)) > 1:
-            plots[key] = plot_family(title, rows, out.with_name(f"{out.stem}.{key}.png"))
+    for title, key, rows in families:
+        plots[key] = plot_family(title, rows, out.with_name(f"{out.stem}.{key}.png"))
     return plots
 
 
@@ -198,7 +202,7 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
             lines.append(f"| {name}{' (partial)' if r.get('partial') else ''} | " + " | ".join(cells)
                          + f" | {r['score']:.3f} |")
         lines.append("")
-        lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows]
+        lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows if name in plots]
         lines.append("")
     for title, key, names in FAMILIES:
         if len(rows := family_rows(tasks, names)) > 1:
@@ -268,3 +272,30 @@ def family_section(title: str, key: str, names, rows: list[tuple[str, dict]], pl
     if missing:
         note += "; RULER's papers report it at 4K. Not run: " + ", ".join(f"{n} ({why})" for n, why in missing.items())
     return [*lines, "", note + ".", "", f"![{title}]({plots[key].name})", ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m linearize.eval.report FILE.json ...`: each results file's Markdown and plots, written again."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m linearize.eval.report", description=main.__doc__)
+    parser.add_argument("results", nargs="+", type=Path, help="eval.json files written by `linearize eval`")
+    args = parser.parse_args(argv)
+    loaded = []
+    for path in args.results:
+        try:
+            results = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"error: {path}: not a readable results file ({e.__class__.__name__})\n")
+        if not isinstance(results, dict) or not isinstance(results.get("tasks"), dict) or "provenance" not in results:
+            parser.exit(2, f"error: {path}: not a results file of `linearize eval` (no tasks and provenance)\n")
+        loaded.append((path, results))
+    for path, results in loaded:  # every file checked before any is written
+        plots = write_plots(results, path)
+        path.with_suffix(".md").write_text(markdown(results, plots), encoding="utf-8")
+        print(path.with_suffix(".md"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

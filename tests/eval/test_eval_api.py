@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from linearize.eval import api, command, evaluate, longcontext, ruler, write_report
+from linearize.eval import api, command, evaluate, longcontext, report, ruler, write_report
 from linearize.eval.harness import ZEROSHOT
 
 LONG_TASKS = api.SHORTHANDS["longcontext"]  # the six synthetic tasks (RULER's and BABILong's: their own tests)
@@ -264,6 +264,31 @@ def test_write_report(results, tmp_path):
     assert "# Evaluation of tiny-llama" in md
     assert "| piqa |" in md and "| passkey |" in md and "Zero-shot average" in md
     assert "![passkey](eval.passkey.png)" in md
+
+
+def test_report_module_writes_the_markdown_and_plots_again_from_the_json_alone(results, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    write_report(results, out)
+    md, plots = out.with_suffix(".md").read_text(), sorted(tmp_path.glob("*.png"))
+    out.with_suffix(".md").unlink()
+    for plot in plots:
+        plot.unlink()
+    assert report.main([str(out)]) == 0
+    assert out.with_suffix(".md").read_text() == md and sorted(tmp_path.glob("*.png")) == plots
+    assert capsys.readouterr().out == f"{out.with_suffix('.md')}\n"
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"tasks": {}}'])
+def test_report_module_refuses_what_is_not_a_results_file_before_writing_any(results, tmp_path, text, capsys):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    write_report(results, good)
+    good.with_suffix(".md").unlink()
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(good), str(bad)])
+    assert exit_.value.code == 2 and not good.with_suffix(".md").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {bad}: not a")
 
 
 # --- the CLI
