@@ -503,40 +503,61 @@ def table(run_dirs: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _curves(tasks: dict) -> dict[str, list[tuple[int, float]]]:
+    """{panel: [(length, value)]} of one run's results: perplexity, passkey and niah_single accuracy (%),
+    and the BABILong tasks' average (%) at each length all of them ran."""
+    from .eval.babilong import BABILONG_TASKS
+    from .eval.report import family_average, family_rows
+
+    curves = {"ppl": [(r["length"], r["ppl"]) for r in tasks.get("ppl", {}).get("by_length", [])]}
+    for task in ("passkey", "niah_single"):
+        curves[task] = [(r["length"], 100 * r["score"]) for r in tasks.get(task, {}).get("by_length", [])]
+    if len(family := family_rows(tasks, BABILONG_TASKS)) > 1:
+        curves["BABILong"] = [(length, 100 * score) for length, score in family_average(family).items()]
+    return curves
+
+
+# The panels `plot_rows` can draw, in order, with their y labels; it draws those some row has.
+PLOT_PANELS = {"ppl": "perplexity (log scale)", "passkey": "passkey accuracy (%)",
+               "niah_single": "niah_single accuracy (%)", "BABILong": "BABILong QA1-QA5 average (%)"}
+
+
 def plot_rows(run_dirs: list[Path], path: Path) -> Path:
-    """The rows side by side: perplexity, passkey and niah_single against context length."""
+    """The rows side by side against context length: perplexity, passkey, niah_single and the BABILong
+    average, each panel where at least one row has it."""
     from matplotlib.figure import Figure
 
     from .eval.report import length_label
 
     if not run_dirs:
         raise RecipeError("no finished runs (directories with run.json and eval.json) to plot")
-
-    panels = [("ppl", "perplexity (log scale)"), ("passkey", "passkey accuracy (%)"),
-              ("niah_single", "niah_single accuracy (%)")]
-    # The legend goes below the panels, three rows' names to a line: inside a panel it hid the curves.
-    fig = Figure(figsize=(16, 4.5 + 0.22 * -(-len(run_dirs) // 3)), layout="constrained")
-    axes = fig.subplots(1, len(panels))
+    rows = [(json.loads((d / "run.json").read_text())["recipe"]["row"],
+             _curves(json.loads((d / "eval.json").read_text())["tasks"])) for d in run_dirs]
+    panels = [name for name in PLOT_PANELS if any(curves.get(name) for _, curves in rows)]
+    if not panels:
+        raise RecipeError("none of these runs has perplexity, passkey, niah_single or BABILong by length to plot")
+    # The legend goes below the panels (inside one it hid the curves): three names to a line, or one
+    # where a name is too long to share its line.
+    ncols = 3 if max(len(row) for row, _ in rows) <= 70 else 1
+    fig = Figure(figsize=(5.3 * len(panels) + 0.1, 4.5 + 0.22 * -(-len(rows) // ncols)), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
     lengths = set()
-    for i, run_dir in enumerate(run_dirs):
-        row = json.loads((run_dir / "run.json").read_text())["recipe"]["row"]
-        tasks = json.loads((run_dir / "eval.json").read_text())["tasks"]
-        for ax, (task, _) in zip(axes, panels):
-            points = [(r["length"], r["ppl"] if task == "ppl" else 100 * r["score"])
-                      for r in tasks.get(task, {}).get("by_length", [])]
-            if points:
+    for i, (row, curves) in enumerate(rows):
+        for ax, panel in zip(axes, panels):
+            if points := curves.get(panel):
                 lengths |= {length for length, _ in points}
                 # A row's colour and line in every panel; the style changes once the 10 colours repeat.
                 ax.plot(*zip(*points), marker="os^D"[i // 10 % 4], linestyle=["-", "--", ":", "-."][i // 10 % 4],
                         label=row, color=f"C{i % 10}")
-    for ax, (task, label) in zip(axes, panels):
+    for ax, panel in zip(axes, panels):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(lengths), [length_label(n) for n in sorted(lengths)])
-        ax.set(xlabel="context length (tokens)", ylabel=label, title=task)
+        ax.set(xlabel="context length (tokens)", ylabel=PLOT_PANELS[panel], title=panel)
         ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
+        if panel == "ppl":
+            ax.set_yscale("log")
     handles = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
-    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3, fontsize=8)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=ncols, fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

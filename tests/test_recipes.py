@@ -15,6 +15,7 @@ from linearize.recipes import (
     TABLE_START,
     Recipe,
     RecipeError,
+    _curves,
     finished_runs,
     plot_rows,
     run,
@@ -232,6 +233,24 @@ def test_plot_draws_chosen_runs_without_touching_a_table(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["recipe", "plot", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "no finished runs" in capsys.readouterr().err
+
+
+def test_plot_draws_the_panels_its_rows_have_and_the_babilong_average(tmp_path, capsys):
+    babilong = {f"babilong_qa{k}": {"grid": [], "by_length": [{"length": n, "score": k / 10} for n in (512, 1024)]}
+                for k in (1, 2)}
+    niah = {"niah_single": {"grid": [], "by_length": [{"length": 512, "score": 1.0}]}}
+    assert _curves({**babilong, **niah}) == {"ppl": [], "passkey": [], "niah_single": [(512, 100.0)],
+                                             "BABILong": [(512, pytest.approx(15.0)), (1024, pytest.approx(15.0))]}
+    run_dir = tmp_path / "runs" / "long"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": "long", "row": "a row named " + "x" * 80}}))
+    (run_dir / "eval.json").write_text(json.dumps({"provenance": {}, "tasks": {**babilong, **niah}}))
+    out = plot_rows([run_dir], tmp_path / "long.png")
+    width = int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width: two panels, not four
+    assert width == round((5.3 * 2 + 0.1) * 110)
+    (run_dir / "eval.json").write_text(json.dumps({"provenance": {}, "tasks": {"piqa": {"acc": 0.5}}}))
+    assert main(["recipe", "plot", str(run_dir), "--out", str(tmp_path / "none.png")]) == 2
+    assert "none of these runs has perplexity" in capsys.readouterr().err and not (tmp_path / "none.png").exists()
 
 
 def test_write_into_replaces_only_its_section(tmp_path):
