@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import re
 import shutil
@@ -490,14 +491,20 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     return cells
 
 
-def table(run_dirs: list[Path]) -> str:
-    """A Markdown table with a row per run directory and the union of their columns, in first-seen order."""
+def table(run_dirs: list[Path], keep: list[str] | None = None) -> str:
+    """A Markdown table with a row per run directory and the union of their columns, in first-seen order;
+    with `keep` (shell-style patterns such as "BABILong *"), the row column and those matching one."""
     rows = [_row_cells(d) for d in run_dirs]
     if not rows:
         raise RecipeError("no finished runs (directories with run.json and eval.json) to tabulate")
     columns: list[str] = []
     for cells in rows:
         columns += [c for c in cells if c not in columns]
+    if keep is not None:
+        for pattern in keep:
+            if not fnmatch.filter(columns, pattern):
+                raise RecipeError(f"--columns: {pattern!r} matches none of these rows' columns: {', '.join(columns)}")
+        columns = ["row", *(c for c in columns if c != "row" and any(fnmatch.fnmatchcase(c, k) for k in keep))]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cells.get(c, "–") for c in columns) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
@@ -610,6 +617,9 @@ def register(subparsers) -> None:
     t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
     t.add_argument("--plot", type=Path, help="also draw the rows' perplexity and retrieval by length into this PNG")
+    t.add_argument("--columns", type=_patterns, metavar="PATTERNS",
+                   help="only these columns beside the row's name: comma-separated names or shell-style "
+                        "patterns, e.g. '0-shot avg,RULER-12 4K,BABILong *'")
     t.set_defaults(func=_table_command)
     g = sub.add_parser("plot", help="draw chosen finished runs' perplexity and retrieval by length (no table)")
     g.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them, in legend order")
@@ -666,6 +676,14 @@ def _list_command(args) -> int:
     for name, file, row in lines:
         print(f"{name:<{widths[0]}}  {file:<{widths[1]}}  {row}")
     return 0
+def _patterns(text: str) -> list[str]:
+    """--columns' value: its comma-separated patterns, none empty."""
+    patterns = [p.strip() for p in text.split(",")]
+    if not all(patterns):
+        raise argparse.ArgumentTypeError(f"an empty name in {text!r}")
+    return patterns
+
+
 def _finished_runs_of(paths: list[Path]) -> list[Path]:
     for path in paths:
         if not path.is_dir():
@@ -680,7 +698,7 @@ def _plot_command(args) -> int:
 
 def _table_command(args) -> int:
     runs = _finished_runs_of(args.runs)
-    text = table(runs)
+    text = table(runs, args.columns)
     if args.plot:
         print(f"wrote {plot_rows(runs, args.plot)}")
     if args.into:

@@ -263,6 +263,24 @@ def test_write_into_replaces_only_its_section(tmp_path):
     assert "| b |" in text and "| a |" not in text
 
 
+def test_table_keeps_the_columns_asked_for_beside_the_row(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": "a", "row": "A"}}))
+    tasks = {"passkey": {"grid": [], "by_length": [{"length": n, "score": 0.5} for n in (512, 1024)]},
+             "ppl": {"by_length": [{"length": 512, "ppl": 9.0}]}}
+    (run_dir / "eval.json").write_text(json.dumps({"provenance": {}, "tasks": tasks}))
+    header, _, row = table([run_dir], ["passkey *", "ppl 512"]).splitlines()
+    assert header == "| row | ppl 512 | passkey 512 | passkey 1K |" and row == "| A | 9.0 | 50.0 | 50.0 |"
+    page = tmp_path / "page.md"
+    assert main(["recipe", "table", str(run_dir), "--columns", "mmlu,passkey 1K", "--into", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'mmlu' matches none of these rows' columns: row, recipe" in err
+    assert not page.exists()
+    assert main(["recipe", "table", str(run_dir), "--columns", "passkey 1K,"]) == 2
+    assert "an empty name" in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["recipe", "run", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
     assert "is not a file" in capsys.readouterr().err
