@@ -502,7 +502,7 @@ def table(run_dirs: list[Path], keep: list[str] | None = None) -> str:
         columns += [c for c in cells if c not in columns]
     if keep is not None:
         for pattern in keep:
-            if not fnmatch.filter(columns, pattern):
+            if not any(fnmatch.fnmatchcase(c, pattern) for c in columns):
                 raise RecipeError(f"--columns: {pattern!r} matches none of these rows' columns: {', '.join(columns)}")
         columns = ["row", *(c for c in columns if c != "row" and any(fnmatch.fnmatchcase(c, k) for k in keep))]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -676,6 +676,8 @@ def _list_command(args) -> int:
     for name, file, row in lines:
         print(f"{name:<{widths[0]}}  {file:<{widths[1]}}  {row}")
     return 0
+
+
 def _patterns(text: str) -> list[str]:
     """--columns' value: its comma-separated patterns, none empty."""
     patterns = [p.strip() for p in text.split(",")]

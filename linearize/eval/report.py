@@ -37,10 +37,16 @@ def write_json(results: dict, out: str | Path) -> Path:
 def write_report(results: dict, out: str | Path) -> list[Path]:
     """Write the JSON, the Markdown summary and the plots; returns the paths written."""
     out = write_json(results, out)
+    md, plots = write_summary(results, out)
+    return [out, md, *plots.values()]
+
+
+def write_summary(results: dict, out: Path) -> tuple[Path, dict[str, Path]]:
+    """The Markdown summary and the plots of the results file `out`: (Markdown path, {plot name: PNG path})."""
     plots = write_plots(results, out)
     md = out.with_suffix(".md")
     md.write_text(markdown(results, plots), encoding="utf-8")
-    return [out, md, *plots.values()]
+    return md, plots
 
 
 def length_label(length: int) -> str:
@@ -52,8 +58,7 @@ def write_plots(results: dict, out: Path) -> dict[str, Path]:
     long-context task, and a task x length heatmap per family (RULER, BABILong) in place of its tasks'
     own: a family's twelve or five small figures would bury the one that compares them."""
     plots = {}
-    families = [(title, key, rows) for title, key, names in FAMILIES
-                if len(rows := family_rows(results["tasks"], names)) > 1]
+    families = families_run(results["tasks"])
     in_family = {name for *_, rows in families for name, _ in rows}
     for name, result in results["tasks"].items():
         if name == "ppl":
@@ -61,7 +66,7 @@ def write_plots(results: dict, out: Path) -> dict[str, Path]:
             plots["loss_by_position"] = plot_positions(result, out.with_name(f"{out.stem}.loss_by_position.png"))
         elif "grid" in result and name not in in_family:
             plots[name] = plot_heatmap(name, result, out.with_name(f"{out.stem}.{name}.png"))
-    for title, key, rows in families:
+    for title, key, _, rows in families:
         plots[key] = plot_family(title, rows, out.with_name(f"{out.stem}.{key}.png"))
     return plots
 
@@ -204,9 +209,8 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         lines.append("")
         lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows if name in plots]
         lines.append("")
-    for title, key, names in FAMILIES:
-        if len(rows := family_rows(tasks, names)) > 1:
-            lines += family_section(title, key, names, rows, plots)
+    for title, key, names, rows in families_run(tasks):
+        lines += family_section(title, key, names, rows, plots)
     versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
     lines += ["## Provenance", "", f"- versions: {versions}", f"- lengths {prov['lengths']}, depths {prov['depths']}"]
     if prov.get("task_lengths"):
@@ -221,6 +225,12 @@ def family_rows(tasks: dict, names) -> list[tuple[str, dict]]:
     """The (name, result) of the family's tasks that ran, in the family's order (a family gets its section
     where two or more did: niah_multivalue alone, one of the six synthetic tasks too, is no RULER run)."""
     return [(name, tasks[name]) for name in names if name in tasks and "grid" in tasks[name]]
+
+
+def families_run(tasks: dict) -> list[tuple[str, str, tuple, list[tuple[str, dict]]]]:
+    """(title, plot name, task names, `family_rows`) of each family with a section of its own: two or
+    more of its tasks ran."""
+    return [(title, key, names, rows) for title, key, names in FAMILIES if len(rows := family_rows(tasks, names)) > 1]
 
 
 def family_lengths(rows: list[tuple[str, dict]]) -> list[int]:
@@ -291,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"error: {path}: not a results file of `linearize eval` (no tasks and provenance)\n")
         loaded.append((path, results))
     for path, results in loaded:  # every file checked before any is written
-        plots = write_plots(results, path)
-        path.with_suffix(".md").write_text(markdown(results, plots), encoding="utf-8")
-        print(path.with_suffix(".md"))
+        print(write_summary(results, path)[0])
     return 0
 
 
