@@ -27,7 +27,7 @@ def _softmax_by(text: str) -> str:
 
 
 def register(subparsers) -> None:
-    from ..cli_args import StoreGiven, add_method_arguments, parse_int_list, positive_int, seed
+    from ..cli_args import StoreGiven, add_method_arguments, non_negative_int, parse_int_list, positive_int, seed
     from ..config import LAYER_CHOICES, LAYERS_HELP, PRESETS
 
     p = subparsers.add_parser("distill", help="distil a teacher into a linearized student (stage 1 + stage 2)")
@@ -54,6 +54,10 @@ def register(subparsers) -> None:
                         "with the highest stage-1 error), kl (after stage 1, the N whose restoring to softmax "
                         "brings the output distribution closest to the teacher's, KL-guided selection) or even "
                         "(before training, N evenly spaced); e.g. kl:2")
+    p.add_argument("--kl-train-steps", type=non_negative_int, default=0, metavar="K",
+                   help="with --softmax-by kl:N, train each candidate (the student with that one layer softmax) "
+                        "K LoRA steps on the KL to the teacher before scoring it, as the method does "
+                        "(default 0: score the stage-1 student as it is)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100, help="optimizer steps between validations")
@@ -93,7 +97,8 @@ def config_from_args(args):
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
-                         softmax_layers=args.softmax_layers, softmax_by=args.softmax_by, layers=args.layers,
+                         softmax_layers=args.softmax_layers, softmax_by=args.softmax_by,
+                         kl_train_steps=args.kl_train_steps, layers=args.layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
                          fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,

@@ -63,6 +63,9 @@ class DistillConfig:
     # whose restoring alone to softmax brings the model's next-token distribution closest to the teacher's
     # (KL-guided layer selection, arXiv 2512.20569); "even:N" before training, N evenly spaced ones.
     softmax_by: str | None = None
+    # With "kl:N": optimizer steps each one-softmax-layer candidate's LoRA adapters train on the KL to the
+    # teacher before it is scored, as the method trains its candidates (0: score the stage-1 student as it is).
+    kl_train_steps: int = 0
     # Stage 2 under torchrun: FSDP2 (the default), or (fsdp=False) a whole replica on every rank with the
     # gradients averaged in one all-reduce a step, as stage 1 always trains: then steps can be CUDA graphs.
     fsdp: bool = True
@@ -99,6 +102,11 @@ class DistillConfig:
             if rule in AFTER_STAGE1 and self.stage != "both":
                 raise ValueError(f"softmax_by {self.softmax_by} picks layers by {AFTER_STAGE1[rule]}: it needs both "
                                  "stages (--stage both)")
+        if isinstance(self.kl_train_steps, bool) or not isinstance(self.kl_train_steps, int) or self.kl_train_steps < 0:
+            raise ValueError(f"kl_train_steps must be a whole number >= 0, got {self.kl_train_steps!r}")
+        if self.kl_train_steps and (self.selection or ("", 0))[0] != "kl":
+            raise ValueError(f"kl_train_steps ({self.kl_train_steps}) trains the candidates of softmax_by kl:N; "
+                             f"this run's softmax_by is {self.softmax_by}")
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
             raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
                              "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")

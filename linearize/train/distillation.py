@@ -7,7 +7,7 @@ Stage 2 trains peft LoRA adapters on q/k/v with next-token cross-entropy, then m
 
 Run directory (`out`): the final loadable model, `distill_config.json`, `train_log.jsonl`,
 `stage1_attention.pt` (new modules after stage 1), `stage1_layer_errors.json` (each linearized layer's
-stage-1 scores and the layers `softmax_by` picked, `Run.write_layer_scores`) and `checkpoint/` (the
+stage-1 scores and the layers `softmax_by` picked, `Run.write_layer_scores` and `Run.select_by_kl`) and `checkpoint/` (the
 latest resumable state).
 """
 
@@ -17,6 +17,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint
 from .config import DistillConfig
-from .layer_selection import even_layers, restored_layer_kl, top_layers
+from .layer_selection import even_layers, kl_distillation_loss, mean_kl, restored_layer_kl, top_layers
 from .losses import stage_loss
 from .runtime import Runtime, shard
 from .step import TrainStep, make_optimizer, rates_on_device
@@ -312,45 +314,118 @@ class Run:
         bar.close()
         self.finish_stage(model, stage, names, sharded)
         if stage == 1:  # the last step validated, unless this invocation resumed past it
-            self.write_layer_scores(model, layer_errors if layer_errors is not None else self.validation_losses(model, 1)[1])
+            self.write_layer_scores(layer_errors if layer_errors is not None else self.validation_losses(model, 1)[1])
         save(done=True)
 
-    def write_layer_scores(self, model, errors: dict[int, float]) -> None:
+    def write_layer_scores(self, errors: dict[int, float]) -> None:
         """After stage 1, `LAYER_ERRORS_NAME`: each linearized layer's stage-1 validation MSE ("mse"); with
-        softmax_by kl:N, also the mean per-token KL(teacher || model) on the validation batches of the
-        all-linear model ("kl_all_linear") and of the model with only that layer restored to softmax
-        ("kl_restored"), their difference, the layer's score ("kl_gain"), and the wall time of that
-        scoring ("kl_seconds"); with any softmax_by, the rule ("softmax_by") and the layers it keeps
-        softmax ("picked")."""
+        any softmax_by, the rule ("softmax_by") and, for error:N and even:N, the layers it keeps softmax
+        ("picked"); kl:N picks between the stages (`select_by_kl`)."""
         record = {"mse": {str(k): v for k, v in sorted(errors.items())}}
         selection = self.cfg.selection
         if selection is not None:
             rule, count = selection
-            if rule == "kl":
-                started = time.perf_counter()
-                baseline, restored = self.layer_kl(model)
-                gains = {i: baseline - kl for i, kl in restored.items()}
-                record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored.items()},
-                           "kl_gain": {str(k): v for k, v in gains.items()},
-                           "kl_seconds": time.perf_counter() - started}
-                picked = top_layers(gains, count)
-            elif rule == "error":
-                picked = top_layers(errors, count)
-            else:  # even: picked before stage 1, which kept them softmax
-                picked = sorted(set(self.preset_softmax) - set(self.cfg.softmax_layers))
-            record |= {"softmax_by": self.cfg.softmax_by, "picked": picked}
+            record["softmax_by"] = self.cfg.softmax_by
+            if rule == "error":
+                record["picked"] = top_layers(errors, count)
+            elif rule == "even":  # picked before stage 1, which kept them softmax
+                record["picked"] = sorted(set(self.preset_softmax) - set(self.cfg.softmax_layers))
+        self.write_record(record)
+
+    def write_record(self, record: dict) -> None:
         if self.rt.main:
-            (self.out / LAYER_ERRORS_NAME).write_text(json.dumps(record, indent=2))
+            # Replaced whole: an interrupted write leaves the last record, which a resume reads.
+            path = self.out / LAYER_ERRORS_NAME
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=2))
+            tmp.replace(path)
         self.rt.barrier()
 
-    def layer_kl(self, model) -> tuple[float, dict[int, float]]:
-        """`layer_selection.restored_layer_kl` on this rank's first `val_batches` validation batches,
-        averaged over the ranks."""
+    def select_by_kl(self) -> None:
+        """With softmax_by kl:N, after stage 1: score every linearized layer and add to `LAYER_ERRORS_NAME`
+        the mean per-token KL(teacher || model) on the validation batches of the all-linear candidate
+        ("kl_all_linear") and of each one-softmax-layer candidate ("kl_restored"), the layer's score, their
+        difference ("kl_gain"), the N highest ("picked"), "kl_train_steps" and the scoring's wall time
+        ("kl_seconds"). With kl_train_steps, each candidate's KL is saved as it is taken ("kl_candidates",
+        dropped at the end), so an interrupted selection resumes at the next candidate."""
+        selection = self.cfg.selection
+        if selection is None or selection[0] != "kl":
+            return
+        self.rt.barrier()
+        record = json.loads((self.out / LAYER_ERRORS_NAME).read_text())
+        if "picked" in record:
+            return
+        started = time.perf_counter() - record.get("kl_seconds", 0.0)
+        layers = sorted(int(i) for i in record["mse"])
+        if self.cfg.kl_train_steps:
+            scores = record.setdefault("kl_candidates", {})
+            bar = tqdm(total=1 + len(layers), initial=len(scores), desc="KL-guided selection",
+                       disable=not self.progress, unit="candidate")
+            for restored in [None, *layers]:
+                key = "all_linear" if restored is None else str(restored)
+                if key in scores:
+                    continue
+                try:
+                    scores[key] = self.candidate_kl(restored)
+                except KeyboardInterrupt:
+                    bar.close()
+                    if self.rt.main:
+                        print(f"\ninterrupted: KL-guided selection, {len(scores)} of {1 + len(layers)} candidates "
+                              f"scored and saved in {self.out / LAYER_ERRORS_NAME}; rerun with --resume")
+                    raise
+                record["kl_seconds"] = time.perf_counter() - started
+                self.write_record(record)
+                bar.update(1)
+            bar.close()
+            del record["kl_candidates"]
+            baseline, restored_kl = scores["all_linear"], {i: scores[str(i)] for i in layers}
+        else:
+            baseline, restored_kl = self.layer_kl()
+        gains = {i: baseline - kl for i, kl in restored_kl.items()}
+        record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored_kl.items()},
+                   "kl_gain": {str(k): v for k, v in gains.items()}, "kl_train_steps": self.cfg.kl_train_steps,
+                   "kl_seconds": time.perf_counter() - started, "picked": top_layers(gains, selection[1])}
+        self.write_record(record)
+
+    def validation_batches(self) -> Iterator[torch.Tensor]:
+        """This rank's first `val_batches` validation batches, on its device."""
         loader = self.make_loader(self.val_blocks, seed=0)
-        batches = (ids.to(self.rt.device) for _, ids in zip(range(self.cfg.val_batches), loader))
-        baseline, restored = restored_layer_kl(model, batches, self.rt.autocast)
+        return (ids.to(self.rt.device) for _, ids in zip(range(self.cfg.val_batches), loader))
+
+    def layer_kl(self) -> tuple[float, dict[int, float]]:
+        """`layer_selection.restored_layer_kl` of the stage-1 student, averaged over the ranks."""
+        model = build_student(self.cfg, self.out / STAGE1_NAME, self.preset_softmax, weights_dtype(self.rt, False))
+        baseline, restored = restored_layer_kl(model.to(self.rt.device), self.validation_batches(), self.rt.autocast)
         means = self.rt.means([baseline, *restored.values()])
         return means[0], dict(zip(restored, means[1:]))
+
+    def candidate_kl(self, restored: int | None) -> float:
+        """One candidate's score with kl_train_steps K: the stage-1 student with layer `restored` (None: no
+        layer) softmax, its LoRA adapters (stage 2's) trained K steps at the stage-2 lr, held constant, on
+        `kl_distillation_loss`, every candidate on the same batches; then its mean per-token KL to the
+        teacher on the validation batches, averaged over the ranks."""
+        cfg, rt = self.cfg, self.rt
+        softmax = sorted(set(self.preset_softmax) | ({restored} if restored is not None else set()))
+        # Every candidate's adapters start from the same draw, whichever candidates ran before it in this
+        # process: a resumed selection scores as an uninterrupted one.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model, _ = prepare_stage(build_student(cfg, self.out / STAGE1_NAME, softmax, weights_dtype(rt, False)),
+                                     cfg, 2)
+        model.to(rt.device)
+        groups = parameter_groups(model, cfg, 2)
+        params = [p for group in groups for p in group["params"]]
+        optimizer = make_optimizer(groups, rt.device, cuda_graph=cfg.cuda_graph, betas=cfg.betas,
+                                   weight_decay=cfg.weight_decay)
+        average = (lambda: rt.average_gradients(params)) if rt.distributed else None
+        train_step = TrainStep(lambda ids: kl_distillation_loss(model, ids), params, optimizer, cfg.clip, rt.autocast,
+                               cuda_graph=cfg.cuda_graph, before_clip=average)
+        batches = forever(self.make_loader(self.train_blocks, seed=cfg.seed + 2))
+        model.train()
+        for _ in range(cfg.kl_train_steps):
+            train_step([next(batches).to(rt.device) for _ in range(cfg.grad_accum)])
+        [kl] = mean_kl(model, self.validation_batches(), [nullcontext], rt.autocast)
+        return rt.means([kl])[0]
 
     def softmax_layers(self) -> list[int]:
         """The layers softmax in stage 2 and the final model: those softmax from the start plus, with
@@ -450,6 +525,8 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
     try:
         for stage in cfg.stages:
             run.stage(stage)
+            if stage == 1:
+                run.select_by_kl()
         run.export()
         run.rt.barrier()
     finally:

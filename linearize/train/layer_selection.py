@@ -8,11 +8,12 @@ sliding layers `layers="full"` keeps):
 - `error:N`, after stage 1: the N layers with the highest stage-1 validation MSE (`top_layers` of it).
 - `kl:N`, after stage 1: KL-guided layer selection (Li et al., "Distilling to Hybrid Attention Models
   via KL-Guided Layer Selection", arXiv 2512.20569, github.com/fla-org/hybrid-distillation). Their
-  selector restores exactly one layer to softmax in the otherwise all-linear student and ranks the
-  layers by how far that lowers the distillation KL to the teacher; the top N stay softmax.
-  `restored_layer_kl` measures that on the validation batches with the stage-1 weights as they are:
-  one forward per candidate layer. (The paper trains each one-softmax-layer student briefly with
-  its KL stage first; that costs a stage-2 run per layer, which this does not do.)
+  selector restores exactly one layer to softmax in the otherwise all-linear student, trains that
+  student briefly with a KL distillation, and ranks the layers by how far it then lowers the KL to the
+  teacher; the top N stay softmax. With `kl_train_steps` K > 0 (`Run.select_by_kl`) each candidate is
+  built with its layer softmax, its LoRA adapters trained K steps on `kl_distillation_loss`, and scored
+  by `mean_kl`; with K = 0, `restored_layer_kl` scores the stage-1 student as it is, one forward per
+  candidate layer.
 
 A linearized layer switches between its own attention and the teacher's softmax by its
 `attention_transfer` flag, which makes it return the teacher's output computed from the same
@@ -22,8 +23,8 @@ teacher, whose distribution the KL is taken against.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 from torch.nn import functional as F
@@ -87,13 +88,23 @@ def token_kl_sum(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> 
     return total
 
 
-def restored_layer_kl(model, batches: Iterable[torch.Tensor], autocast=nullcontext) -> tuple[float, dict[int, float]]:
-    """KL-guided layer scores on `batches` (packed [B, L] token ids, no padding): the mean per-token
-    KL(teacher || model) of the model with all its linearized layers linear, and {i: the same with only
-    layer i restored to the teacher's softmax} for each linearized layer i. The teacher is the model
-    with every linearized layer switched to softmax. Per batch: 2 + (linearized layers) forwards."""
-    layers = sorted(linearized_attention(model))
-    sums = torch.zeros(1 + len(layers), dtype=torch.float64)
+@contextmanager
+def teacher_mode(model) -> Iterator[None]:
+    """Within it, the model is its teacher: every linearized layer returns the teacher's softmax output
+    and, on a peft model (stage 2's LoRA), the adapters are off."""
+    with ExitStack() as stack:
+        if hasattr(model, "disable_adapter"):
+            stack.enter_context(model.disable_adapter())
+        stack.enter_context(softmax_in(model, linearized_attention(model)))
+        yield
+
+
+def mean_kl(model, batches: Iterable[torch.Tensor], students: list[Callable[[], AbstractContextManager]],
+            autocast=nullcontext) -> list[float]:
+    """For each of `students` (factories of the contexts under which the model is that student), the mean
+    per-token KL(teacher || student) on `batches` (packed [B, L] token ids, no padding), the teacher
+    being the model under `teacher_mode`. Per batch: one teacher forward and one per student."""
+    sums = torch.zeros(len(students), dtype=torch.float64)
     tokens = 0
     training = model.training
     model.eval()
@@ -102,10 +113,10 @@ def restored_layer_kl(model, batches: Iterable[torch.Tensor], autocast=nullconte
         # as full causal attention, and the teacher here must be the teacher.
         with torch.no_grad(), autocast():
             for ids in batches:
-                with softmax_in(model, layers):
+                with teacher_mode(model):
                     teacher = model(input_ids=ids, use_cache=False).logits
-                for row, restored in enumerate([None, *layers]):
-                    with softmax_in(model, [] if restored is None else [restored]):
+                for row, student_mode in enumerate(students):
+                    with student_mode():
                         student = model(input_ids=ids, use_cache=False).logits
                     sums[row] += token_kl_sum(teacher, student).cpu()
                     del student
@@ -113,5 +124,27 @@ def restored_layer_kl(model, batches: Iterable[torch.Tensor], autocast=nullconte
                 del teacher
     finally:
         model.train(training)
-    means = (sums / max(1, tokens)).tolist()
+    return (sums / max(1, tokens)).tolist()
+
+
+def restored_layer_kl(model, batches: Iterable[torch.Tensor], autocast=nullcontext) -> tuple[float, dict[int, float]]:
+    """KL-guided layer scores of the model as it is, on `batches`: the mean per-token KL(teacher || model)
+    of the model with all its linearized layers linear, and {i: the same with only layer i restored to
+    the teacher's softmax} for each linearized layer i (`mean_kl`)."""
+    layers = sorted(linearized_attention(model))
+    means = mean_kl(model, batches, [lambda i=i: softmax_in(model, [] if i is None else [i]) for i in [None, *layers]],
+                    autocast)
     return means[0], dict(zip(layers, means[1:]))
+
+
+def kl_distillation_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The mean per-token KL(teacher || model) on one packed batch, a float32 scalar whose gradient
+    reaches what the model trains; the teacher (`teacher_mode`, no gradient) is the same model with its
+    linearized layers softmax and its adapters off. The candidates of `kl_train_steps` train on it."""
+    from .masking import unpadded_attention
+
+    with unpadded_attention(model):
+        with torch.no_grad(), teacher_mode(model):
+            teacher = model(input_ids=input_ids, use_cache=False).logits
+        student = model(input_ids=input_ids, use_cache=False).logits
+    return (token_kl_sum(teacher, student) / input_ids.numel()).float()

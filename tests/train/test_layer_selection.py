@@ -17,7 +17,16 @@ from linearize.convert import check_layer_choice, convert
 from linearize.recipes import Recipe, RecipeError
 from linearize.train import DistillConfig, distill
 from linearize.train.command import config_from_args, register
-from linearize.train.layer_selection import even_layers, linearized_attention, restored_layer_kl, top_layers
+from linearize.train.distillation import Run
+from linearize.train.layer_selection import (
+    even_layers,
+    kl_distillation_loss,
+    linearized_attention,
+    restored_layer_kl,
+    teacher_mode,
+    top_layers,
+)
+from linearize.train.student import prepare_stage
 
 # Gemma 3 with three full-attention layers among six (the tiny default has one): `layers="full"` then
 # linearizes 1, 3 and 5 and keeps the sliding ones.
@@ -126,6 +135,53 @@ def test_the_model_with_every_layer_switched_to_softmax_is_the_teacher(arch):
     assert not torch.allclose(logits(model, [ids])[0], switched, atol=1e-3)
 
 
+def lora_student(arch="llama", **overrides):
+    """A converted tiny teacher under stage 2's LoRA, its new modules and adapters away from their init
+    (LoRA's B starts at zero, where the adapters change nothing)."""
+    model = convert(tiny_teacher(arch, **overrides), "lizard", **TINY_OPTIONS["lizard"])
+    perturb_new_parameters(model)
+    model, names = prepare_stage(model, DistillConfig(model="m", method="lizard", out="o"), 2)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model, names
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_teacher_mode_turns_off_the_adapters_and_switches_every_layer(arch):
+    overrides = GEMMA_FULL if arch == "gemma3_text" else {}
+    teacher = tiny_teacher(arch, **overrides).eval()
+    model, _ = lora_student(arch, **overrides)
+    model.eval()
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with teacher_mode(model):
+        as_teacher = logits(model, [ids])[0]
+    torch.testing.assert_close(as_teacher, logits(teacher, [ids])[0], rtol=1e-4, atol=1e-5)
+    # Outside it, the student; and with only the layers switched (adapters on), neither.
+    assert not torch.allclose(logits(model, [ids])[0], as_teacher, atol=1e-3)
+    from linearize.train.layer_selection import softmax_in
+    with softmax_in(model, linearized_attention(model)):
+        assert not torch.allclose(logits(model, [ids])[0], as_teacher, atol=1e-3)
+
+
+def test_the_kl_distillation_loss_is_the_mean_token_kl_and_trains_the_adapters_alone():
+    teacher = tiny_teacher().eval()
+    model, names = lora_student()
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    loss = kl_distillation_loss(model, ids)
+    assert loss.dtype == torch.float32 and loss.requires_grad
+    with torch.no_grad():
+        expected = direct_kl(teacher(input_ids=ids).logits, model(input_ids=ids, use_cache=False).logits)
+    assert loss.item() == pytest.approx(expected, rel=1e-4)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == names and all("lora_" in name for name in grads)
+    assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_A" in name)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
 # ---------------------------------------------------------------------------------------------------
 # End to end: tiny distills on the CPU.
 
@@ -162,6 +218,56 @@ def test_kl_keeps_softmax_the_layer_whose_restoring_lowers_kl_most_and_the_model
     assert kinds[1 - picked] != kinds[picked]
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(3, 100, (1, 12))).logits).all()
+
+
+def test_kl_train_steps_trains_each_candidate_towards_the_teacher_before_scoring_it(workspace, tmp_path):
+    # A teacher initialised ten times wider than the default: its next-token distributions are sharp
+    # enough (all-linear KL ~1.4 nats) for three steps to move every candidate measurably towards it.
+    teacher = tmp_path / "teacher"
+    tiny_teacher(initializer_range=0.2).save_pretrained(teacher)
+    tiny_tokenizer().save_pretrained(teacher)
+    settings = {"model": str(teacher), "softmax_by": "kl:1"}
+    untrained = scores_of(distill(config(workspace, tmp_path / "untrained", **settings), progress=False))
+    out = distill(config(workspace, tmp_path / "trained", **settings, kl_train_steps=3), progress=False)
+    record = scores_of(out)
+    assert record["kl_train_steps"] == 3 and untrained["kl_train_steps"] == 0 and "kl_candidates" not in record
+    assert record["mse"] == untrained["mse"]  # the same stage 1
+    restored = {int(k): v for k, v in record["kl_restored"].items()}
+    assert set(restored) == {0, 1}
+    # Three steps on the KL to the teacher leave every candidate closer to it than its untrained self.
+    assert record["kl_all_linear"] < untrained["kl_all_linear"]
+    assert all(restored[i] < untrained["kl_restored"][str(i)] for i in restored)
+    assert record["picked"] == [min(restored, key=restored.get)]
+    assert all(record["kl_gain"][str(i)] == pytest.approx(record["kl_all_linear"] - restored[i]) for i in restored)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.linearize["softmax_layers"] == record["picked"]
+
+
+def test_an_interrupted_kl_selection_resumes_at_the_next_candidate(workspace, tmp_path, monkeypatch, capsys):
+    whole = scores_of(distill(config(workspace, tmp_path / "whole", softmax_by="kl:1", kl_train_steps=2),
+                              progress=False))
+    scored = []
+    original = Run.candidate_kl
+
+    def interrupted_at_the_second(self, restored):
+        if len(scored) == 1:
+            raise KeyboardInterrupt
+        scored.append(restored)
+        return original(self, restored)
+
+    monkeypatch.setattr(Run, "candidate_kl", interrupted_at_the_second)
+    cfg = config(workspace, tmp_path / "cut", softmax_by="kl:1", kl_train_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, progress=False)
+    assert "1 of 3 candidates scored" in capsys.readouterr().out
+    partial = scores_of(tmp_path / "cut")
+    assert list(partial["kl_candidates"]) == ["all_linear"] and "picked" not in partial
+    monkeypatch.setattr(Run, "candidate_kl", lambda self, restored: scored.append(restored) or original(self, restored))
+    distill(cfg, resume=True, progress=False)
+    assert scored == [None, 0, 1]  # the all-linear candidate once, then the two not yet scored
+    resumed = scores_of(tmp_path / "cut")
+    for key in ("kl_all_linear", "kl_restored", "picked", "mse"):
+        assert resumed[key] == pytest.approx(whole[key]), key
 
 
 def test_even_is_chosen_before_training_and_needs_no_second_stage(workspace, tmp_path):
@@ -233,6 +339,14 @@ def test_softmax_by_settings():
                 make(softmax_by=f"{rule}:1", stage=stage)
     with pytest.raises(TypeError, match="softmax_by_error"):
         make(softmax_by_error=2)  # saved configs only: `from_json` reads it as error:N
+    assert make(softmax_by="kl:2", kl_train_steps=20).kl_train_steps == 20
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="kl_train_steps must be a whole number >= 0"):
+            make(softmax_by="kl:2", kl_train_steps=bad)
+    for other in (None, "error:2", "even:2"):
+        with pytest.raises(ValueError, match="trains the candidates of softmax_by kl:N"):
+            make(softmax_by=other, kl_train_steps=5)
+    assert make(softmax_by="kl:2", kl_train_steps=5).same_run(make(softmax_by="kl:2")) == ["kl_train_steps"]
 
 
 def test_a_saved_config_with_softmax_by_error_loads_as_error_n(tmp_path):
@@ -268,11 +382,24 @@ def test_the_softmax_by_flag(flags, expected):
     assert config_from_args(args).softmax_by == expected
 
 
+def test_the_kl_train_steps_flag(capsys):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    base = ["distill", "--model", "m", "--method", "still", "--out", "o", "--softmax-by", "kl:2"]
+    assert config_from_args(parser.parse_args([*base, "--kl-train-steps", "25"])).kl_train_steps == 25
+    assert config_from_args(parser.parse_args(base)).kl_train_steps == 0
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([*base, "--kl-train-steps", "-2"])
+    assert exit_info.value.code == 2 and "expected an integer >= 0" in capsys.readouterr().err
+
+
 def test_a_recipe_sets_softmax_by(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("extends: lizard\ndistill:\n  softmax_by: kl:2\n")
     assert Recipe.load(path).distill_config(tmp_path / "model").softmax_by == "kl:2"
     assert Recipe.load(path, ["distill.softmax_by=even:15"]).distill_config(tmp_path / "model").softmax_by == "even:15"
+    trained = Recipe.load(path, ["distill.kl_train_steps=20"]).distill_config(tmp_path / "model")
+    assert trained.kl_train_steps == 20 and trained.softmax_by == "kl:2"
     for bad, message in (("foo:2", "RULE one of"), ("kl:x", "whole number"), ("2", "RULE:N")):
         with pytest.raises(RecipeError, match=f"recipe {path}: distill: .*{message}"):
             Recipe.load(path, [f"distill.softmax_by={bad}"])

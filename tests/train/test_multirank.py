@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distill import log
+from tiny_models import tiny_teacher, tiny_tokenizer
 
 from linearize.loading import load_model
 
@@ -65,6 +66,28 @@ def test_two_ranks_follow_the_one_rank_loss_curve(workspace, tmp_path):
     # A second start on the finished directory is refused on every rank alike, with the one-line error.
     again = torchrun(2, workspace, two)
     assert again.returncode != 0 and "already holds a run" in again.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_train_and_score_the_kl_candidates_as_one_does(workspace, tmp_path):
+    """KL-guided selection with trained candidates: each candidate's steps average the ranks' gradients
+    and its KL their validation means, so two ranks score (and pick) as one rank does."""
+    # A sharp teacher (ten times the default init width), as in test_layer_selection: its KLs (~1 nat)
+    # stand well above the ranks' float32 reduction-order noise.
+    sharp = tmp_path / "workspace"
+    tiny_teacher(initializer_range=0.2).save_pretrained(sharp / "teacher")
+    tiny_tokenizer().save_pretrained(sharp / "teacher")
+    shutil.copy(workspace / "data.txt", sharp / "data.txt")
+    scores = {}
+    for n in (1, 2):
+        out = tmp_path / str(n)
+        proc = torchrun(n, sharp, out, "--softmax-by", "kl:1", "--kl-train-steps", "2", "--no-fsdp")
+        assert proc.returncode == 0, failure(proc)
+        scores[n] = json.loads((out / "stage1_layer_errors.json").read_text())
+    one, two = scores[1], scores[2]
+    assert two["kl_train_steps"] == 2 and two["picked"] == one["picked"]
+    assert two["kl_all_linear"] == pytest.approx(one["kl_all_linear"], rel=1e-3)
+    assert two["kl_restored"] == pytest.approx(one["kl_restored"], rel=1e-3)
 
 
 @pytest.mark.slow
