@@ -197,12 +197,15 @@ def scores_of(out):
     return json.loads((out / "stage1_layer_errors.json").read_text())
 
 
+@pytest.mark.parametrize("kl_train_steps", [0, 2])
 @pytest.mark.parametrize("method", ["lizard", "still"])
-def test_kl_keeps_softmax_the_layer_whose_restoring_lowers_kl_most_and_the_model_loads(workspace, tmp_path, method):
+def test_kl_keeps_softmax_the_layer_whose_restoring_lowers_kl_most_and_the_model_loads(workspace, tmp_path, method,
+                                                                                      kl_train_steps):
     options = {"window": 8, "num_sinks": 2} if method == "lizard" else TINY_OPTIONS["still"]
-    out = distill(config(workspace, tmp_path / "run", method=method, options=options, softmax_by="kl:1"),
-                  progress=False)
+    out = distill(config(workspace, tmp_path / "run", method=method, options=options, softmax_by="kl:1",
+                         kl_train_steps=kl_train_steps), progress=False)
     record = scores_of(out)
+    assert record["kl_train_steps"] == kl_train_steps
     restored = {int(k): v for k, v in record["kl_restored"].items()}
     gains = {int(k): v for k, v in record["kl_gain"].items()}
     assert set(restored) == set(gains) == {int(k) for k in record["mse"]} == {0, 1}
@@ -292,12 +295,14 @@ def test_a_run_saved_with_softmax_by_error_resumes_as_error_n(workspace, tmp_pat
     assert distill(config(workspace, tmp_path / "run", softmax_by="error:1"), resume=True, progress=False) == out
 
 
-def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp_path):
+@pytest.mark.parametrize("kl_train_steps", [0, 2])
+def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp_path, kl_train_steps):
     teacher = tmp_path / "gemma"
     tiny_teacher("gemma3_text", **GEMMA_FULL).save_pretrained(teacher)
     tiny_tokenizer().save_pretrained(teacher)
     cfg = DistillConfig(model=str(teacher), method="lizard", out=str(tmp_path / "run"), data=str(workspace / "data.txt"),
-                        layers="full", softmax_by="kl:2", max_tokens=4 * 32 * 2, seq_len=32, batch=4,
+                        layers="full", softmax_by="kl:2", kl_train_steps=kl_train_steps, max_tokens=4 * 32 * 2,
+                        seq_len=32, batch=4,
                         options={"window": 8, "num_sinks": 2}, val_batches=1, save_every=10, eval_every=10)
     out = distill(cfg, progress=False)
     record = scores_of(out)
@@ -308,7 +313,7 @@ def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp
     assert linear == sorted({1, 3, 5} - set(record["picked"]))
     assert model.config.linearize["softmax_layers"] == sorted({0, 2, 4} | set(record["picked"]))
     # even over the same three: the middle one.
-    even = distill(DistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "even"), "softmax_by": "even:1",
+    even = distill(DistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "even"), "softmax_by": "even:1", "kl_train_steps": 0,
                                     "stage": "1"}), progress=False)
     assert scores_of(even)["picked"] == [3]
     # Three full layers: N = 3 would leave none.
