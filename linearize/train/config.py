@@ -104,7 +104,7 @@ class DistillConfig:
                                  "stages (--stage both)")
         if isinstance(self.kl_train_steps, bool) or not isinstance(self.kl_train_steps, int) or self.kl_train_steps < 0:
             raise ValueError(f"kl_train_steps must be a whole number >= 0, got {self.kl_train_steps!r}")
-        if self.kl_train_steps and (self.selection or ("", 0))[0] != "kl":
+        if self.kl_train_steps and (self.selection is None or self.selection[0] != "kl"):
             raise ValueError(f"kl_train_steps ({self.kl_train_steps}) trains the candidates of softmax_by kl:N; "
                              f"this run's softmax_by is {self.softmax_by}")
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
