@@ -1,5 +1,5 @@
-"""The distillation's losses: each stage's (`stage_loss`), and next-token cross-entropy over a large
-vocabulary without the [tokens, vocab] logits (`chunked_cross_entropy`).
+"""The distillation's losses: each stage's (`stage_loss`), and next-token cross-entropy and KL over a
+large vocabulary without the [tokens, vocab] logits (`chunked_cross_entropy`, `chunked_kl_divergence`).
 
 A causal LM's loss is usually taken on its full logits: for 16K tokens of Llama-3's 128K vocabulary
 those are 4 GiB in bf16, 8 GiB once HF upcasts them to float32 for the loss, and their gradient as
@@ -14,7 +14,8 @@ gradients), none recomputed.
 The arithmetic is the plain loss's, chunk by chunk: logits in the matmul's dtype (bf16 under autocast),
 upcast to float32, optionally soft-capped (Gemma 2: softcap * tanh(logits / softcap)), and the
 mean over the labels that are not `ignore_index`, as `F.cross_entropy(logits.float(), labels)`.
-Nothing reads back from the device, so a CUDA graph can hold it.
+Nothing reads back from the device, so a CUDA graph can hold it. `chunked_kl_divergence` goes the same
+way over a teacher's and a student's hidden states, the teacher's logits a constant target.
 """
 
 from __future__ import annotations
@@ -72,10 +73,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 end = min(start + chunk, hidden.shape[0])
                 h = hidden[start:end].to(dtype)
-                logits = (h @ w.t()).float()
-                if softcap is not None:
-                    tanh = torch.tanh(logits / softcap)
-                    logits = tanh * softcap
+                logits, tanh = _capped((h @ w.t()).float(), softcap)
                 lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, targets[start:end]).squeeze(1)
                 total = total + ((lse - picked) * valid[start:end]).sum()
@@ -85,7 +83,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad = logits.sub_(lse[:, None]).exp_()
                 grad.scatter_add_(1, targets[start:end], -valid[start:end, None].float())
                 grad.mul_(share[start:end, None])
-                if softcap is not None:
+                if tanh is not None:
                     grad.mul_(tanh.mul_(tanh).neg_().add_(1))  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
                 grad = grad.to(dtype)
                 if want_hidden:
@@ -98,13 +96,86 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
-        if grad_hidden is not None:
-            grad_hidden = (grad_hidden.float() * grad_loss).to(hidden_dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return *_scaled_gradients(ctx, grad_loss), None, None, None, None, None
+
+
+def _scaled_gradients(ctx, grad_loss) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (hidden, weight) gradients a chunked loss's forward computed, times the incoming gradient."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    hidden_dtype, weight_dtype = ctx.dtypes
+    if grad_hidden is not None:
+        grad_hidden = (grad_hidden.float() * grad_loss).to(hidden_dtype)
+    if grad_weight is not None:
+        grad_weight = (grad_weight * grad_loss).to(weight_dtype)
+    return grad_hidden, grad_weight
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softcap * tanh(logits / softcap) and the tanh (for the gradient), or the logits as they are."""
+    if softcap is None:
+        return logits, None
+    tanh = torch.tanh(logits / softcap)
+    return tanh * softcap, tanh
+
+
+def chunked_kl_divergence(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor, *,
+                          chunk: int = CHUNK, softcap: float | None = None) -> torch.Tensor:
+    """Mean over tokens of KL(p_teacher || p) between the next-token distributions of the logits
+    `hidden @ weight.T` and `teacher_hidden @ weight.T` (both [..., hidden], the same tokens; with
+    `softcap`, of softcap * tanh(logits / softcap)), as the same sum over the full float32 logits,
+    `chunk` tokens at a time. A float32 scalar (float64 from float64 states), whose gradient reaches
+    `hidden` and `weight` through the student's logits alone: the teacher's distribution is the target,
+    as if taken under no_grad."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+    if hidden.shape != teacher_hidden.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and the teacher's {tuple(teacher_hidden.shape)} differ")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"head weight {tuple(weight.shape)} does not take hidden states of {hidden.shape[-1]} features")
+    features = hidden.shape[-1]
+    return _ChunkedKL.apply(hidden.reshape(-1, features), teacher_hidden.detach().reshape(-1, features), weight,
+                            chunk, softcap, compute_dtype(hidden, weight))
+
+
+class _ChunkedKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, teacher_hidden, weight, chunk, softcap, dtype):
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        tokens = hidden.shape[0]
+        wide = torch.promote_types(dtype, torch.float32)  # the logits' dtype: float32, or float64 kept
+        total = torch.zeros((), dtype=wide, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if want_weight else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for start in range(0, tokens, chunk):
+                end = min(start + chunk, tokens)
+                h = hidden[start:end].to(dtype)
+                logits, tanh = _capped((h @ w.t()).to(wide), softcap)
+                log_q = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+                target, _ = _capped((teacher_hidden[start:end].to(dtype) @ w.t()).to(wide), softcap)
+                log_p = target - torch.logsumexp(target, dim=-1, keepdim=True)
+                p = log_p.exp()
+                total = total + (p * (log_p - log_q)).sum()
+                if not (want_hidden or want_weight):
+                    continue
+                # d KL / d logits = softmax(logits) - p, over the mean's tokens.
+                grad = log_q.exp_().sub_(p).div_(tokens)
+                if tanh is not None:
+                    grad.mul_(tanh.mul_(tanh).neg_().add_(1))  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
+                grad = grad.to(dtype)
+                if want_hidden:
+                    grad_hidden[start:end] = grad @ w
+                if want_weight:
+                    grad_weight += grad.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total / tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = _scaled_gradients(ctx, grad_loss)
+        return grad_hidden, None, grad_weight, None, None, None
 
 
 def depending_on(value: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:

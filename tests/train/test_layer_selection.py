@@ -77,10 +77,11 @@ def test_top_layers_takes_the_highest_scores_ties_to_the_lower_index():
 # The KL-guided scores against a direct computation.
 
 
-@pytest.mark.parametrize("arch,layers", [("llama", "all"), ("gemma3_text", "all"), ("gemma3_text", "full")])
+@pytest.mark.parametrize("arch,layers", [("llama", "all"), ("gemma2", "all"), ("gemma3_text", "all"), ("gemma3_text", "full")])
 @pytest.mark.parametrize("method", ["lizard", "still"])
 def test_each_layers_kl_equals_a_model_built_with_only_that_layer_softmax(method, arch, layers):
-    overrides = {"num_hidden_layers": 3} if arch == "llama" else GEMMA_FULL
+    # Gemma 2: its final logit soft-cap, which the chunked KL applies to the logits it forms.
+    overrides = GEMMA_FULL if arch == "gemma3_text" else {"num_hidden_layers": 3}
     # In float64, so that the two computations agree far closer (~1e-7: the softmax the scoring switches
     # to, stage 1's target, takes Lizard's q and k as rotated in float32) than the layers' scores differ.
     teacher = tiny_teacher(arch, **overrides).double()
@@ -180,6 +181,32 @@ def test_the_kl_distillation_loss_is_the_mean_token_kl_and_trains_the_adapters_a
     assert set(grads) == names and all("lora_" in name for name in grads)
     assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_A" in name)
     assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_a_head_other_than_a_bias_free_linear_takes_the_kl_from_full_logits():
+    """`final_states` hands over HF's logits where the head is not a bias-free Linear; the KL is the same."""
+    from linearize.train.layer_selection import final_states, mean_token_kl, output_head
+
+    model = convert(tiny_teacher(), "lizard", **TINY_OPTIONS["lizard"]).eval()
+    perturb_new_parameters(model)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def kl() -> torch.Tensor:
+        with torch.no_grad():
+            with teacher_mode(model):
+                teacher = final_states(model, ids)
+            return teacher.shape[-1], mean_token_kl(model, teacher, final_states(model, ids))
+
+    features, chunked = kl()
+    assert features == model.config.hidden_size and output_head(model)[0] is model.lm_head
+    biased = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(model.lm_head.weight)
+        biased.bias.zero_()
+    model.lm_head = biased
+    features, full = kl()
+    assert features == model.config.vocab_size and output_head(model)[0] is None
+    assert full.item() == pytest.approx(chunked.item(), rel=1e-4) and chunked.item() > 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""`chunked_cross_entropy` is `F.cross_entropy` over the full logits, value and gradients, without them."""
+"""`chunked_cross_entropy` is `F.cross_entropy` over the full logits, and `chunked_kl_divergence` the KL
+between two sets of full logits, value and gradients, without them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import ARCHITECTURES, TINY_OPTIONS, tiny_teacher
 
-from linearize.train.losses import IGNORE_INDEX, chunked_cross_entropy, depending_on
+from linearize.train.losses import IGNORE_INDEX, chunked_cross_entropy, chunked_kl_divergence, depending_on
 
 
 def inputs(dtype, tokens=37, features=16, vocab=50, seed=0):
@@ -24,9 +25,11 @@ def plain(hidden, weight, labels, softcap=None):
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
-def loss_and_grads(loss_fn, hidden, weight, labels, scale=1.0, **kwargs):
+def loss_and_grads(loss_fn, hidden, weight, labels, scale=1.0, teacher_first=False, **kwargs):
+    """The loss and its gradients w.r.t. the hidden states and the weight; `labels` is the teacher's hidden
+    states for a KL, which `teacher_first` passes before the weight."""
     h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-    loss = loss_fn(h, w, labels, **kwargs)
+    loss = loss_fn(h, labels, w, **kwargs) if teacher_first else loss_fn(h, w, labels, **kwargs)
     (loss * scale).backward()
     return loss.detach(), h.grad, w.grad
 
@@ -219,3 +222,48 @@ def test_stage2_under_activation_checkpointing_has_the_same_gradients():
     checkpointed = _loss_and_grads(model, lambda m, x: stage_loss(m, x, 2), ids)
     assert set(checkpointed[1]) == names and all(g.any() for g in checkpointed[1].values())
     _assert_same(checkpointed, plain)
+
+
+def plain_kl(hidden, teacher_hidden, weight, softcap=None):
+    """Mean over tokens of KL(teacher || student) from the full float32 logits, the teacher's detached."""
+    logits, target = F.linear(hidden, weight).float(), F.linear(teacher_hidden, weight).float().detach()
+    if softcap is not None:
+        logits, target = (torch.tanh(x / softcap) * softcap for x in (logits, target))
+    log_q, log_p = logits.log_softmax(-1), target.log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+def kl_inputs(dtype, tokens=37):
+    hidden, weight, _ = inputs(dtype, tokens=tokens)
+    # The teacher's states near the student's, as a distilled student's are, so the two distributions overlap.
+    g = torch.Generator().manual_seed(3)
+    teacher_hidden = (hidden.detach().float() + 0.5 * torch.randn(hidden.shape, generator=g)).to(dtype).requires_grad_()
+    return hidden, teacher_hidden, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [8, 37, 1024])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_chunked_kl_equals_the_kl_of_the_full_logits_in_value_and_gradients(dtype, chunk, softcap):
+    hidden, teacher_hidden, weight = kl_inputs(dtype)
+    ours = loss_and_grads(chunked_kl_divergence, hidden, weight, teacher_hidden, scale=0.5, chunk=chunk, softcap=softcap,
+                          teacher_first=True)
+    reference = loss_and_grads(plain_kl, hidden, weight, teacher_hidden, scale=0.5, softcap=softcap, teacher_first=True)
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == ours[2].dtype == dtype
+    assert ours[0] > 0.05  # the two distributions differ: the gradients are not all ~0
+    for name, a, b in zip(("loss", "grad hidden", "grad weight"), ours, reference):
+        torch.testing.assert_close(a, b, msg=name, **TOLERANCES[dtype])
+
+
+def test_the_chunked_kl_sends_no_gradient_to_the_teacher_and_is_zero_against_itself():
+    hidden, teacher_hidden, weight = kl_inputs(torch.float32, tokens=20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_kl_divergence(hidden, teacher_hidden, weight, chunk=6)
+        reference = plain_kl(hidden, teacher_hidden, weight)
+    torch.testing.assert_close(loss, reference.float(), **TOLERANCES[torch.bfloat16])
+    loss.backward()
+    assert teacher_hidden.grad is None and hidden.grad is not None and weight.grad is not None
+    same = chunked_kl_divergence(hidden.detach(), hidden.detach(), weight.detach(), chunk=7)
+    assert abs(same.item()) < 1e-6
+    with pytest.raises(ValueError, match="differ"):
+        chunked_kl_divergence(hidden, teacher_hidden[:5], weight)
