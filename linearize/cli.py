@@ -285,7 +285,23 @@ def main(argv: list[str] | None = None) -> int:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"linearize: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as e:
+        torch = sys.modules.get("torch")  # a command that ran out of GPU memory has imported it
+        if torch is None or not isinstance(e, torch.OutOfMemoryError) or os.environ.get("LINEARIZE_DEBUG"):
+            raise
+        print(f"linearize: error: {out_of_memory_message(e)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def out_of_memory_message(e: Exception) -> str:
+    """One line for a GPU out of memory: torch's figures (what was asked for, what was free), and the
+    settings that need less. Not bad input (exit 1, not 2): the same command may fit on an idle GPU."""
+    text = " ".join(str(e).split())
+    figures = text.split(" Including ")[0].removeprefix("CUDA out of memory. ").rstrip(".")
+    return (f"out of GPU memory ({figures}); other processes on the GPU count too. Smaller micro-batches "
+            "need less: distill's --grad-accum or --gradient-checkpointing (--resume continues from the "
+            "last checkpoint), eval's --batch")
 
 
 if __name__ == "__main__":

@@ -188,3 +188,35 @@ def test_error_prefixes_are_the_ones_setup_md_states(work, capsys):
     doc = " ".join((ROOT / "docs" / "setup.md").read_text().split())
     assert "`linearize VERB: error: ...` for a flag the parser refuses" in doc
     assert "`linearize: error: ...` for what the verb finds wrong once it runs" in doc
+
+
+def test_out_of_gpu_memory_is_one_line_with_what_needs_less(monkeypatch, capsys):
+    """Torch's message runs to several lines of per-process figures; the user gets what was asked for and
+    free, and the settings that shrink a micro-batch. Exit 1: not bad input."""
+    from linearize.train import command
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
+            "681.88 MiB is free. Including non-PyTorch memory, this process has 40.21 GiB memory in use. Process "
+            "1028 has 8.24 GiB memory in use.\nOf the allocated memory 38.59 GiB is allocated by PyTorch")
+
+    monkeypatch.setattr(command, "run", out_of_memory)
+    assert main(["distill", "--model", "m", "--method", "lizard", "--out", "o"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("linearize: error: out of GPU memory (Tried to allocate 1024.00 MiB.")
+    assert "681.88 MiB is free" in err and "Process 1028" not in err and "--grad-accum" in err
+    monkeypatch.setenv("LINEARIZE_DEBUG", "1")
+    with pytest.raises(torch.OutOfMemoryError):
+        main(["distill", "--model", "m", "--method", "lizard", "--out", "o"])
+
+
+def test_other_errors_still_raise(monkeypatch):
+    from linearize.train import command
+
+    def broken(args):
+        raise RuntimeError("a bug, not a GPU's memory")
+
+    monkeypatch.setattr(command, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["distill", "--model", "m", "--method", "lizard", "--out", "o"])
