@@ -151,12 +151,13 @@ class _ChunkedKL(torch.autograd.Function):
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
                 h = hidden[start:end].to(dtype)
+                # In place where it can: four [chunk, vocab] tensors at most (five with a soft-cap).
                 logits, tanh = _capped((h @ w.t()).to(wide), softcap)
-                log_q = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+                log_q = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
                 target, _ = _capped((teacher_hidden[start:end].to(dtype) @ w.t()).to(wide), softcap)
-                log_p = target - torch.logsumexp(target, dim=-1, keepdim=True)
+                log_p = target.sub_(torch.logsumexp(target, dim=-1, keepdim=True))
                 p = log_p.exp()
-                total = total + (p * (log_p - log_q)).sum()
+                total = total + torch.sub(log_p, log_q).mul_(p).sum()
                 if not (want_hidden or want_weight):
                     continue
                 # d KL / d logits = softmax(logits) - p, over the mean's tokens.
