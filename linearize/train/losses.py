@@ -83,20 +83,32 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad = logits.sub_(lse[:, None]).exp_()
                 grad.scatter_add_(1, targets[start:end], -valid[start:end, None].float())
                 grad.mul_(share[start:end, None])
-                if tanh is not None:
-                    grad.mul_(tanh.mul_(tanh).neg_().add_(1))  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
-                grad = grad.to(dtype)
-                if want_hidden:
-                    grad_hidden[start:end] = grad @ w
-                if want_weight:
-                    grad_weight += grad.t() @ h
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+                _add_chunk_gradients(grad, tanh, h, w, grad_hidden, grad_weight, start)
+        _keep_gradients(ctx, grad_hidden, grad_weight, hidden, weight)
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
         return *_scaled_gradients(ctx, grad_loss), None, None, None, None, None
+
+
+def _add_chunk_gradients(grad: torch.Tensor, tanh: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor,
+                         grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None, start: int) -> None:
+    """A chunk's share of the gradients, from `grad`, d loss / d (soft-capped) logits of the chunk's
+    tokens from `start` on: through the soft-cap (`tanh`, which it overwrites), then into those rows of
+    `grad_hidden` and onto `grad_weight` (each where wanted), in the matmul's dtype (`h`'s and `w`'s)."""
+    if tanh is not None:
+        grad.mul_(tanh.mul_(tanh).neg_().add_(1))  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
+    grad = grad.to(h.dtype)
+    if grad_hidden is not None:
+        grad_hidden[start:start + grad.shape[0]] = grad @ w
+    if grad_weight is not None:
+        grad_weight += grad.t() @ h
+
+
+def _keep_gradients(ctx, grad_hidden, grad_weight, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.dtypes = (hidden.dtype, weight.dtype)
 
 
 def _scaled_gradients(ctx, grad_loss) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -162,15 +174,8 @@ class _ChunkedKL(torch.autograd.Function):
                     continue
                 # d KL / d logits = softmax(logits) - p, over the mean's tokens.
                 grad = log_q.exp_().sub_(p).div_(tokens)
-                if tanh is not None:
-                    grad.mul_(tanh.mul_(tanh).neg_().add_(1))  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
-                grad = grad.to(dtype)
-                if want_hidden:
-                    grad_hidden[start:end] = grad @ w
-                if want_weight:
-                    grad_weight += grad.t() @ h
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+                _add_chunk_gradients(grad, tanh, h, w, grad_hidden, grad_weight, start)
+        _keep_gradients(ctx, grad_hidden, grad_weight, hidden, weight)
         return total / tokens
 
     @staticmethod
