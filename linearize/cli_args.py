@@ -157,6 +157,19 @@ def _umask() -> int:
     return mask
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """`text` into `path`, replacing it whole: a reader (or a resume after Ctrl-C) finds the old file or
+    the new one, never half of one, and no PATH.tmp is left behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 @contextmanager
 def atomic_output_dir(out: str | Path):
     """Yield a scratch directory that becomes `out` only if the block succeeds.

@@ -513,14 +513,14 @@ def table(run_dirs: list[Path], keep: list[str] | None = None) -> str:
 def _curves(tasks: dict) -> dict[str, list[tuple[int, float]]]:
     """{panel: [(length, value)]} of one run's results: perplexity, passkey and niah_single accuracy (%),
     and the BABILong tasks' average (%) at each length all of them ran."""
-    from .eval.babilong import BABILONG_TASKS
-    from .eval.report import family_average, family_rows
+    from .eval.report import families_run, family_average
 
     curves = {"ppl": [(r["length"], r["ppl"]) for r in tasks.get("ppl", {}).get("by_length", [])]}
     for task in ("passkey", "niah_single"):
         curves[task] = [(r["length"], 100 * r["score"]) for r in tasks.get(task, {}).get("by_length", [])]
-    if len(family := family_rows(tasks, BABILONG_TASKS)) > 1:
-        curves["BABILong"] = [(length, 100 * score) for length, score in family_average(family).items()]
+    for title, _, _, family in families_run(tasks):
+        if title == "BABILong":
+            curves[title] = [(length, 100 * score) for length, score in family_average(family).items()]
     return curves
 
 

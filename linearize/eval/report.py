@@ -8,6 +8,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
+from linearize.cli_args import write_text_atomic
 from linearize.eval.api import task_settings
 from linearize.eval.babilong import BABILONG_TASKS
 from linearize.eval.generative import CHOICE_TASKS
@@ -24,14 +25,7 @@ def write_json(results: dict, out: str | Path) -> Path:
     """The results as JSON at `out`, replaced atomically (a partial file is never half written)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # no NAME.tmp left behind
-        raise
-    return out
+    return write_text_atomic(out, json.dumps(results, indent=2, default=str) + "\n")
 
 
 def write_report(results: dict, out: str | Path) -> list[Path]:

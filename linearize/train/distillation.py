@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..cli_args import write_text_atomic
 from . import checkpoint
 from .config import DistillConfig
 from .layer_selection import even_layers, kl_distillation_loss, mean_kl, restored_layer_kl, top_layers
@@ -203,10 +204,8 @@ class Run:
         totals, count = torch.zeros(1 + len(layers), dtype=torch.float64), 0
         model.eval()
         with torch.no_grad(), self.rt.autocast():
-            for ids in self.make_loader(self.val_blocks, seed=0):
-                if count == self.cfg.val_batches:
-                    break
-                loss = stage_loss(model, ids.to(self.rt.device), stage)
+            for ids in self.validation_batches():
+                loss = stage_loss(model, ids, stage)
                 totals += torch.stack([loss, *(layer.transfer_loss for layer in layers)]).detach().double().cpu()
                 count += 1
         model.train()
@@ -333,12 +332,8 @@ class Run:
         self.write_record(record)
 
     def write_record(self, record: dict) -> None:
-        if self.rt.main:
-            # Replaced whole: an interrupted write leaves the last record, which a resume reads.
-            path = self.out / LAYER_ERRORS_NAME
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(record, indent=2))
-            tmp.replace(path)
+        if self.rt.main:  # replaced whole: an interrupted write leaves the last record, which a resume reads
+            write_text_atomic(self.out / LAYER_ERRORS_NAME, json.dumps(record, indent=2))
         self.rt.barrier()
 
     def select_by_kl(self) -> None:

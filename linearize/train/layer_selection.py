@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 import torch
 from torch.nn import functional as F
 
-from .losses import chunked_kl_divergence
+from .losses import causal_lm_of, chunked_kl_divergence, linear_head
 
 # Elements of a [tokens, vocab] float32 block: the KL is summed over blocks of this size, so that a
 # large vocabulary (Gemma's 262K) never needs float32 copies of a whole batch's logits.
@@ -101,24 +101,15 @@ def teacher_mode(model) -> Iterator[None]:
         yield
 
 
-def output_head(model) -> tuple[torch.nn.Linear | None, float | None]:
-    """The model's output head where it is a bias-free Linear (None otherwise), and its logit soft-cap."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = causal_lm.get_output_embeddings()
-    linear = isinstance(head, torch.nn.Linear) and head.bias is None
-    return (head if linear else None), getattr(causal_lm.config, "final_logit_softcapping", None)
-
-
 def final_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     """What a KL is taken from, one forward: where the head is a bias-free Linear, the decoder's final
     hidden states (`mean_token_kl` forms the logits from them chunk by chunk: no [tokens, vocab] logits,
     8.6 GB in bf16 for 16K tokens of Gemma's 262K vocabulary); else HF's logits."""
-    head, _ = output_head(model)
+    head, _ = linear_head(model)
     if head is None:
         return model(input_ids=input_ids, use_cache=False).logits
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     captured = []
-    handle = causal_lm.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    handle = causal_lm_of(model).get_decoder().register_forward_hook(lambda module, args, output: captured.append(output[0]))
     try:
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
     finally:
@@ -129,7 +120,7 @@ def final_states(model, input_ids: torch.Tensor) -> torch.Tensor:
 def mean_token_kl(model, teacher_states: torch.Tensor, student_states: torch.Tensor) -> torch.Tensor:
     """The mean per-token KL(teacher || student) between two of the model's `final_states`, a float32
     scalar (float64 from a float64 model) with the student's gradient."""
-    head, softcap = output_head(model)
+    head, softcap = linear_head(model)
     if head is None:
         return (token_kl_sum(teacher_states, student_states) / student_states.shape[:-1].numel()).float()
     return chunked_kl_divergence(student_states, teacher_states, head.weight, softcap=softcap)

@@ -219,6 +219,21 @@ def stage_loss(model, input_ids: torch.Tensor, stage: int) -> torch.Tensor:
     return torch.stack(losses).float().mean()
 
 
+def causal_lm_of(model):
+    """The HF causal LM itself, under peft's wrapper or not."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def linear_head(model) -> tuple[nn.Linear | None, float | None]:
+    """The model's output head where it is a bias-free Linear, whose logits the chunked losses form from
+    the final hidden states (None for any other head: the loss then takes HF's logits), and the logits'
+    soft-cap (Gemma 2 caps them)."""
+    causal_lm = causal_lm_of(model)
+    head = causal_lm.get_output_embeddings()
+    linear = isinstance(head, nn.Linear) and head.bias is None
+    return (head if linear else None), getattr(causal_lm.config, "final_logit_softcapping", None)
+
+
 def next_token_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
     """`model(input_ids=input_ids, labels=input_ids).loss` (HF's mean next-token cross-entropy), taken by
     `chunked_cross_entropy` so that no [tokens, vocab] logits exist (8 GiB in float32 for 16K tokens of a
@@ -227,19 +242,17 @@ def next_token_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
     among them, are gathered then) runs with logits for one position only. Those logits stay in the
     loss's graph (with zero gradient): FSDP2 gathers the root's weights again for the backward (the
     final norm's) when their gradient arrives. A head other than a bias-free Linear takes HF's own loss."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = causal_lm.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
+    head, softcap = linear_head(model)
+    if head is None:
         return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     # Token t predicts token t + 1; the last one predicts nothing.
     labels = torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), IGNORE_INDEX)], dim=1)
-    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)  # Gemma 2 caps its logits
     losses = []
 
     def loss_from(module, args, output):
         losses.append(chunked_cross_entropy(output[0], head.weight, labels, softcap=softcap))
 
-    handle = causal_lm.get_decoder().register_forward_hook(loss_from)
+    handle = causal_lm_of(model).get_decoder().register_forward_hook(loss_from)
     try:
         logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
     finally:

@@ -185,7 +185,8 @@ def test_the_kl_distillation_loss_is_the_mean_token_kl_and_trains_the_adapters_a
 
 def test_a_head_other_than_a_bias_free_linear_takes_the_kl_from_full_logits():
     """`final_states` hands over HF's logits where the head is not a bias-free Linear; the KL is the same."""
-    from linearize.train.layer_selection import final_states, mean_token_kl, output_head
+    from linearize.train.layer_selection import final_states, mean_token_kl
+    from linearize.train.losses import linear_head
 
     model = convert(tiny_teacher(), "lizard", **TINY_OPTIONS["lizard"]).eval()
     perturb_new_parameters(model)
@@ -198,14 +199,14 @@ def test_a_head_other_than_a_bias_free_linear_takes_the_kl_from_full_logits():
             return teacher.shape[-1], mean_token_kl(model, teacher, final_states(model, ids))
 
     features, chunked = kl()
-    assert features == model.config.hidden_size and output_head(model)[0] is model.lm_head
+    assert features == model.config.hidden_size and linear_head(model)[0] is model.lm_head
     biased = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
     with torch.no_grad():
         biased.weight.copy_(model.lm_head.weight)
         biased.bias.zero_()
     model.lm_head = biased
     features, full = kl()
-    assert features == model.config.vocab_size and output_head(model)[0] is None
+    assert features == model.config.vocab_size and linear_head(model)[0] is None
     assert full.item() == pytest.approx(chunked.item(), rel=1e-4) and chunked.item() > 0
 
 
