@@ -23,12 +23,14 @@ case ${1:?start or wait} in
     # Results are copied as each part ends, not only at the end: a call killed at its limit (the
     # device tool lowers it to the session's device time left) still brings back what had finished.
     while [ ! -f "$BG/done" ] && [ "$(date +%s)" -lt "$end" ]; do cp -ru "$BG/out/." "$OUT/"; sleep 5; done
-    [ -f "$BG/done" ] && echo "finished" || echo "still running"
-    tail -n 40 "$BG/log"
-    for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
     cp -ru "$BG/out/." "$OUT/"
     # Rows still running come back as they stand (logs, eval.json so far: the files under 2 MB, not
     # weights or checkpoints), in case the session's device time ends before they do.
     [ -d /tmp/runs ] && (cd /tmp && find runs -type f -size -2000k -print0 | tar czf "$OUT/runs-so-far.tgz" --null -T -)
+    # The results are in $OUT before anything is printed: a reader that stops early (`| head`) ends
+    # this script with SIGPIPE, which must not cost them.
+    [ -f "$BG/done" ] && echo "finished" || echo "still running"
+    tail -n 40 "$BG/log"
+    for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
     true ;;
 esac
