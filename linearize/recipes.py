@@ -18,7 +18,8 @@ second teacher in `recipes/gemma3/`, the hybrids' layer-selection rows (`distill
 `recipes/hybrids/`, rows scored by generation too in `recipes/generative/`, and the bases they extend in
 `recipes/base/` (`eval.yaml`, the evaluation every row runs; `distill.yaml`, the training every student
 shares; `gemma3.yaml`, the Gemma rows' teacher and their evaluation to 128K; `hybrids.yaml`, the hybrid
-rows' evaluation: RULER at 4K, BABILong and niah_single to 16K), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
+rows' evaluation: RULER at 4K, BABILong and niah_single to 16K; `gemma3-hybrids.yaml`, the same on Gemma
+to 32K), which are not rows themselves. `recipe run` takes a file or a shipped recipe's
 name, and KEY=VALUE overrides of the resolved recipe (dotted keys, YAML values) for every recipe it runs.
 
 A run keeps everything under OUT/<name>/: the distilled `model/`, `eval.json` (+ .md and plots) and

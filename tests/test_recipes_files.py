@@ -20,8 +20,10 @@ BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
 GEMMA_ROWS = {"gemma3-teacher", "gemma3-lizard", "gemma3-lizard-full", "gemma3-still-full", "gemma3-lizard-full-seq8k",
               "gemma3-still-full-seq8k"}
 GEMMA_BASE = RECIPES_DIR / "base" / "gemma3.yaml"
-# The hybrid layer-selection rows (recipes/hybrids/): their own evaluation block over the shared one, RULER to 16K.
+# The hybrid layer-selection rows (recipes/hybrids/): their own evaluation block over the shared one, RULER to 16K;
+# on Gemma, the same to the teacher's 32K positions.
 HYBRIDS_BASE = RECIPES_DIR / "base" / "hybrids.yaml"
+GEMMA_HYBRIDS_BASE = RECIPES_DIR / "base" / "gemma3-hybrids.yaml"
 
 
 def chain(path: Path) -> list[Path]:
@@ -66,16 +68,18 @@ def test_every_row_shares_its_teachers_one_evaluation_block(recipe):
     files = chain(recipe.source)
     assert files[-1] == BASE_EVAL.resolve()
     gemma = recipe.name in GEMMA_ROWS
-    assert (recipe.model == "gemma3") == gemma and (GEMMA_BASE.resolve() in files) == gemma
-    # The evaluation block is base/eval.yaml's, or for the Gemma rows base/gemma3.yaml's over it.
-    owners = {GEMMA_BASE.resolve(), BASE_EVAL.resolve()} if gemma else {BASE_EVAL.resolve()}
-    base = yaml.safe_load(BASE_EVAL.read_text())["eval"]
-    if gemma:
-        base = {**base, **yaml.safe_load(GEMMA_BASE.read_text())["eval"]}
     hybrid = HYBRIDS_BASE.resolve() in files
-    if hybrid:
-        owners.add(HYBRIDS_BASE.resolve())
-        base = {**base, **yaml.safe_load(HYBRIDS_BASE.read_text())["eval"]}
+    gemma_hybrid = GEMMA_HYBRIDS_BASE.resolve() in files
+    assert (GEMMA_BASE.resolve() in files) == gemma and not (gemma and hybrid) and (not gemma_hybrid or hybrid)
+    assert (recipe.model == "gemma3") == (gemma or gemma_hybrid)
+    # The evaluation block is base/eval.yaml's; for the Gemma rows base/gemma3.yaml's over it; for the
+    # hybrid rows base/hybrids.yaml's over it, and on Gemma base/gemma3-hybrids.yaml's over that.
+    owners = {BASE_EVAL.resolve()}
+    base = yaml.safe_load(BASE_EVAL.read_text())["eval"]
+    for owner, applies in ((GEMMA_BASE, gemma), (HYBRIDS_BASE, hybrid), (GEMMA_HYBRIDS_BASE, gemma_hybrid)):
+        if applies:
+            owners.add(owner.resolve())
+            base = {**base, **yaml.safe_load(owner.read_text())["eval"]}
     if recipe.source.parent == RECIPES_DIR / "generative":  # a row re-scored: its own tasks over its parent's
         owners.add(recipe.source.resolve())
         base = {**base, **yaml.safe_load(recipe.source.read_text())["eval"]}
@@ -91,6 +95,7 @@ def test_every_row_shares_its_teachers_one_evaluation_block(recipe):
     assert recipe.eval == {**base, **{k: v for k, v in recipe.eval.items() if k in own}}
     assert narrowed or recipe.eval["tasks"].split(",")[0] == "zeroshot"
     assert ("16k" if hybrid else "32k") in recipe.eval["lengths"]
+    assert ("32k" in recipe.eval["lengths"]) == (not hybrid or gemma_hybrid)
     assert ("128k" in recipe.eval["lengths"]) == gemma
 
 
