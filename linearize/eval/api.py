@@ -119,7 +119,8 @@ def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | int |
     for key, lengths in task_lengths.items():
         for task in SHORTHANDS.get(key, (key,)):
             if task not in names or (task != "ppl" and task not in LONGCONTEXT):
-                raise TaskNotInRun(f"task lengths name {task!r}, which is not ppl or a long-context task of this "
+                named = repr(task) if task == key else f"{key!r} (its task {task!r})"
+                raise TaskNotInRun(f"task lengths name {named}, which is not ppl or a long-context task of this "
                                    f"run ({', '.join(names)})")
             parsed[task] = parse_lengths(lengths)
     return parsed

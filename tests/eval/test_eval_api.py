@@ -395,6 +395,9 @@ def test_task_lengths_take_a_shorthand_for_its_tasks():
     assert parsed == {**{task: [4096] for task in RULER_TASKS}, "niah_single": [1024, 2048]}
     with pytest.raises(ValueError, match="not ppl or a long-context task"):
         parse_task_lengths(names, {"zeroshot": "4k"})
+    # A shorthand whose tasks this run leaves out is named as written, beside the task that is missing.
+    with pytest.raises(ValueError, match=r"task lengths name 'ruler' \(its task 'niah_single_1'\), which is not"):
+        parse_task_lengths(parse_tasks("zeroshot,niah_single"), {"ruler": "4k"})
     with pytest.raises(TypeError, match=r"task lengths must be a mapping of task to lengths, .* got '4k'"):
         parse_task_lengths(names, "4k")
 
