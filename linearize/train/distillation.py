@@ -7,8 +7,8 @@ Stage 2 trains peft LoRA adapters on q/k/v with next-token cross-entropy, then m
 
 Run directory (`out`): the final loadable model, `distill_config.json`, `train_log.jsonl`,
 `stage1_attention.pt` (new modules after stage 1), `stage1_layer_errors.json` (each linearized layer's
-stage-1 scores and the layers `softmax_by` picked, `Run.write_layer_scores` and `Run.select_by_kl`) and `checkpoint/` (the
-latest resumable state).
+stage-1 scores and the layers `softmax_by` picked, `Run.write_layer_scores` and `Run.select_by_kl`; its
+figure `stage1_layer_errors.png`) and `checkpoint/` (the latest resumable state).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..cli_args import write_text_atomic
 from . import checkpoint
 from .config import DistillConfig
+from .layer_report import write_layer_figure
 from .layer_selection import even_layers, kl_distillation_loss, mean_kl, restored_layer_kl, top_layers
 from .losses import stage_loss
 from .runtime import Runtime, shard
@@ -329,11 +330,14 @@ class Run:
                 record["picked"] = top_layers(errors, count)
             elif rule == "even":  # picked before stage 1, which kept them softmax
                 record["picked"] = sorted(set(self.preset_softmax) - set(self.cfg.softmax_layers))
-        self.write_record(record)
+        self.write_record(record, final=selection is None or selection[0] != "kl")
 
-    def write_record(self, record: dict) -> None:
+    def write_record(self, record: dict, final: bool) -> None:
+        """`LAYER_ERRORS_NAME`, and once the choice is made (`final`) its figure beside it."""
         if self.rt.main:  # replaced whole: an interrupted write leaves the last record, which a resume reads
             write_text_atomic(self.out / LAYER_ERRORS_NAME, json.dumps(record, indent=2))
+            if final:
+                write_layer_figure(record, (self.out / LAYER_ERRORS_NAME).with_suffix(".png"))
         self.rt.barrier()
 
     def select_by_kl(self) -> None:
@@ -369,7 +373,7 @@ class Run:
                               f"scored and saved in {self.out / LAYER_ERRORS_NAME}; rerun with --resume")
                     raise
                 record["kl_seconds"] = time.perf_counter() - started
-                self.write_record(record)
+                self.write_record(record, final=False)
                 bar.update(1)
             bar.close()
             del record["kl_candidates"]
@@ -380,7 +384,7 @@ class Run:
         record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored_kl.items()},
                    "kl_gain": {str(k): v for k, v in gains.items()}, "kl_train_steps": self.cfg.kl_train_steps,
                    "kl_seconds": time.perf_counter() - started, "picked": top_layers(gains, selection[1])}
-        self.write_record(record)
+        self.write_record(record, final=True)
 
     def validation_batches(self) -> Iterator[torch.Tensor]:
         """This rank's first `val_batches` validation batches, on its device."""
