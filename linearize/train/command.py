@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 
@@ -107,7 +108,7 @@ def config_from_args(args):
 
 def run(args) -> None:
     from ..cli_args import check_device, check_writable_parent
-    from .distillation import distill, is_finished
+    from .distillation import LAYER_ERRORS_NAME, distill, is_finished
 
     cfg = config_from_args(args)
     check_device(args.device)
@@ -118,3 +119,8 @@ def run(args) -> None:
         print(f"{out} already holds the finished distilled {args.method} model: nothing to resume")
     else:
         print(f"distilled {args.method} model written to {out}")
+    record = out / LAYER_ERRORS_NAME
+    if cfg.softmax_by and record.exists():
+        picked = json.loads(record.read_text())["picked"]
+        print(f"kept softmax by {cfg.softmax_by}: layer{'s' if len(picked) > 1 else ''} "
+              f"{', '.join(map(str, picked))} (the scores: {record}; their figure: {record.with_suffix('.png')})")

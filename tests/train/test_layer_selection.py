@@ -436,6 +436,19 @@ def test_the_kl_train_steps_flag(capsys):
     assert exit_info.value.code == 2 and "expected an integer >= 0" in capsys.readouterr().err
 
 
+def test_the_command_says_which_layers_it_kept_softmax(workspace, tmp_path, capsys):
+    from linearize.cli import main
+
+    out = tmp_path / "run"
+    main(["distill", "--model", str(workspace / "teacher"), "--data", str(workspace / "data.txt"), "--method", "lizard",
+          "--out", str(out), "--max-tokens", "512", "--seq-len", "32", "--batch", "4", "--softmax-by", "error:1",
+          "--set", "window=8", "--set", "num_sinks=2"])
+    [picked] = scores_of(out)["picked"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == (f"kept softmax by error:1: layer {picked} (the scores: {out / 'stage1_layer_errors.json'}; "
+                         f"their figure: {figure_of(out)})")
+
+
 def test_a_recipe_sets_softmax_by(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("extends: lizard\ndistill:\n  softmax_by: kl:2\n")
