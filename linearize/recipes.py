@@ -440,6 +440,20 @@ def _percent(value) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 3, 4, 5, 9] -> "0, 1, 3-5, 9": runs of three or more consecutive layers as a range."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+
+
+LEAD_COLUMNS = ("row", "recipe", "train tokens", "train min", "softmax layers")
+
+
 def _row_cells(run_dir: Path) -> dict[str, str]:
     """Column name -> cell text for one finished run directory."""
     from .eval.api import RULER
@@ -458,6 +472,9 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     cells["train tokens"] = "–" if tokens is None else f"{tokens / 1e6:g}M" if tokens >= 100_000 else f"{tokens:,}"
     wall = record.get("distill_wall_s")
     cells["train min"] = "–" if wall is None else f"{wall / 60:.1f}"
+    kept = (results["provenance"].get("method_config") or {}).get("softmax_layers")
+    if kept:  # a hybrid: the layers the student keeps softmax
+        cells["softmax layers"] = _layer_ranges(kept)
     for task in ZEROSHOT:
         if task in tasks:
             cells[task] = _percent(tasks[task].get(AVERAGE_METRIC[task]))
@@ -501,6 +518,8 @@ def table(run_dirs: list[Path], keep: list[str] | None = None) -> str:
     columns: list[str] = []
     for cells in rows:
         columns += [c for c in cells if c not in columns]
+    # What a row is leads, whichever row brings it: a hybrid's softmax layers sit by its training.
+    columns.sort(key=lambda c: LEAD_COLUMNS.index(c) if c in LEAD_COLUMNS else len(LEAD_COLUMNS))
     if keep is not None:
         for pattern in keep:
             if not any(fnmatch.fnmatchcase(c, pattern) for c in columns):

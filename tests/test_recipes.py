@@ -281,6 +281,25 @@ def test_table_keeps_the_columns_asked_for_beside_the_row(tmp_path, capsys):
     assert "an empty name" in capsys.readouterr().err
 
 
+def test_a_hybrid_row_names_its_softmax_layers_beside_its_training(tmp_path):
+    rows = []
+    for name, method_config in (("reference", None), ("hybrid", {"method": "lizard", "softmax_layers": [0, 1, 3, 4, 5, 9]}),
+                                ("linear", {"method": "lizard", "softmax_layers": []})):
+        run_dir = tmp_path / "runs" / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": name, "row": name}, "distill_wall_s": 60}))
+        tasks = {"ppl": {"by_length": [{"length": 512, "ppl": 9.0}]}}
+        (run_dir / "eval.json").write_text(json.dumps({"provenance": {"method_config": method_config}, "tasks": tasks}))
+        rows.append(run_dir)
+    header, _, reference, hybrid, linear = table(rows).splitlines()
+    # The column comes with the second row, yet leads the scores; a range is three or more layers.
+    assert header.startswith("| row | recipe | train tokens | train min | softmax layers | ppl 512 |")
+    assert hybrid.startswith("| hybrid | `hybrid` | – | 1.0 | 0, 1, 3-5, 9 | 9.0 |")
+    assert reference.startswith("| reference | `reference` | – | 1.0 | – |") and linear.startswith("| linear | `linear` | – | 1.0 | – |")
+    header, _, hybrid = table(rows[1:2], ["softmax layers"]).splitlines()
+    assert header == "| row | softmax layers |" and hybrid == "| hybrid | 0, 1, 3-5, 9 |"
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["recipe", "run", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
     assert "is not a file" in capsys.readouterr().err
