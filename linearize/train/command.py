@@ -120,7 +120,7 @@ def run(args) -> None:
     else:
         print(f"distilled {args.method} model written to {out}")
     record = out / LAYER_ERRORS_NAME
-    if cfg.softmax_by and record.exists():
-        picked = json.loads(record.read_text())["picked"]
+    picked = json.loads(record.read_text()).get("picked") if cfg.softmax_by and record.exists() else None
+    if picked:
         print(f"kept softmax by {cfg.softmax_by}: layer{'s' if len(picked) > 1 else ''} "
               f"{', '.join(map(str, picked))} (the scores: {record}; their figure: {record.with_suffix('.png')})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
@@ -40,7 +41,8 @@ def layer_figure(record: dict) -> Figure:
         label.set_color(PICKED if layer in picked else "black")
     axes[-1].set_xlabel("layer")
     rule = record.get("softmax_by")
-    fig.suptitle(f"{rule}: the {len(picked)} layers kept softmax in red" if rule else "stage-1 layer errors")
+    kept = f"the {len(picked)} layers" if len(picked) != 1 else "the layer"
+    fig.suptitle(f"{rule}: {kept} kept softmax in red" if rule else "stage-1 layer errors")
     return fig
 
 
@@ -60,8 +62,11 @@ def record_problem(record) -> str | None:
 
 
 def write_layer_figure(record: dict, path: str | Path) -> Path:
+    """The figure as a PNG at `path`, replaced whole: an interrupted write leaves the last one."""
     path = Path(path)
-    layer_figure(record).savefig(path, dpi=120)
+    partial = path.with_name(f".{path.name}.partial")
+    layer_figure(record).savefig(partial, dpi=120, format="png")
+    os.replace(partial, path)
     return path
 
 

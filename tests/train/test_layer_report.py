@@ -22,7 +22,7 @@ def test_a_kl_record_draws_its_error_and_its_gain_the_kept_layer_red():
     red, gray = to_rgba(PICKED), to_rgba(OTHER)
     assert bars(mse) == [(0.02, red), (0.05, gray), (0.01, gray)]
     assert bars(gain) == [(0.05, red), (-0.01, gray), (0.01, gray)]
-    assert "10 steps" in gain.get_title()
+    assert "10 steps" in gain.get_title() and fig.get_suptitle() == "kl:1: the layer kept softmax in red"
     assert [label.get_text() for label in gain.get_xticklabels()] == ["0", "1", "2"]
 
 
@@ -43,6 +43,7 @@ def test_the_command_draws_each_record_beside_it(tmp_path, capsys):
     assert main([str(record)]) == 0
     png = tmp_path / "stage1_layer_errors.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage1_layer_errors.json", "stage1_layer_errors.png"]
 
 
 @pytest.mark.parametrize("content, message", [
