@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.command import register as register_bench
     from .eval.command import register as register_eval
     from .eval.command import run as run_eval
-    from .recipes import register as register_recipe
+    from .recipes.command import register as register_recipe
     from .serve.command import register as register_serve
     from .train.command import register as register_distill
 

@@ -11,11 +11,8 @@ from linearize.cli import main
 from linearize.config import make_method_config
 from linearize.recipes import (
     RECIPES_DIR,
-    TABLE_END,
-    TABLE_START,
     Recipe,
     RecipeError,
-    _curves,
     finished_runs,
     plot_rows,
     run,
@@ -23,6 +20,7 @@ from linearize.recipes import (
     table,
     write_into,
 )
+from linearize.recipes.table import TABLE_END, TABLE_START, _curves
 from linearize.train import DistillConfig
 
 SHIPPED = [recipe.source for recipe in shipped()]
@@ -333,7 +331,7 @@ def test_a_row_cut_inside_its_first_long_length_still_makes_a_table_row(tmp_path
     no cell for it, and no RULER average, rather than failing the table."""
     from linearize.eval.api import RULER
     from linearize.eval.longcontext import result_so_far
-    from linearize.recipes import _row_cells
+    from linearize.recipes.table import _row_cells
 
     finished = {"lengths": [1024], "by_length": [{"length": 1024, "score": 0.5}], "grid": [], "score": 0.5}
     answered = [{"length": 1024, "depth": 0, "seed": 1, "score": 1.0}]

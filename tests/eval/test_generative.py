@@ -360,7 +360,7 @@ def test_batched_generation_gives_the_answers_of_one_prompt_at_a_time(writer, to
 
 
 def test_report_and_table_put_the_generative_average_beside_the_zero_shot_one(tmp_path):
-    from linearize.recipes import _row_cells
+    from linearize.recipes.table import _row_cells
 
     tasks = {
         **{t: {"acc": 0.5, "acc_norm": 0.6, "lm_eval_task": t, "num_fewshot": 0, "num_samples": 4, "split": ["validation"],
