@@ -7,10 +7,12 @@ this, never `cli`, so the command's entry point sits above them all.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,3 +212,20 @@ def atomic_output_dir(out: str | Path):
             except OSError:
                 pass
         raise
+
+
+def read_json_files(parser: argparse.ArgumentParser, paths: list[Path], what: str,
+                    problem: Callable[[object], str | None]) -> list[tuple[Path, object]]:
+    """[(path, its JSON)] for every path, all read before any is used; else the parser's one-line exit 2
+    naming the first file that is not a readable `what` or, by `problem(value)` (why not, or None), not one."""
+    loaded = []
+    for path in paths:
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"error: {path}: not a readable {what} ({e.__class__.__name__})\n")
+        reason = problem(value)
+        if reason:
+            parser.exit(2, f"error: {path}: not a {what} ({reason})\n")
+        loaded.append((path, value))
+    return loaded

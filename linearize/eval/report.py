@@ -8,7 +8,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
-from linearize.cli_args import write_text_atomic
+from linearize.cli_args import read_json_files, write_text_atomic
 from linearize.eval.api import task_settings
 from linearize.eval.babilong import BABILONG_TASKS
 from linearize.eval.generative import CHOICE_TASKS
@@ -278,6 +278,13 @@ def family_section(title: str, key: str, names, rows: list[tuple[str, dict]], pl
     return [*lines, "", note + ".", "", f"![{title}]({plots[key].name})", ""]
 
 
+def results_problem(results) -> str | None:
+    """Why `results` is not what `linearize eval` writes, or None."""
+    if not isinstance(results, dict) or not isinstance(results.get("tasks"), dict) or "provenance" not in results:
+        return "no tasks and provenance"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m linearize.eval.report FILE.json ...`: each results file's Markdown and plots, written again."""
     import argparse
@@ -285,15 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m linearize.eval.report", description=main.__doc__)
     parser.add_argument("results", nargs="+", type=Path, help="eval.json files written by `linearize eval`")
     args = parser.parse_args(argv)
-    loaded = []
-    for path in args.results:
-        try:
-            results = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            parser.exit(2, f"error: {path}: not a readable results file ({e.__class__.__name__})\n")
-        if not isinstance(results, dict) or not isinstance(results.get("tasks"), dict) or "provenance" not in results:
-            parser.exit(2, f"error: {path}: not a results file of `linearize eval` (no tasks and provenance)\n")
-        loaded.append((path, results))
+    loaded = read_json_files(parser, args.results, "results file of `linearize eval`", results_problem)
     for path, results in loaded:  # every file checked before any is written
         print(write_summary(results, path)[0])
     return 0

@@ -8,12 +8,13 @@ selection, its KL gain, the layers the run keeps softmax in red. `distill` write
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
+
+from ..cli_args import read_json_files
 
 PICKED, OTHER = "tab:red", "tab:gray"
 
@@ -75,16 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m linearize.train.layer_report", description=main.__doc__)
     parser.add_argument("records", nargs="+", type=Path, help="stage1_layer_errors.json files written by distill")
     args = parser.parse_args(argv)
-    loaded = []
-    for path in args.records:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            parser.exit(2, f"error: {path}: not a readable layer record ({e.__class__.__name__})\n")
-        problem = record_problem(record)
-        if problem:
-            parser.exit(2, f"error: {path}: not a stage1_layer_errors.json of `linearize distill` ({problem})\n")
-        loaded.append((path, record))
+    loaded = read_json_files(parser, args.records, "stage1_layer_errors.json of `linearize distill`", record_problem)
     for path, record in loaded:
         print(write_layer_figure(record, path.with_suffix(".png")))
     return 0

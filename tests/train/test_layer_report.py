@@ -47,7 +47,7 @@ def test_the_command_draws_each_record_beside_it(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, message", [
-    ("{", "not a readable layer record (JSONDecodeError)"),
+    ("{", "not a readable stage1_layer_errors.json of `linearize distill` (JSONDecodeError)"),
     ("[]", "(no mse)"),
     (json.dumps({"mse": {"0": "high"}}), "(mse is not a layer-to-number mapping)"),
     (json.dumps({"mse": {"x": 0.1}}), "(mse is not a layer-to-number mapping)"),
