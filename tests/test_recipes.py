@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,35 @@ def test_a_rerun_with_other_training_settings_is_refused_and_changes_nothing(tea
     assert main(argv) == 0  # its own settings resume it
     assert (out / "model" / "config.json").exists()
     assert json.loads((out / "run.json").read_text())["training_tokens"] == 2 * 2 * 4 * 32
+
+
+def test_a_refused_run_leaves_the_runs_started_beside_it(tmp_path, monkeypatch):
+    """Five rows started at once into a runs folder none had found: the first to fail (a missing
+    dependency) removed the whole folder with the others' freshly made ones, and each of them then
+    failed on its own folder ("No such file or directory"). Only its own folder goes now."""
+    from linearize.recipes import running
+
+    runs = tmp_path / "runs"
+
+    def beside_then_fail(out, *args, **kwargs):
+        (runs / "other").mkdir()
+        (runs / "other" / "run.json").write_text("{}")  # the row started beside it, not yet trained
+        raise ModuleNotFoundError("No module named 'gguf'")
+
+    monkeypatch.setattr(running, "_run_in", beside_then_fail)
+    recipe = Recipe.load(tiny_recipe(tmp_path, "student", None))
+    with pytest.raises(ModuleNotFoundError):
+        run(recipe, runs)
+    assert sorted(p.name for p in runs.iterdir()) == ["other"]
+    shutil.rmtree(runs)
+
+    def fail(out, *args, **kwargs):
+        raise ModuleNotFoundError("No module named 'gguf'")
+
+    monkeypatch.setattr(running, "_run_in", fail)
+    with pytest.raises(ModuleNotFoundError):
+        run(recipe, runs)
+    assert not runs.exists()  # alone, it leaves nothing behind, the runs folder it made included
 
 
 def test_run_evaluates_with_the_recipes_inference_options(teacher, tmp_path, workspace_text):

@@ -25,10 +25,15 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
         return _run_in(out, recipe, model=model, device=device, progress=progress, evaluate_model=evaluate_model)
     except Exception:
         # A run refused before any work (bad input) leaves nothing behind; one that trained keeps its
-        # checkpoint, so that rerunning resumes it.
-        for folder in reversed(created):
-            if all(p.name == "run.json" for p in folder.rglob("*") if p.is_file()):
-                shutil.rmtree(folder)
+        # checkpoint, so that rerunning resumes it. The runs folder goes only if empty: runs started
+        # beside this one (other processes) may have made theirs in it since.
+        if out in created and all(p.name == "run.json" for p in out.rglob("*") if p.is_file()):
+            shutil.rmtree(out)
+        if Path(out_root) in created:
+            try:
+                Path(out_root).rmdir()
+            except OSError:
+                pass
         raise
 
 
