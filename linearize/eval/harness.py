@@ -10,6 +10,7 @@ from functools import cache
 from pathlib import Path
 
 from linearize.eval import generative, local_tasks
+from linearize.eval.continuations import score_continuations
 from linearize.eval.generation import rows_per_batch
 
 # Our task name -> lm-eval task name.
@@ -151,26 +152,35 @@ HARNESS_BATCH_TOKENS = 65536
 
 def budgeted_lm(model, tokenizer, batch: int, max_batch_tokens: int = HARNESS_BATCH_TOKENS):
     """lm-eval's HF wrapper, its batches sized by count and tokens: at most `batch` requests and
-    `max_batch_tokens` tokens. lm-eval sorts requests longest first and, with batch_size="auto",
-    asks `_batch_scheduler` for each batch's size (and `_detect_batch_size` where it sizes a pass
-    once), which would find the largest by trial runs until out of memory; here they count. So
-    short requests (HellaSwag's ~100 tokens) go many at once and long ones (MMLU's 5-shot
-    passages, thousands of tokens) fewer."""
+    `max_batch_tokens` tokens. lm-eval's batch_size="auto" would find the largest by trial runs until
+    out of memory; here they count. Requests go longest first, so short ones (HellaSwag's ~100
+    tokens) go many at once and long ones (MMLU's 5-shot passages, thousands of tokens) fewer; a
+    batch's log-likelihoods are scored together (`continuations.score_continuations`)."""
     from lm_eval.models.huggingface import HFLM
 
     class BudgetedHFLM(HFLM):
-        def _rows_at(self, requests, pos: int) -> int:
-            length = self.max_length
-            if requests:
-                _, context, continuation = requests[pos]
-                length = min(len(context) + len(continuation), self.max_length)
-            return rows_per_batch(length, batch, max_batch_tokens)
-
-        def _batch_scheduler(self, pos, n_reordered_requests):  # lm-eval passes the requests themselves
-            return self._rows_at(n_reordered_requests, pos)
-
         def _detect_batch_size(self, requests=None, pos=0):
-            return self._rows_at(requests, pos)
+            # loglikelihood_rolling sizes its windows' batches once, at the model's full length
+            return rows_per_batch(self.max_length, batch, max_batch_tokens)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            from tqdm import tqdm
+
+            def rows_for(length: int) -> int:
+                rows = rows_per_batch(min(length, self.max_length), batch, max_batch_tokens)
+                return min(rows, override_bs) if override_bs else rows
+
+            def scored(indices, answers):
+                for i, answer in zip(indices, answers, strict=True):
+                    if requests[i][0] is not None:  # loglikelihood_rolling's windows are cached by it, whole
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                bar.update(len(indices))
+
+            with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                      desc="Running loglikelihood requests") as bar:
+                return score_continuations(requests, self._model_call, max_length=self.max_length,
+                                           rows_for=rows_for, device=self.device,
+                                           softmax_dtype=self.softmax_dtype, on_batch=scored)
 
         def generate_until(self, requests, disable_tqdm: bool = False):
             # lm-eval's "auto" sizes all generation batches at once, by trial runs at the model's full

@@ -101,3 +101,37 @@ def test_lm_eval_batches_are_sized_by_count_and_tokens(model, tokenizer):
     one_by_one = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)._loglikelihood_tokens(
         requests, disable_tqdm=True)
     assert [logprob for logprob, _ in budgeted] == pytest.approx([logprob for logprob, _ in one_by_one], abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_loglikelihoods_are_lm_evals_own(model, tokenizer, dtype):
+    """Scored a batch at a time (one copy to the host per batch), every request gets what lm-eval's
+    own per-request loop gives: one-token options sharing a context (one forward for them), multi-token
+    continuations, the greedy continuation itself, and requests cut from the left to the model's length;
+    each answer also reaches lm-eval's cache hook, in the requests' order."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    model = model.to(getattr(torch, dtype))
+    try:
+        context = list(range(40, 52))
+        with torch.no_grad():
+            greedy = [int(model(torch.tensor([context])).logits[0, -1].argmax())]
+        requests = [((f"ctx {c}", ""), context, [c]) for c in (70, 71, 72, greedy[0])]
+        requests += [(("multi", ""), [5, 6, 7], [8, 9, 10, 11]), (("long", ""), list(range(3, 60)), [61, 62]),
+                     (("short", ""), [90], [91]), (("again", ""), context, [70])]
+        ours = harness.budgeted_lm(model, tokenizer, batch=3, max_batch_tokens=64)
+        theirs = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
+        ours._max_length = theirs._max_length = 32  # the 59-token request is cut to its last 32
+        heard = []
+        ours.cache_hook.add_partial = lambda kind, key, answer: heard.append((key, answer))
+        got = ours._loglikelihood_tokens(requests, disable_tqdm=True)
+        want = theirs._loglikelihood_tokens(requests, disable_tqdm=True)
+        tolerance = {"float32": 1e-5, "bfloat16": 1e-2}[dtype]
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], rel=tolerance, abs=tolerance)
+        assert [g for _, g in got] == [g for _, g in want]
+        assert got[3][1] and not got[0][1] and got[7] == got[0]
+        assert sorted(heard, key=lambda h: str(h[0])) == sorted(zip([r[0] for r in requests], got, strict=True),
+                                                                key=lambda h: str(h[0]))
+    finally:
+        model.to(torch.float32)
