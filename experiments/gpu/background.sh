@@ -10,8 +10,8 @@ case ${1:?start or wait} in
   start)
     seconds=${2:?seconds}
     shift 2
-    mkdir -p "$BG/out"
-    rm -f "$BG/done"
+    # A set started again (after a failed start) must not bring back the last one's files as its own.
+    rm -rf "$BG/out" "$BG/done" "$BG"/chain-*.out && mkdir -p "$BG/out"
     # A later call replaces the working tree under it: the detached parts run from their own copy.
     rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes tests pyproject.toml "$BG/repo/"
     cd "$BG/repo" && export PYTHONPATH="/tmp/site:$BG/repo"

@@ -2,6 +2,7 @@
 reader stops early (`| head`), which ends the script with SIGPIPE at its next write."""
 
 import subprocess
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu" / "background.sh"
@@ -19,3 +20,21 @@ def test_wait_copies_the_results_before_a_closed_pipe_can_stop_it(tmp_path):
                           env={"BG": str(bg), "OUT": str(out), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert done.stdout == "finished\n"
     assert (out / "rows-a.tgz").read_bytes() == b"results"
+
+
+def test_start_clears_the_last_sets_results(tmp_path):
+    """A set started again after a failed start (a missing package) brought the failed set's archives
+    back beside its own until those were written over: start begins with an empty results folder."""
+    bg = tmp_path / "bg"
+    (bg / "out").mkdir(parents=True)
+    (bg / "out" / "rows-old.tgz").write_bytes(b"the failed set's")
+    (bg / "done").touch()
+    started = subprocess.run(["bash", str(SCRIPT), "start", "5", "0: nosuchpart"], cwd=SCRIPT.parents[2], check=False,
+                             capture_output=True, text=True, env={"BG": str(bg), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert started.returncode == 0 and started.stdout.startswith("started")
+    assert not (bg / "out" / "rows-old.tgz").exists()
+    for _ in range(300):  # the detached part ends at once (an unknown part); let it before tmp_path goes
+        if (bg / "done").exists():
+            break
+        time.sleep(0.1)
+    assert (bg / "done").exists()
