@@ -59,6 +59,9 @@ def register(subparsers) -> None:
                    help="with --softmax-by kl:N, train each candidate (the student with that one layer softmax) "
                         "K LoRA steps on the KL to the teacher before scoring it, as the method does "
                         "(default 0: score the stage-1 student as it is)")
+    p.add_argument("--kl-seq-len", type=non_negative_int, default=0, metavar="L",
+                   help="with --softmax-by kl:N, score the candidates on validation sequences of L tokens (default "
+                        "0: --seq-len); past STILL's softmax budget, where its linear part counts")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100, help="optimizer steps between validations")
@@ -99,7 +102,7 @@ def config_from_args(args):
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
                          softmax_layers=args.softmax_layers, softmax_by=args.softmax_by,
-                         kl_train_steps=args.kl_train_steps, layers=args.layers,
+                         kl_train_steps=args.kl_train_steps, kl_seq_len=args.kl_seq_len, layers=args.layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
                          fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,

@@ -66,6 +66,9 @@ class DistillConfig:
     # With "kl:N": optimizer steps each one-softmax-layer candidate's LoRA adapters train on the KL to the
     # teacher before it is scored, as the method trains its candidates (0: score the stage-1 student as it is).
     kl_train_steps: int = 0
+    # With "kl:N": the validation sequences' length the candidates are scored on (0: seq_len). A method
+    # whose short-range part is exact (STILL's softmax budget) shows what its linear part loses only past it.
+    kl_seq_len: int = 0
     # Stage 2 under torchrun: FSDP2 (the default), or (fsdp=False) a whole replica on every rank with the
     # gradients averaged in one all-reduce a step, as stage 1 always trains: then steps can be CUDA graphs.
     fsdp: bool = True
@@ -107,6 +110,11 @@ class DistillConfig:
         if self.kl_train_steps and (self.selection is None or self.selection[0] != "kl"):
             raise ValueError(f"kl_train_steps ({self.kl_train_steps}) trains the candidates of softmax_by kl:N; "
                              f"this run's softmax_by is {self.softmax_by}")
+        if isinstance(self.kl_seq_len, bool) or not isinstance(self.kl_seq_len, int) or self.kl_seq_len < 0:
+            raise ValueError(f"kl_seq_len must be a whole number >= 0, got {self.kl_seq_len!r}")
+        if self.kl_seq_len and (self.selection is None or self.selection[0] != "kl"):
+            raise ValueError(f"kl_seq_len ({self.kl_seq_len}) is the length softmax_by kl:N scores its candidates "
+                             f"on; this run's softmax_by is {self.softmax_by}")
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
             raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
                              "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")

@@ -110,7 +110,7 @@ class Run:
     """One distillation run: data, logging and the stage loops."""
 
     def __init__(self, cfg: DistillConfig, resume: bool, progress: bool):
-        from ..data import ResumableLoader, build_token_blocks
+        from ..data import DataError, ResumableLoader, build_token_blocks
         from ..loading import load_tokenizer
 
         self.cfg = cfg
@@ -131,10 +131,20 @@ class Run:
             raise ValueError(f"{cfg.model}: its tokenizer has no EOS token, which packing needs between documents")
         self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
                                                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
-        for split, blocks in (("training", self.train_blocks), ("validation", self.val_blocks)):
+        checks = [("training", self.train_blocks, cfg.seq_len, "--seq-len"),
+                  ("validation", self.val_blocks, cfg.seq_len, "--seq-len")]
+        # KL-guided selection's own validation sequences at kl_seq_len: packed (and checked) before any work.
+        self.kl_blocks = self.val_blocks
+        if cfg.kl_seq_len and cfg.kl_seq_len != cfg.seq_len:
+            try:
+                _, self.kl_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.kl_seq_len, seed=cfg.seed)
+            except DataError as e:
+                raise DataError(f"--kl-seq-len {cfg.kl_seq_len}: {e}") from None
+            checks.append(("KL validation", self.kl_blocks, cfg.kl_seq_len, "--kl-seq-len"))
+        for split, blocks, length, flag in checks:
             if len(blocks) < micro:
-                raise ValueError(f"--data {cfg.data}: {len(blocks)} {split} sequence(s) of {cfg.seq_len} tokens, "
-                                 f"fewer than one batch of {micro}: give more data, or a smaller --batch or --seq-len")
+                raise ValueError(f"--data {cfg.data}: {len(blocks)} {split} sequence(s) of {length} tokens, "
+                                 f"fewer than one batch of {micro}: give more data, or a smaller --batch or {flag}")
         # The run's config is written once the first stage has built its student (`stage`): a start refused
         # for bad input (the tokenizer, the data, what `convert` refuses) leaves no run behind that a
         # corrected command would have to --resume.
@@ -383,18 +393,20 @@ class Run:
         gains = {i: baseline - kl for i, kl in restored_kl.items()}
         record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored_kl.items()},
                    "kl_gain": {str(k): v for k, v in gains.items()}, "kl_train_steps": self.cfg.kl_train_steps,
+                   "kl_seq_len": self.cfg.kl_seq_len or self.cfg.seq_len,
                    "kl_seconds": time.perf_counter() - started, "picked": top_layers(gains, selection[1])}
         self.write_record(record, final=True)
 
-    def validation_batches(self) -> Iterator[torch.Tensor]:
-        """This rank's first `val_batches` validation batches, on its device."""
-        loader = self.make_loader(self.val_blocks, seed=0)
+    def validation_batches(self, blocks=None) -> Iterator[torch.Tensor]:
+        """This rank's first `val_batches` batches of `blocks` (default: the validation blocks), on its device."""
+        loader = self.make_loader(self.val_blocks if blocks is None else blocks, seed=0)
         return (ids.to(self.rt.device) for _, ids in zip(range(self.cfg.val_batches), loader))
 
     def layer_kl(self) -> tuple[float, dict[int, float]]:
         """`layer_selection.restored_layer_kl` of the stage-1 student, averaged over the ranks."""
         model = build_student(self.cfg, self.out / STAGE1_NAME, self.preset_softmax, weights_dtype(self.rt, False))
-        baseline, restored = restored_layer_kl(model.to(self.rt.device), self.validation_batches(), self.rt.autocast)
+        baseline, restored = restored_layer_kl(model.to(self.rt.device), self.validation_batches(self.kl_blocks),
+                                               self.rt.autocast)
         means = self.rt.means([baseline, *restored.values()])
         return means[0], dict(zip(restored, means[1:]))
 
@@ -423,7 +435,7 @@ class Run:
         model.train()
         for _ in range(cfg.kl_train_steps):
             train_step([next(batches).to(rt.device) for _ in range(cfg.grad_accum)])
-        [kl] = mean_kl(model, self.validation_batches(), [nullcontext], rt.autocast)
+        [kl] = mean_kl(model, self.validation_batches(self.kl_blocks), [nullcontext], rt.autocast)
         return rt.means([kl])[0]
 
     def softmax_layers(self) -> list[int]:

@@ -28,6 +28,8 @@ def layer_figure(record: dict) -> Figure:
     if "kl_gain" in record:
         steps = record.get("kl_train_steps", 0)
         trained = f"each candidate trained {steps} steps" if steps else "candidates untrained"
+        if "kl_seq_len" in record:
+            trained += f", scored on {record['kl_seq_len']:,}-token sequences"
         panels.append((f"KL gain: KL(all linear) - KL(this layer alone softmax), {trained}", record["kl_gain"]))
     fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 2.4 * len(panels) + 0.8), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]

@@ -18,6 +18,7 @@ from linearize.recipes import Recipe, RecipeError
 from linearize.train import DistillConfig, distill
 from linearize.train.command import config_from_args, register
 from linearize.train.distillation import Run
+from linearize.train.layer_report import layer_figure
 from linearize.train.layer_selection import (
     even_layers,
     kl_distillation_loss,
@@ -390,6 +391,14 @@ def test_softmax_by_settings():
         with pytest.raises(ValueError, match="trains the candidates of softmax_by kl:N"):
             make(softmax_by=other, kl_train_steps=5)
     assert make(softmax_by="kl:2", kl_train_steps=5).same_run(make(softmax_by="kl:2")) == ["kl_train_steps"]
+    assert make(softmax_by="kl:2", kl_seq_len=4096).kl_seq_len == 4096
+    for bad in (-1, 1.5, True, "4096"):
+        with pytest.raises(ValueError, match="kl_seq_len must be a whole number >= 0"):
+            make(softmax_by="kl:2", kl_seq_len=bad)
+    for other in (None, "error:2"):
+        with pytest.raises(ValueError, match="the length softmax_by kl:N scores its candidates on"):
+            make(softmax_by=other, kl_seq_len=4096)
+    assert make(softmax_by="kl:2", kl_seq_len=64).same_run(make(softmax_by="kl:2")) == ["kl_seq_len"]
 
 
 def test_a_saved_config_with_softmax_by_error_loads_as_error_n(tmp_path):
@@ -434,6 +443,56 @@ def test_the_kl_train_steps_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args([*base, "--kl-train-steps", "-2"])
     assert exit_info.value.code == 2 and "expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_the_kl_seq_len_flag():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    base = ["distill", "--model", "m", "--method", "still", "--out", "o", "--softmax-by", "kl:2"]
+    assert config_from_args(parser.parse_args([*base, "--kl-seq-len", "4096"])).kl_seq_len == 4096
+    assert config_from_args(parser.parse_args(base)).kl_seq_len == 0
+
+
+@pytest.mark.parametrize("kl_train_steps", [0, 2])
+def test_kl_seq_len_scores_the_candidates_on_longer_sequences(workspace, tmp_path, monkeypatch, kl_train_steps):
+    """STILL trains at 32 tokens here and its candidates are scored on 64-token sequences: every batch the
+    scoring reads is 64 tokens long (the training's validation stays at 32), and the record and figure say so."""
+    from linearize.train import distillation
+
+    lengths = {"scored": set(), "validated": set()}
+    for name, key in (("mean_kl", "scored"), ("restored_layer_kl", "scored")):
+        original = getattr(distillation, name)
+
+        def spy(model, batches, *args, _original=original, _key=key, **kwargs):
+            batches = list(batches)
+            lengths[_key].update(ids.shape[1] for ids in batches)
+            return _original(model, batches, *args, **kwargs)
+
+        monkeypatch.setattr(distillation, name, spy)
+    validation = Run.validation_batches
+
+    def seen(self, blocks=None):
+        batches = list(validation(self, blocks))
+        if blocks is None:
+            lengths["validated"].update(ids.shape[1] for ids in batches)
+        return iter(batches)
+
+    monkeypatch.setattr(Run, "validation_batches", seen)
+    out = distill(config(workspace, tmp_path / "run", method="still", options=TINY_OPTIONS["still"], softmax_by="kl:1",
+                         kl_train_steps=kl_train_steps, kl_seq_len=64), progress=False)
+    assert lengths == {"scored": {64}, "validated": {32}}
+    record = scores_of(out)
+    assert record["kl_seq_len"] == 64 and len(record["picked"]) == 1
+    assert "scored on 64-token sequences" in layer_figure(record).axes[1].get_title()
+
+
+def test_a_kl_seq_len_the_data_cannot_fill_is_refused_before_any_work(workspace, tmp_path):
+    too_few = r"1 KL validation sequence\(s\) of 4096 tokens, fewer than one batch of 4: .* or --kl-seq-len$"
+    for length, message in ((4096, too_few),
+                            (1_000_000, r"^--kl-seq-len 1000000: The data .* fewer than one block of 1000000")):
+        with pytest.raises(ValueError, match=message):
+            distill(config(workspace, tmp_path / "run", softmax_by="kl:1", kl_seq_len=length), progress=False)
+        assert not (tmp_path / "run").exists()
 
 
 def test_the_command_says_which_layers_it_kept_softmax(workspace, tmp_path, capsys):
