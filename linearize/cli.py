@@ -285,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"linearize: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    except ModuleNotFoundError as e:
+        # An install without one of linearize's own dependencies: not bad input (exit 1), and no traceback.
+        if os.environ.get("LINEARIZE_DEBUG") or not e.name:
+            raise
+        extra = "[gpu]" if e.name.split(".")[0] in ("fla", "triton") else ""  # pyproject's optional kernels
+        print(f"linearize: error: the package {e.name!r} is not installed: install linearize{extra} again with its "
+              f"dependencies (pip install -e '.{extra}' in a checkout)", file=sys.stderr)
+        return 1
     except Exception as e:
         torch = sys.modules.get("torch")  # a command that ran out of GPU memory has imported it
         if torch is None or not isinstance(e, torch.OutOfMemoryError) or os.environ.get("LINEARIZE_DEBUG"):

@@ -211,6 +211,23 @@ def test_out_of_gpu_memory_is_one_line_with_what_needs_less(monkeypatch, capsys)
         main(["distill", "--model", "m", "--method", "lizard", "--out", "o"])
 
 
+def test_a_missing_dependency_is_one_line(monkeypatch, capsys):
+    """A package linearize imports when it needs it (gguf, for the GGUF teachers) missing from the install:
+    the package named, and how to mend it; exit 1, not bad input."""
+    from linearize.train import command
+
+    def missing(args):
+        raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
+
+    monkeypatch.setattr(command, "run", missing)
+    assert main(["distill", "--model", "m", "--method", "lizard", "--out", "o"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("linearize: error: the package 'gguf' is not installed")
+    monkeypatch.setenv("LINEARIZE_DEBUG", "1")
+    with pytest.raises(ModuleNotFoundError):
+        main(["distill", "--model", "m", "--method", "lizard", "--out", "o"])
+
+
 def test_other_errors_still_raise(monkeypatch):
     from linearize.train import command
 
