@@ -1,0 +1,41 @@
+"""experiments/scripts/collect_rows.py: a row's own archive wins over runs-so-far, a row cut before its
+evaluation keeps its layer record, and every copied eval.json gets its report."""
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from experiments.scripts.collect_rows import collect
+
+ROOT = Path(__file__).resolve().parents[2]
+EVAL = ROOT / "docs" / "results" / "h100" / "runs" / "lizard-gen" / "eval.json"
+
+
+def archive(path: Path, files: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_rows_come_back_into_their_folders(tmp_path):
+    finished = json.loads(EVAL.read_text())
+    finished["provenance"]["partial"] = False
+    cut = json.loads(EVAL.read_text())
+    layers = json.dumps({"mse": {"0": 0.1}, "picked": [0]}).encode()
+    archive(tmp_path / "rows-a.tgz", {"rows-a/rows.log": b"log", "a/run.json": b"{}",
+                                      "a/eval.json": json.dumps(finished).encode(),
+                                      "a/model/stage1_layer_errors.json": layers})
+    archive(tmp_path / "runs-so-far.tgz", {"runs/a/eval.json": json.dumps(cut).encode(), "runs/a/run.json": b"{}",
+                                           "runs/b/model/stage1_layer_errors.json": layers,
+                                           "runs/c/model/train_log.jsonl": b""})
+    out = tmp_path / "docs"
+    lines = collect(tmp_path, out)
+    assert lines[0].startswith("a: evaluated; eval.json, run.json, stage1_layer_errors.json")
+    assert lines[1].startswith("b: no evaluation; stage1_layer_errors.json") and len(lines) == 2
+    assert json.loads((out / "a" / "eval.json").read_text())["provenance"]["partial"] is False
+    assert (out / "a" / "eval.md").exists() and (out / "b" / "stage1_layer_errors.json").read_bytes() == layers
+    assert not (out / "c").exists()
+    assert collect(tmp_path, tmp_path / "only", {"b"})[0].startswith("b:") and not (tmp_path / "only" / "a").exists()
