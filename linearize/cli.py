@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable from here)
@@ -250,16 +251,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def listen_for_interrupts() -> None:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: every clean stop that catches one catches it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+def listen_for_interrupts():
     """Make SIGINT raise KeyboardInterrupt even where the process started with it ignored, as a shell
-    starts its background commands: a time limit's SIGINT (`timeout --signal=INT`) or a `kill -INT`
-    must still stop a run the clean way (a checkpoint saved, the finished tasks and points kept)."""
+    starts its background commands, and SIGTERM raise `Terminated`, where it would kill the process: a
+    time limit's SIGINT (`timeout --signal=INT`), a `kill`, a scheduler's stop or a container's must
+    still stop a run the clean way (a checkpoint saved, the finished tasks and points kept). Returns
+    SIGTERM's previous handler, to put back (`None`: left as it was)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if threading.current_thread() is not threading.main_thread():  # where signals cannot be handled
+        return None
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    listen_for_interrupts()
+    previous = listen_for_interrupts()
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:  # a caller's process (a test's) gets its SIGTERM back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed as one line
@@ -273,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
             set_backend(args.backend)
         args.func(args)
+    except Terminated:
+        print("linearize: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("linearize: interrupted", file=sys.stderr)
         return 130

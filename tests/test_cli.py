@@ -148,6 +148,25 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     assert code == 130 and err.strip() == "linearize: interrupted"
 
 
+def test_sigterm_is_a_clean_stop_exit_143_and_the_callers_handler_comes_back(monkeypatch, capsys):
+    """A SIGTERM (a scheduler's stop, `kill`) raises `cli.Terminated`, a KeyboardInterrupt: the command
+    stops the way Ctrl-C stops it, and exits 128 + 15. A process calling `main` gets its handler back."""
+    import signal
+
+    from linearize import cli
+
+    def terminated(args):
+        assert signal.getsignal(signal.SIGTERM) is cli._raise_terminated
+        signal.raise_signal(signal.SIGTERM)
+        pytest.fail("the SIGTERM was not raised")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "cmd_generate", terminated)
+    code, _, err = run(capsys, "generate", "--model", "x", "--prompt", "hi")
+    assert code == 143 and err.strip() == "linearize: terminated"
+    assert issubclass(cli.Terminated, KeyboardInterrupt) and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_sigint_reaches_a_command_started_with_it_ignored(monkeypatch, capsys):
     """A shell starts background commands with SIGINT ignored; the CLI listens again, so a time limit's
     SIGINT interrupts the command the clean way (exit 130) instead of being dropped."""

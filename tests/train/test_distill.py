@@ -1,6 +1,8 @@
 """Distillation on tiny models: losses fall, only the intended tensors move, resume is exact."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from linearize.loading import load_model
 from linearize.train import DistillConfig, ResumeError, distill
 from linearize.train import distillation as distill_module
 from linearize.train.student import new_parameter_names
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(workspace, out, **overrides):
@@ -332,3 +336,39 @@ def test_cuda_graph_on_the_cpu_trains_as_the_default_and_logs_why_it_stepped_eag
     steps = [r for r in log(graphed) if "loss" in r]
     assert {r["step_path"] for r in steps} == {"eager (parameters not on a CUDA device)"}
     assert [r["loss"] for r in steps] == [r["loss"] for r in log(plain) if "loss" in r]
+
+
+def test_sigterm_stops_a_distill_the_clean_way_and_a_rerun_resumes_it(workspace, tmp_path):
+    """A scheduler's stop, `kill` or `docker stop` is a SIGTERM, which would kill the process between two
+    checkpoints: the CLI raises it where Ctrl-C raises KeyboardInterrupt, so the run saves its checkpoint,
+    says so and exits 143; rerunning with --resume finishes it."""
+    out = tmp_path / "run"
+    args = ["--model", str(workspace / "teacher"), "--data", str(workspace / "data.txt"), "--method", "lizard",
+            "--out", str(out), "--max-tokens", str(4 * 32 * 8), "--seq-len", "32", "--batch", "4",
+            "--save-every", "100", "--set", "window=8", "--set", "num_sinks=2"]
+    # The process sends itself a real SIGTERM in its third stage-2 training step.
+    script = (
+        "import os, signal, sys\n"
+        "from linearize.cli import main\n"
+        "from linearize.train import distillation\n"
+        "real, calls = distillation.stage_loss, [0]\n"
+        "def loss(model, ids, stage):\n"
+        "    calls[0] += stage == 2 and model.training\n"
+        "    if calls[0] == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(model, ids, stage)\n"
+        "distillation.stage_loss = loss\n"
+        "sys.exit(main(['distill', *sys.argv[1:]]))\n"
+    )
+    stopped = subprocess.run([sys.executable, "-c", script, *args], check=False, capture_output=True, text=True,
+                             timeout=600, cwd=ROOT)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().endswith("linearize: terminated") and "Traceback" not in stopped.stderr
+    assert "interrupted: checkpoint at step" in stopped.stdout and (out / "checkpoint").is_dir()
+    assert not (out / "config.json").exists()
+    resumed = subprocess.run([sys.executable, "-m", "linearize.cli", "distill", *args, "--resume"], check=False,
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "config.json").exists()
+    stage2 = [r["step"] for r in log(out) if r.get("stage") == 2 and "loss" in r]
+    assert stage2 == sorted(set(stage2))  # the resumed steps carry on from the checkpoint, none twice
