@@ -169,8 +169,8 @@ def budgeted_lm(model, tokenizer, batch: int, max_batch_tokens: int = HARNESS_BA
             if self.backend != "causal":  # an encoder-decoder's continuations are scored on the decoder side
                 return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
 
-            def rows_for(length: int) -> int:
-                rows = rows_per_batch(min(length, self.max_length), batch, max_batch_tokens)
+            def rows_for(length: int) -> int:  # inputs come cut to the model's length
+                rows = rows_per_batch(length, batch, max_batch_tokens)
                 return min(rows, override_bs) if override_bs else rows
 
             def scored(indices, answers):

@@ -18,8 +18,9 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
     """Distil (unless the recipe is a teacher row) and evaluate, or only distil (`evaluate_model=False`:
     a later run evaluates the model it finds); returns OUT/<name>."""
     recipe.check_eval()  # also with evaluate_model=False: the later run would find it bad after the training
-    out = Path(out_root) / recipe.name
-    created = [d for d in (Path(out_root), out) if not d.exists()]
+    root = Path(out_root)
+    out = root / recipe.name
+    made_root, made_out = not root.exists(), not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
         return _run_in(out, recipe, model=model, device=device, progress=progress, evaluate_model=evaluate_model)
@@ -27,11 +28,11 @@ def run(recipe: Recipe, out_root: str | Path, *, model: str | None = None, devic
         # A run refused before any work (bad input) leaves nothing behind; one that trained keeps its
         # checkpoint, so that rerunning resumes it. The runs folder goes only if empty: runs started
         # beside this one (other processes) may have made theirs in it since.
-        if out in created and all(p.name == "run.json" for p in out.rglob("*") if p.is_file()):
+        if made_out and all(p.name == "run.json" for p in out.rglob("*") if p.is_file()):
             shutil.rmtree(out)
-        if Path(out_root) in created:
+        if made_root:
             try:
-                Path(out_root).rmdir()
+                root.rmdir()
             except OSError:
                 pass
         raise
