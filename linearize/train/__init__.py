@@ -5,9 +5,9 @@ The names load on first use (PEP 562), so the command's parser imports no torch.
 
 from linearize._lazy import lazy_exports
 
-_EXPORTS = {"DistillConfig": "config", "ResumeError": "distillation", "distill": "distillation",
-            "ensure_distilled": "distillation"}
+_EXPORTS = {"DistillConfig": "config", "ResumeError": "distillation", "TrainingDiverged": "distillation",
+            "distill": "distillation", "ensure_distilled": "distillation"}
 
-__all__ = ["DistillConfig", "ResumeError", "distill", "ensure_distilled"]
+__all__ = ["DistillConfig", "ResumeError", "TrainingDiverged", "distill", "ensure_distilled"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

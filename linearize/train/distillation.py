@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -49,6 +50,11 @@ CHECKPOINT_NAME = "checkpoint"
 
 class ResumeError(ValueError):
     """--resume was asked for but cannot be honoured (or was needed but not asked for)."""
+
+
+class TrainingDiverged(ValueError):
+    """A stage's loss or gradient norm stopped being finite. Nothing is saved once it is seen: a checkpoint
+    or model of non-finite weights would only fail later, in whatever loads it."""
 
 
 def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None,
@@ -278,7 +284,9 @@ class Run:
 
         snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
         if step == 0:
-            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": self.validation_losses(model, stage)[0]})
+            val_loss = self.validation_losses(model, stage)[0]
+            self.check_finite(stage, step, "validation loss", val_loss)
+            self.log({"stage": stage, "step": 0, "tokens": 0, "split": "val", "val_loss": val_loss})
         batches = forever(loader)
         bar = tqdm(total=total, initial=step, desc=f"stage {stage}", disable=not self.progress, unit="step")
         model.train()
@@ -301,6 +309,8 @@ class Run:
                 tokens += cfg.batch * cfg.seq_len
                 snapshot = {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}
                 loss_value = rt.mean(loss_sum.item())
+                self.check_finite(stage, step, "training loss", loss_value)
+                self.check_finite(stage, step, "gradient norm", float(grad_norm))  # a NaN one makes NaN weights
                 now = time.perf_counter()
                 # tokens_per_s: the stage so far (what the bar shows); step_s: this optimizer step alone,
                 # without validation, checkpoints or the first step's kernel compilation in other steps.
@@ -312,9 +322,13 @@ class Run:
                 bar.update(1)
                 if step % cfg.eval_every == 0 or step == total:
                     val_loss, layer_errors = self.validation_losses(model, stage)
+                    self.check_finite(stage, step, "validation loss", val_loss)
                     self.log({"stage": stage, "step": step, "tokens": tokens, "split": "val", "val_loss": val_loss})
                 if step % cfg.save_every == 0 and step < total:
                     save()
+        except TrainingDiverged:
+            bar.close()
+            raise
         except KeyboardInterrupt:
             save()
             bar.close()
@@ -326,6 +340,18 @@ class Run:
         if stage == 1:  # the last step validated, unless this invocation resumed past it
             self.write_layer_scores(layer_errors if layer_errors is not None else self.validation_losses(model, 1)[1])
         save(done=True)
+
+    def check_finite(self, stage: int, step: int, what: str, value: float) -> None:
+        """Raise TrainingDiverged when `value`, a loss every rank agrees on, is NaN or infinite."""
+        if math.isfinite(value):
+            return
+        if step == 0:
+            raise TrainingDiverged(f"stage {stage}: the {what} is {value} before any training, so the student's or "
+                                   f"the teacher's outputs are not finite: check the weights of {self.cfg.model}, "
+                                   "or try --precision fp32")
+        lr = self.cfg.lr_stage1 if stage == 1 else self.cfg.lr_stage2
+        raise TrainingDiverged(f"stage {stage} diverged at step {step}: the {what} is {value}; a lower --lr "
+                               f"(stage {stage}'s is {lr:g}) keeps it finite")
 
     def write_layer_scores(self, errors: dict[int, float]) -> None:
         """After stage 1, `LAYER_ERRORS_NAME`: each linearized layer's stage-1 validation MSE ("mse"); with
@@ -390,6 +416,10 @@ class Run:
             baseline, restored_kl = scores["all_linear"], {i: scores[str(i)] for i in layers}
         else:
             baseline, restored_kl = self.layer_kl()
+        for key, kl in [("all-linear candidate", baseline), *((f"layer {i}'s candidate", v) for i, v in restored_kl.items())]:
+            if not math.isfinite(kl):
+                raise TrainingDiverged(f"KL-guided selection: the {key} scores a KL of {kl}; a lower stage-2 --lr "
+                                       f"(now {self.cfg.lr_stage2:g}) or fewer --kl-train-steps keeps it finite")
         gains = {i: baseline - kl for i, kl in restored_kl.items()}
         record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored_kl.items()},
                    "kl_gain": {str(k): v for k, v in gains.items()}, "kl_train_steps": self.cfg.kl_train_steps,
@@ -532,6 +562,8 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
     if resume and is_finished(cfg.out):
         check_same_run(cfg)
         return Path(cfg.out).expanduser()
+    out = Path(cfg.out).expanduser()
+    made_out = not out.exists()
     run = Run(cfg, resume, progress)
     try:
         for stage in cfg.stages:
@@ -540,6 +572,12 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
                 run.select_by_kl()
         run.export()
         run.rt.barrier()
+    except TrainingDiverged:
+        # A run that diverged before its first checkpoint holds nothing a corrected command could resume
+        # (a changed --lr is a new run): it goes, as a refused start leaves nothing.
+        if made_out and run.rt.main and not (out / CHECKPOINT_NAME).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
         run.rt.stop()
     return run.out

@@ -1,6 +1,8 @@
 """Distillation on tiny models: losses fall, only the intended tensors move, resume is exact."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ import torch
 from interrupted_distill import interrupting_stage_loss
 
 from linearize.loading import load_model
-from linearize.train import DistillConfig, ResumeError, distill
+from linearize.train import DistillConfig, ResumeError, checkpoint, distill
 from linearize.train import distillation as distill_module
 from linearize.train.student import new_parameter_names
 
@@ -372,3 +374,61 @@ def test_sigterm_stops_a_distill_the_clean_way_and_a_rerun_resumes_it(workspace,
     assert (out / "config.json").exists()
     stage2 = [r["step"] for r in log(out) if r.get("stage") == 2 and "loss" in r]
     assert stage2 == sorted(set(stage2))  # the resumed steps carry on from the checkpoint, none twice
+
+
+def test_a_diverging_first_stage_is_one_error_and_leaves_no_run(workspace, tmp_path):
+    """An lr that blows the weights up stops the run at the first non-finite loss, naming the flag; a run
+    that never reached a checkpoint holds nothing a corrected command could resume, so it is removed."""
+    from linearize.train import TrainingDiverged
+
+    with pytest.raises(TrainingDiverged) as error:
+        distill(config(workspace, tmp_path / "run", stage="1", lr_stage1=1e20), progress=False)
+    message = str(error.value)
+    assert "\n" not in message
+    assert re.fullmatch(r"stage 1 diverged at step \d+: the (training|validation) loss is (inf|nan); "
+                        r"a lower --lr \(stage 1's is 1e\+20\) keeps it finite", message), message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_diverging_second_stage_keeps_the_first_and_exports_nothing(workspace, tmp_path):
+    from linearize.train import TrainingDiverged
+
+    out = tmp_path / "run"
+    with pytest.raises(TrainingDiverged, match="^stage 2 diverged at step"):
+        distill(config(workspace, out, lr_stage2=1e20), progress=False)
+    assert (out / distill_module.STAGE1_NAME).exists()
+    assert not (out / "config.json").exists()  # the export: no model of non-finite weights
+    assert not (out / "stage2_lora.pt").exists()
+    # The last checkpoint is the finished first stage's: the second diverged before its first save.
+    saved = checkpoint.load(out / distill_module.CHECKPOINT_NAME)
+    assert (saved["stage"], saved["stage_done"]) == (1, True)
+
+
+def test_a_teacher_with_non_finite_outputs_is_refused_before_training(workspace, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from linearize.train import TrainingDiverged
+
+    broken = tmp_path / "teacher"
+    shutil.copytree(workspace / "teacher", broken)
+    weights = load_file(broken / "model.safetensors")
+    name = next(k for k in weights if "o_proj" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TrainingDiverged, match=r"^stage 1: the validation loss is nan before any training, .*"
+                                               r"check the weights of .*teacher, or try --precision fp32$"):
+        distill(config(workspace, tmp_path / "run", model=str(broken), stage="1"), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_command_reports_a_divergence_as_one_error_line_with_exit_2(workspace, tmp_path, capsys):
+    from linearize.cli import main
+
+    code = main(["distill", "--model", str(workspace / "teacher"), "--method", "lizard", "--data",
+                 str(workspace / "data.txt"), "--out", str(tmp_path / "run"), "--stage", "1", "--max-tokens", "256",
+                 "--seq-len", "32", "--batch", "4", "--lr", "1e20"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2
+    assert re.match(r"linearize: error: stage 1 diverged at step \d+: .* a lower --lr", lines[-1]), lines[-1]
+    assert not any("Traceback" in line or "Warning" in line for line in lines), lines
+    assert not (tmp_path / "run").exists()
