@@ -103,9 +103,13 @@ class Recipe:
             raise RecipeError(f"recipe {where}: eval: {e}") from None
 
     def distill_config(self, out: Path, model: str | None = None):
+        """`out`: the row's model folder, RUNS/<row>/model; a `stage1_from` names another row in RUNS."""
         from ..train import DistillConfig
 
-        return DistillConfig(**{**self.distill, "model": model or self.model, "out": str(out)})
+        settings = {**self.distill, "model": model or self.model, "out": str(out)}
+        if isinstance(settings.get("stage1_from"), str):
+            settings["stage1_from"] = str(Path(out).parent.parent / settings["stage1_from"] / "model")
+        return DistillConfig(**settings)
 
 
 def _read(path: Path) -> dict:

@@ -62,6 +62,10 @@ def register(subparsers) -> None:
     p.add_argument("--kl-seq-len", type=non_negative_int, default=0, metavar="L",
                    help="with --softmax-by kl:N, score the candidates on validation sequences of L tokens (default "
                         "0: --seq-len); past STILL's softmax budget, where its linear part counts")
+    p.add_argument("--stage1-from", metavar="DIR", default=None,
+                   help="take the finished stage 1 of the run in DIR (trained with this run's stage-1 settings) "
+                        "instead of training one: hybrids that differ only in --softmax-by share it, and with "
+                        "kl:N its candidate scores")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a method option (repeatable)")
     p.add_argument("--save-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=100, help="optimizer steps between validations")
@@ -102,7 +106,8 @@ def config_from_args(args):
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
                          softmax_layers=args.softmax_layers, softmax_by=args.softmax_by,
-                         kl_train_steps=args.kl_train_steps, kl_seq_len=args.kl_seq_len, layers=args.layers,
+                         kl_train_steps=args.kl_train_steps, kl_seq_len=args.kl_seq_len, stage1_from=args.stage1_from,
+                         layers=args.layers,
                          save_every=args.save_every, eval_every=args.eval_every, seed=args.seed, device=args.device,
                          gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
                          fsdp_reshard=args.fsdp_reshard, fsdp_replicate=args.fsdp_replicate, cuda_graph=args.cuda_graph,

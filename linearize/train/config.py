@@ -69,6 +69,10 @@ class DistillConfig:
     # With "kl:N": the validation sequences' length the candidates are scored on (0: seq_len). A method
     # whose short-range part is exact (STILL's softmax budget) shows what its linear part loses only past it.
     kl_seq_len: int = 0
+    # A run folder whose finished stage 1 this run takes instead of training its own (`distillation.
+    # stage1_source` checks that it was trained with this run's stage-1 settings): hybrids that differ only in
+    # how many layers, or which rule, keep softmax share one stage 1, and with kl:N one candidate scoring.
+    stage1_from: str | None = None
     # Stage 2 under torchrun: FSDP2 (the default), or (fsdp=False) a whole replica on every rank with the
     # gradients averaged in one all-reduce a step, as stage 1 always trains: then steps can be CUDA graphs.
     fsdp: bool = True
@@ -115,6 +119,12 @@ class DistillConfig:
         if self.kl_seq_len and (self.selection is None or self.selection[0] != "kl"):
             raise ValueError(f"kl_seq_len ({self.kl_seq_len}) is the length softmax_by kl:N scores its candidates "
                              f"on; this run's softmax_by is {self.softmax_by}")
+        if self.stage1_from is not None:
+            if not isinstance(self.stage1_from, str) or not self.stage1_from.strip():
+                raise ValueError(f"stage1_from must be a run folder, got {self.stage1_from!r}")
+            if self.stage != "both":
+                raise ValueError(f"stage1_from ({self.stage1_from}) stands in for this run's stage 1: it needs both "
+                                 "stages (--stage both)")
         if not self.fsdp and (self.fsdp_replicate or not self.fsdp_reshard):
             raise ValueError("--fsdp-replicate and --no-fsdp-reshard set how FSDP2 shards stage 2; "
                              "--no-fsdp trains stage 2 without FSDP2 (whole replicas): pick one")
@@ -167,6 +177,8 @@ class DistillConfig:
     def same_run(self, other: DistillConfig) -> list[str]:
         """Fields that differ in a way that makes resuming `other` as this run wrong."""
         # A run folder may move (or be copied) between invocations; the rest only affects speed or logging.
-        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph"}
+        # stage1_from: where stage 1 came from, once it is taken, no longer matters.
+        free = {"out", "save_every", "eval_every", "device", "fsdp", "fsdp_reshard", "fsdp_replicate", "cuda_graph",
+                "stage1_from"}
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in free and getattr(self, f.name) != getattr(other, f.name)]

@@ -52,6 +52,17 @@ class ResumeError(ValueError):
     """--resume was asked for but cannot be honoured (or was needed but not asked for)."""
 
 
+# Settings that shape only stage 2 or the choice of softmax layers: a run may take its stage 1 from a run
+# that differs from it in these alone (`stage1_from`). "even:N" is the exception, compared apart: its
+# layers are softmax during stage 1 too.
+STAGE2_SETTINGS = {"stage", "softmax_by", "lr_stage2", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+                   "kl_train_steps", "kl_seq_len"}
+# What KL-guided selection's candidate scores depend on beyond stage 1: where two kl:N runs agree on these,
+# the scores of one are the other's.
+KL_SCORING_SETTINGS = ("kl_train_steps", "lr_stage2", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+KL_RECORD_KEYS = ("kl_all_linear", "kl_restored", "kl_gain", "kl_train_steps", "kl_seq_len", "kl_seconds")
+
+
 class TrainingDiverged(ValueError):
     """A stage's loss or gradient norm stopped being finite. Nothing is saved once it is seen: a checkpoint
     or model of non-finite weights would only fail later, in whatever loads it."""
@@ -124,6 +135,8 @@ class Run:
         self.rt = Runtime.start(cfg.device, cfg.precision)
         self.progress = progress and self.rt.main
         self._check_resume(resume)
+        # A run that took its stage 1 already (then was interrupted) no longer needs the source.
+        self.stage1_source = stage1_source(cfg) if cfg.stage1_from and not self.took_stage1() else None
         micro = cfg.batch // cfg.grad_accum
         if micro % self.rt.world_size:
             raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
@@ -231,6 +244,9 @@ class Run:
 
     def stage(self, stage: int) -> None:
         cfg, rt = self.cfg, self.rt
+        if stage == 1 and cfg.stage1_from:
+            self.take_stage1()
+            return
         ckpt_path = self.out / CHECKPOINT_NAME
         # The main rank alone writes checkpoints (the previous stage's last one just now): no rank reads
         # before it is done, or it finds the checkpoint between the old one's rename and the new one's.
@@ -353,11 +369,35 @@ class Run:
         raise TrainingDiverged(f"stage {stage} diverged at step {step}: the {what} is {value}; a lower --lr "
                                f"(stage {stage}'s is {lr:g}) keeps it finite")
 
-    def write_layer_scores(self, errors: dict[int, float]) -> None:
-        """After stage 1, `LAYER_ERRORS_NAME`: each linearized layer's stage-1 validation MSE ("mse"); with
-        any softmax_by, the rule ("softmax_by") and, for error:N and even:N, the layers it keeps softmax
-        ("picked"); kl:N picks between the stages (`select_by_kl`)."""
-        record = {"mse": {str(k): v for k, v in sorted(errors.items())}}
+    def took_stage1(self) -> bool:
+        # The record is written last: a run cut while taking takes again.
+        return (self.out / STAGE1_NAME).exists() and (self.out / LAYER_ERRORS_NAME).exists()
+
+    def take_stage1(self) -> None:
+        """With stage1_from: the source run's stage-1 tensors become this run's, and its layer scores this run's
+        `LAYER_ERRORS_NAME` (with "stage1_from" naming it), from which this run's rule picks; with kl:N, the
+        source's KL scores too where they were taken with this run's candidate settings, else this run scores
+        the candidates itself (`select_by_kl`)."""
+        if self.took_stage1():
+            return
+        source, theirs = self.stage1_source
+        if not self.config_saved:
+            self._save_config()
+            self.config_saved = True
+        if self.rt.main:
+            shutil.copyfile(source / STAGE1_NAME, self.out / STAGE1_NAME)
+        self.rt.barrier()
+        scores = json.loads((source / LAYER_ERRORS_NAME).read_text())
+        extra = {"stage1_from": str(source)}
+        if self.cfg.selection is not None and self.cfg.selection[0] == "kl" and same_kl_scoring(self.cfg, theirs, scores):
+            extra |= {key: scores[key] for key in KL_RECORD_KEYS}
+        self.write_layer_scores({int(k): v for k, v in scores["mse"].items()}, extra)
+
+    def write_layer_scores(self, errors: dict[int, float], extra: dict | None = None) -> None:
+        """After stage 1, `LAYER_ERRORS_NAME`: each linearized layer's stage-1 validation MSE ("mse") and
+        `extra`; with any softmax_by, the rule ("softmax_by") and, for error:N and even:N, the layers it keeps
+        softmax ("picked"); kl:N picks between the stages (`select_by_kl`)."""
+        record = {"mse": {str(k): v for k, v in sorted(errors.items())}, **(extra or {})}
         selection = self.cfg.selection
         if selection is not None:
             rule, count = selection
@@ -392,7 +432,10 @@ class Run:
             return
         started = time.perf_counter() - record.get("kl_seconds", 0.0)
         layers = sorted(int(i) for i in record["mse"])
-        if self.cfg.kl_train_steps:
+        if "kl_restored" in record:  # the scores of the run this one took its stage 1 from (`take_stage1`)
+            baseline, restored_kl = record["kl_all_linear"], {int(k): v for k, v in record["kl_restored"].items()}
+            started = time.perf_counter() - record["kl_seconds"]
+        elif self.cfg.kl_train_steps:
             scores = record.setdefault("kl_candidates", {})
             bar = tqdm(total=1 + len(layers), initial=len(scores), desc="KL-guided selection",
                        disable=not self.progress, unit="candidate")
@@ -503,6 +546,46 @@ class Run:
         model.config.linearize = {**model.config.linearize, "distilled": True}  # convert wrote false
         model.save_pretrained(self.out)
         self.tokenizer.save_pretrained(self.out)
+
+
+def stage1_source(cfg: DistillConfig) -> tuple[Path, DistillConfig]:
+    """The run `cfg.stage1_from` names and its config, checked before any work: its stage 1 finished, with
+    every setting that shapes stage 1 as `cfg` has it (ValueError naming those that differ)."""
+    source = Path(cfg.stage1_from).expanduser()
+    flag = f"--stage1-from {source}"
+    if source.resolve() == Path(cfg.out).expanduser().resolve():
+        raise ValueError(f"{flag} is this run's own --out: name the run whose stage 1 it takes")
+    missing = [name for name in (CONFIG_NAME, STAGE1_NAME, LAYER_ERRORS_NAME) if not (source / name).is_file()]
+    if missing:
+        raise ValueError(f"{flag}: no finished stage 1 there ({missing[0]} is missing)")
+    try:
+        theirs = DistillConfig.from_json(source / CONFIG_NAME)
+        scores = json.loads((source / LAYER_ERRORS_NAME).read_text())
+        if not isinstance(scores, dict) or not isinstance(scores.get("mse"), dict):
+            raise TypeError(f"{LAYER_ERRORS_NAME} has no per-layer 'mse'")
+    except (ValueError, TypeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{flag}: not a readable run ({reason})") from None
+    differ = [name for name in cfg.same_run(theirs) if name not in STAGE2_SETTINGS]
+    if _even_rule(cfg) != _even_rule(theirs):
+        differ.append("softmax_by")
+    if differ:
+        changes = "; ".join(change for name in differ
+                            for change in _changes(name, getattr(theirs, name), getattr(cfg, name)))
+        raise ValueError(f"{flag}: its stage 1 was trained with other settings (saved there, asked here): {changes}")
+    return source, theirs
+
+
+def _even_rule(cfg: DistillConfig) -> str | None:
+    return cfg.softmax_by if cfg.selection is not None and cfg.selection[0] == "even" else None
+
+
+def same_kl_scoring(cfg: DistillConfig, theirs: DistillConfig, scores: dict) -> bool:
+    """Whether the source run `theirs` scored KL-guided selection's candidates (its record `scores`) as `cfg`
+    would: then its scores are `cfg`'s, whatever N each keeps."""
+    return ("kl_restored" in scores and theirs.selection is not None and theirs.selection[0] == "kl"
+            and all(getattr(theirs, name) == getattr(cfg, name) for name in KL_SCORING_SETTINGS)
+            and (theirs.kl_seq_len or theirs.seq_len) == (cfg.kl_seq_len or cfg.seq_len))
 
 
 def check_same_run(cfg: DistillConfig) -> None:

@@ -362,6 +362,99 @@ def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp
 
 
 # ---------------------------------------------------------------------------------------------------
+# Hybrids sharing one stage 1 (`stage1_from`).
+
+
+@pytest.fixture
+def three_layer_source(workspace, tmp_path):
+    """A kl:1 run (candidates trained 1 step) on a 3-layer teacher: the stage 1 the other runs take."""
+    teacher = tmp_path / "teacher3"
+    tiny_teacher(num_hidden_layers=3).save_pretrained(teacher)
+    tiny_tokenizer().save_pretrained(teacher)
+    return distill(config(workspace, tmp_path / "source", model=str(teacher), softmax_by="kl:1", kl_train_steps=1),
+                   progress=False)
+
+
+def test_a_run_from_another_runs_stage_1_takes_its_tensors_and_kl_scores_and_picks_its_own_n(
+        workspace, tmp_path, three_layer_source, monkeypatch):
+    source = three_layer_source
+    theirs = scores_of(source)
+
+    def no_scoring(*_):
+        raise AssertionError("the candidates were scored again")
+
+    monkeypatch.setattr(Run, "candidate_kl", no_scoring)
+    out = distill(config(workspace, tmp_path / "kl2", model=str(source.parent / "teacher3"), softmax_by="kl:2",
+                         kl_train_steps=1, stage1_from=str(source)), progress=False)
+    mine = scores_of(out)
+    assert mine["stage1_from"] == str(source)
+    assert {key: mine[key] for key in ("mse", "kl_all_linear", "kl_restored", "kl_gain", "kl_train_steps")} == \
+        {key: theirs[key] for key in ("mse", "kl_all_linear", "kl_restored", "kl_gain", "kl_train_steps")}
+    assert mine["picked"] == top_layers({int(k): v for k, v in theirs["kl_gain"].items()}, 2) != theirs["picked"]
+    tensors = torch.load(out / "stage1_attention.pt"), torch.load(source / "stage1_attention.pt")
+    assert tensors[0].keys() == tensors[1].keys()
+    assert all(torch.equal(tensors[0][name], tensors[1][name]) for name in tensors[0])
+    assert {record["stage"] for record in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())} == {2}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.linearize["softmax_layers"] == mine["picked"]
+
+
+def test_another_rule_or_other_candidate_training_picks_anew_from_the_taken_stage_1(workspace, tmp_path,
+                                                                                       three_layer_source):
+    source, teacher = three_layer_source, str(three_layer_source.parent / "teacher3")
+    theirs = scores_of(source)
+    error = scores_of(distill(config(workspace, tmp_path / "error", model=teacher, softmax_by="error:2",
+                                     stage1_from=str(source)), progress=False))
+    assert error["mse"] == theirs["mse"] and "kl_restored" not in error
+    assert error["picked"] == top_layers({int(k): v for k, v in theirs["mse"].items()}, 2)
+    longer = scores_of(distill(config(workspace, tmp_path / "kl3steps", model=teacher, softmax_by="kl:1",
+                                      kl_train_steps=3, stage1_from=str(source)), progress=False))
+    assert longer["mse"] == theirs["mse"] and longer["kl_train_steps"] == 3
+    assert longer["kl_all_linear"] != theirs["kl_all_linear"]  # scored again, three steps a candidate
+
+
+def test_a_stage_1_trained_otherwise_is_refused_before_any_work(workspace, tmp_path, three_layer_source):
+    source, teacher = three_layer_source, str(three_layer_source.parent / "teacher3")
+    cases = [({"seq_len": 16}, "seq_len: saved 32, asked 16"),
+             ({"lr_stage1": 1e-3}, "lr_stage1: saved 0.03, asked 0.001"),
+             ({"softmax_by": "even:1"}, 'softmax_by: saved "kl:1", asked "even:1"'),
+             ({"options": {"window": 4, "num_sinks": 2}}, "options.window: saved 8, asked 4")]
+    for overrides, change in cases:
+        with pytest.raises(ValueError, match=f"^--stage1-from {source}: its stage 1 was trained with other settings "
+                                             rf"\(saved there, asked here\): {change}$"):
+            distill(config(workspace, tmp_path / "run", model=teacher, stage1_from=str(source), **overrides),
+                    progress=False)
+        assert not (tmp_path / "run").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no finished stage 1 there \\(distill_config.json is missing\\)"):
+        distill(config(workspace, tmp_path / "run", model=teacher, stage1_from=str(tmp_path / "empty")), progress=False)
+    with pytest.raises(ValueError, match="this run's own --out"):
+        distill(config(workspace, tmp_path / "self", model=teacher, stage1_from=str(tmp_path / "self")), progress=False)
+    with pytest.raises(ValueError, match=r"needs both stages \(--stage both\)"):
+        config(workspace, tmp_path / "run", stage="1", stage1_from=str(source))
+
+
+def test_an_interrupted_run_resumes_with_the_stage_1_it_took(workspace, tmp_path, three_layer_source, monkeypatch):
+    source, teacher = three_layer_source, str(three_layer_source.parent / "teacher3")
+    cfg = config(workspace, tmp_path / "run", model=teacher, softmax_by="error:1", stage1_from=str(source))
+    original = Run.stage
+
+    def stop_in_stage_2(self, stage):
+        if stage == 2:
+            raise KeyboardInterrupt
+        original(self, stage)
+
+    monkeypatch.setattr(Run, "stage", stop_in_stage_2)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, progress=False)
+    monkeypatch.setattr(Run, "stage", original)
+    (source / "stage1_attention.pt").unlink()  # taken already: the source is not read again
+    out = distill(cfg, resume=True, progress=False)
+    assert scores_of(out)["picked"] == top_layers({int(k): v for k, v in scores_of(out)["mse"].items()}, 1)
+    assert (out / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
 # Settings: the config, the flags, recipes.
 
 
@@ -506,6 +599,15 @@ def test_the_command_says_which_layers_it_kept_softmax(workspace, tmp_path, caps
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == (f"kept softmax by error:1: layer {picked} (the scores: {out / 'stage1_layer_errors.json'}; "
                          f"their figure: {figure_of(out)})")
+
+
+def test_a_recipes_stage1_from_names_a_row_in_the_same_runs_folder(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("extends: lizard\ndistill:\n  softmax_by: kl:4\n  stage1_from: lizard-kl-2\n")
+    cfg = Recipe.load(path).distill_config(tmp_path / "runs" / "r" / "model")
+    assert cfg.stage1_from == str(tmp_path / "runs" / "lizard-kl-2" / "model")
+    with pytest.raises(RecipeError, match="stage1_from must be a run folder"):
+        Recipe.load(path, ["distill.stage1_from=3"])
 
 
 def test_a_recipe_sets_softmax_by(tmp_path):
