@@ -29,9 +29,11 @@ case ${1:?start or wait} in
     [ -d /tmp/runs ] && (cd /tmp && find runs -type f -size -2000k -print0 | tar czf "$OUT/runs-so-far.tgz" --null -T -)
     # The results are in $OUT before anything is printed: a reader that stops early (`| head`) ends
     # this script with SIGPIPE, which must not cost them.
+    state=$([ -f "$BG/done" ] && echo "finished" || echo "still running")
+    # First and last: the tails' progress-bar frames can be longer than the 12,000 characters a reply keeps.
+    echo "$state"
     tail -n 40 "$BG/log"
     for f in "$BG"/chain-*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
-    # Last: the tails' progress-bar frames can be longer than the 12,000 characters a reply keeps.
-    [ -f "$BG/done" ] && echo "finished" || echo "still running"
+    echo "$state"
     true ;;
 esac

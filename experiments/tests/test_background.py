@@ -22,6 +22,21 @@ def test_wait_copies_the_results_before_a_closed_pipe_can_stop_it(tmp_path):
     assert (out / "rows-a.tgz").read_bytes() == b"results"
 
 
+def test_wait_says_whether_the_set_finished_first_and_last(tmp_path):
+    """A reply keeps only the output's last 12,000 characters, which the tails' progress bars can fill."""
+    bg, out = tmp_path / "bg", tmp_path / "out"
+    (bg / "out").mkdir(parents=True)
+    out.mkdir()
+    (bg / "log").write_text("\r".join(f"stage 2: {i}%|" for i in range(3000)) + "\n")
+    for state in ("still running", "finished"):
+        if state == "finished":
+            (bg / "done").touch()
+        said = subprocess.run(["bash", str(SCRIPT), "wait", "0"], check=False, capture_output=True, text=True,
+                              env={"BG": str(bg), "OUT": str(out), "PATH": "/usr/bin:/bin"}, timeout=60)
+        lines = said.stdout.splitlines()
+        assert lines[0] == lines[-1] == state
+
+
 def test_start_clears_the_last_sets_results(tmp_path):
     """A set started again after a failed start (a missing package) brought the failed set's archives
     back beside its own until those were written over: start begins with an empty results folder."""
