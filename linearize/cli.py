@@ -23,6 +23,7 @@ from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable
     check_writable_parent,
     default_device,
     describe_os_error,
+    first_line,
     parse_int_list,
     positive_float,
     positive_int,
@@ -309,7 +310,7 @@ def _main(argv: list[str] | None) -> int:
         if isinstance(e, OSError) and e.strerror and e.filename:  # no "[Errno 17]" prefix
             message = describe_os_error(e)
         else:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            message = first_line(e)
         print(f"linearize: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as e:

@@ -23,6 +23,12 @@ class CommandError(Exception):
     """A problem with the user's input, reported as one line."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message as one line of an error: its first line, or its type's name where it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def parse_int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]

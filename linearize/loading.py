@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
+from .cli_args import first_line
 from .config import ConfigError
 from .gguf_files import from_gguf, no_bpe_cleanup
 from .hub import hub_reachable
@@ -123,7 +124,7 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
             elif isinstance(e, struct.error | IndexError | EOFError):
                 reason = "truncated or corrupt"
             else:
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                reason = first_line(e)
             raise ModelSpecError(f"cannot load {where}: not a readable GGUF file ({reason})") from e
     if kind == "dir":
         try:
@@ -144,7 +145,7 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
             # The tokenizers library raises bare Exceptions for a broken tokenizer.json.
             if auto_class is not AutoTokenizer or isinstance(e, ModelSpecError | OSError):
                 raise
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             raise ModelSpecError(f"cannot load the tokenizer in {where}: {reason}") from e
     if not hub_reachable():
         # Only the local HF cache can help now; asking transformers would retry each file for a minute.

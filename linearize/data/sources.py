@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from linearize.cli_args import first_line
 from linearize.data.alpaca import format_example
 from linearize.data.errors import DataError
 from linearize.hub import hub_reachable
@@ -159,7 +160,7 @@ def _load_saved(path: Path):
         for split in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
             split.data.table.validate(full=True)
     except Exception as e:  # pyarrow's errors for a truncated or foreign .arrow file, a bad state.json, ...
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise DataError(f"{path} is not a readable datasets.save_to_disk folder ({reason}).") from e
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from ..cli_args import first_line
 from .detokenize import TextStream
 from .engine import Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
 from .schemas import (
@@ -157,7 +158,7 @@ class _Served:
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 (templates raise what they like: jinja's TemplateError, TypeError, ...)
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             raise APIError(400, f"the chat template refused these messages: {reason}", param="messages") from None
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

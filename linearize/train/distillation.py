@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cli_args import write_text_atomic
+from ..cli_args import first_line, write_text_atomic
 from . import checkpoint
 from .config import DistillConfig
 from .layer_report import write_layer_figure
@@ -564,7 +564,7 @@ def stage1_source(cfg: DistillConfig) -> tuple[Path, DistillConfig]:
         if not isinstance(scores, dict) or not isinstance(scores.get("mse"), dict):
             raise TypeError(f"{LAYER_ERRORS_NAME} has no per-layer 'mse'")
     except (ValueError, TypeError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise ValueError(f"{flag}: not a readable run ({reason})") from None
     differ = [name for name in cfg.same_run(theirs) if name not in STAGE2_SETTINGS]
     if _even_rule(cfg) != _even_rule(theirs):
@@ -597,7 +597,7 @@ def check_same_run(cfg: DistillConfig) -> None:
     try:
         previous = DistillConfig.from_json(saved)
     except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError; TypeError: unknown or missing keys
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise ResumeError(f"cannot resume {out}: {saved} is not a readable run config ({reason})") from None
     diff = cfg.same_run(previous)
     if diff:
