@@ -380,14 +380,13 @@ class Run:
         the candidates itself (`select_by_kl`)."""
         if self.took_stage1():
             return
-        source, theirs = self.stage1_source
+        source, theirs, scores = self.stage1_source
         if not self.config_saved:
             self._save_config()
             self.config_saved = True
         if self.rt.main:
             shutil.copyfile(source / STAGE1_NAME, self.out / STAGE1_NAME)
         self.rt.barrier()
-        scores = json.loads((source / LAYER_ERRORS_NAME).read_text())
         extra = {"stage1_from": str(source)}
         if self.cfg.selection is not None and self.cfg.selection[0] == "kl" and same_kl_scoring(self.cfg, theirs, scores):
             extra |= {key: scores[key] for key in KL_RECORD_KEYS}
@@ -434,7 +433,6 @@ class Run:
         layers = sorted(int(i) for i in record["mse"])
         if "kl_restored" in record:  # the scores of the run this one took its stage 1 from (`take_stage1`)
             baseline, restored_kl = record["kl_all_linear"], {int(k): v for k, v in record["kl_restored"].items()}
-            started = time.perf_counter() - record["kl_seconds"]
         elif self.cfg.kl_train_steps:
             scores = record.setdefault("kl_candidates", {})
             bar = tqdm(total=1 + len(layers), initial=len(scores), desc="KL-guided selection",
@@ -548,9 +546,9 @@ class Run:
         self.tokenizer.save_pretrained(self.out)
 
 
-def stage1_source(cfg: DistillConfig) -> tuple[Path, DistillConfig]:
-    """The run `cfg.stage1_from` names and its config, checked before any work: its stage 1 finished, with
-    every setting that shapes stage 1 as `cfg` has it (ValueError naming those that differ)."""
+def stage1_source(cfg: DistillConfig) -> tuple[Path, DistillConfig, dict]:
+    """The run `cfg.stage1_from` names, its config and its layer record, checked before any work: its stage 1
+    finished, with every setting that shapes stage 1 as `cfg` has it (ValueError naming those that differ)."""
     source = Path(cfg.stage1_from).expanduser()
     flag = f"--stage1-from {source}"
     if source.resolve() == Path(cfg.out).expanduser().resolve():
@@ -570,10 +568,9 @@ def stage1_source(cfg: DistillConfig) -> tuple[Path, DistillConfig]:
     if _even_rule(cfg) != _even_rule(theirs):
         differ.append("softmax_by")
     if differ:
-        changes = "; ".join(change for name in differ
-                            for change in _changes(name, getattr(theirs, name), getattr(cfg, name)))
-        raise ValueError(f"{flag}: its stage 1 was trained with other settings (saved there, asked here): {changes}")
-    return source, theirs
+        raise ValueError(f"{flag}: its stage 1 was trained with other settings (saved there, asked here): "
+                         f"{_described_changes(differ, theirs, cfg)}")
+    return source, theirs, scores
 
 
 def _even_rule(cfg: DistillConfig) -> str | None:
@@ -601,10 +598,12 @@ def check_same_run(cfg: DistillConfig) -> None:
         raise ResumeError(f"cannot resume {out}: {saved} is not a readable run config ({reason})") from None
     diff = cfg.same_run(previous)
     if diff:
-        changes = "; ".join(change for name in diff
-                            for change in _changes(name, getattr(previous, name), getattr(cfg, name)))
         raise ResumeError(f"cannot resume {out} (pick a new --out for a new run): these settings differ from "
-                          f"the saved run: {changes}")
+                          f"the saved run: {_described_changes(diff, previous, cfg)}")
+
+
+def _described_changes(names: list[str], saved: DistillConfig, asked: DistillConfig) -> str:
+    return "; ".join(change for name in names for change in _changes(name, getattr(saved, name), getattr(asked, name)))
 
 
 def _changes(name: str, saved, asked) -> list[str]:
