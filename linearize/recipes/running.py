@@ -44,7 +44,7 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
     from ..eval.report import write_json, write_report
     from ..loading import load_model, load_tokenizer
     from ..train import ensure_distilled
-    from ..train.distillation import check_saved_run
+    from ..train.run_dir import check_saved_run
 
     teacher = model or recipe.model
     cfg = recipe.distill_config(out / "model", teacher) if recipe.distill is not None else None

@@ -116,7 +116,8 @@ def config_from_args(args):
 
 def run(args) -> None:
     from ..cli_args import check_device, check_writable_parent
-    from .distillation import LAYER_ERRORS_NAME, distill, is_finished
+    from .distillation import distill
+    from .run_dir import LAYER_ERRORS_NAME, is_finished
 
     cfg = config_from_args(args)
     check_device(args.device)
