@@ -69,7 +69,7 @@ class DistillConfig:
     # With "kl:N": the validation sequences' length the candidates are scored on (0: seq_len). A method
     # whose short-range part is exact (STILL's softmax budget) shows what its linear part loses only past it.
     kl_seq_len: int = 0
-    # A run folder whose finished stage 1 this run takes instead of training its own (`distillation.
+    # A run folder whose finished stage 1 this run takes instead of training its own (`run_dir.
     # stage1_source` checks that it was trained with this run's stage-1 settings): hybrids that differ only in
     # how many layers, or which rule, keep softmax share one stage 1, and with kl:N one candidate scoring.
     stage1_from: str | None = None
