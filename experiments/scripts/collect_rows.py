@@ -5,8 +5,8 @@ layer record (stage1_layer_errors.json and its figure), with its report drawn ag
 
 Reads the `rows-<row>.tgz` archives and `runs-so-far.tgz` a `background.sh wait` brought back (a row's own
 archive first: it is written when the row ends; runs-so-far holds rows cut short, their eval.json partial).
-A row whose evaluation never began has no eval.json: its layer record alone is copied. Prints what it took
-from where; the tables and figures are then the pages' own commands.
+A row whose evaluation never began has no eval.json: its layer record alone is copied, unless the row is
+published with a finished evaluation, which is kept whole. Prints what it took from where; the tables and figures are then the pages' own commands.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ def unpacked_runs(folder: Path, scratch: Path) -> dict[str, Path]:
     return runs
 
 
+def evaluated(path: Path | None) -> bool:
+    """Whether `path` is a finished (not partial) eval.json."""
+    return path is not None and path.exists() and not json.loads(path.read_text())["provenance"].get("partial")
+
+
 def collect(folder: Path, out_root: Path, rows: set[str] | None = None) -> list[str]:
     """Copy each row's kept files into out_root/<row>/ and draw its report; returns one line a row."""
     lines = []
@@ -52,6 +57,11 @@ def collect(folder: Path, out_root: Path, rows: set[str] | None = None) -> list[
             if not present:
                 continue
             target = out_root / row
+            if evaluated(target / "eval.json") and not evaluated(present.get("eval.json")):
+                # A row trained again only for the rows that take its stage 1 (`distill ROW`) comes back
+                # unevaluated: its files would replace the published row's with what no table can show.
+                lines.append(f"{row}: not copied; {target} holds its finished evaluation and this run has none")
+                continue
             target.mkdir(parents=True, exist_ok=True)
             for name, source in present.items():
                 shutil.copyfile(source, target / name)

@@ -39,3 +39,20 @@ def test_rows_come_back_into_their_folders(tmp_path):
     assert (out / "a" / "eval.md").exists() and (out / "b" / "stage1_layer_errors.json").read_bytes() == layers
     assert not (out / "c").exists()
     assert collect(tmp_path, tmp_path / "only", {"b"})[0].startswith("b:") and not (tmp_path / "only" / "a").exists()
+
+
+def test_an_unevaluated_run_leaves_a_published_evaluated_row_whole(tmp_path):
+    """`distill ROW` trains a published row again for the rows that take its stage 1: what comes back has no
+    evaluation and must not replace the row's run.json and layer record."""
+    finished = json.loads(EVAL.read_text())
+    finished["provenance"]["partial"] = False
+    out = tmp_path / "docs"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "eval.json").write_text(json.dumps(finished))
+    (out / "a" / "run.json").write_text('{"eval_wall_s": 1}')
+    archive(tmp_path / "runs-so-far.tgz", {"runs/a/run.json": b"{}",
+                                           "runs/a/model/stage1_layer_errors.json": b'{"mse": {}}'})
+    [line] = collect(tmp_path, out)
+    assert line.startswith("a: not copied")
+    assert (out / "a" / "run.json").read_text() == '{"eval_wall_s": 1}'
+    assert not (out / "a" / "stage1_layer_errors.json").exists()
