@@ -159,7 +159,7 @@ class Run:
             if len(blocks) < micro:
                 raise ValueError(f"--data {cfg.data}: {len(blocks)} {split} sequence(s) of {length} tokens, "
                                  f"fewer than one batch of {micro}: give more data, or a smaller --batch or {flag}")
-        # The run's config is written once the first stage has built its student (`stage`): a start refused
+        # The run's config is written once the first stage has built its student (`save_config`): a start refused
         # for bad input (the tokenizer, the data, what `convert` refuses) leaves no run behind that a
         # corrected command would have to --resume.
         self.config_saved = False
@@ -210,7 +210,11 @@ class Run:
                 linearized = sorted(set(range(layers)) - set(self.cfg.softmax_layers) - set(kept))
                 self.preset_softmax = sorted(set(self.preset_softmax) | set(even_layers(linearized, selection[1])))
 
-    def _save_config(self) -> None:
+    def save_config(self) -> None:
+        """`CONFIG_NAME`, once per invocation: when the first stage has its student, or takes its stage 1."""
+        if self.config_saved:
+            return
+        self.config_saved = True
         # Every rank has checked before rank 0 writes: otherwise a late rank finds rank 0's config and refuses.
         self.rt.barrier()
         if self.rt.main:
@@ -262,9 +266,7 @@ class Run:
         else:
             model = build_student(cfg, None, self.preset_softmax, dtype)
         model, names = prepare_stage(model, cfg, stage)
-        if not self.config_saved:
-            self._save_config()
-            self.config_saved = True
+        self.save_config()
         model.to(rt.device)
         if sharded:
             shard(model, reshard_after_forward=cfg.fsdp_reshard, replicate=cfg.fsdp_replicate)
@@ -376,9 +378,7 @@ class Run:
         if self.took_stage1():
             return
         source, theirs, scores = self.stage1_source
-        if not self.config_saved:
-            self._save_config()
-            self.config_saved = True
+        self.save_config()
         if self.rt.main:
             shutil.copyfile(source / STAGE1_NAME, self.out / STAGE1_NAME)
         self.rt.barrier()
