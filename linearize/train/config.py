@@ -111,12 +111,12 @@ class DistillConfig:
                                  "stages (--stage both)")
         if isinstance(self.kl_train_steps, bool) or not isinstance(self.kl_train_steps, int) or self.kl_train_steps < 0:
             raise ValueError(f"kl_train_steps must be a whole number >= 0, got {self.kl_train_steps!r}")
-        if self.kl_train_steps and (self.selection is None or self.selection[0] != "kl"):
+        if self.kl_train_steps and self.selection_rule != "kl":
             raise ValueError(f"kl_train_steps ({self.kl_train_steps}) trains the candidates of softmax_by kl:N; "
                              f"this run's softmax_by is {self.softmax_by}")
         if isinstance(self.kl_seq_len, bool) or not isinstance(self.kl_seq_len, int) or self.kl_seq_len < 0:
             raise ValueError(f"kl_seq_len must be a whole number >= 0, got {self.kl_seq_len!r}")
-        if self.kl_seq_len and (self.selection is None or self.selection[0] != "kl"):
+        if self.kl_seq_len and self.selection_rule != "kl":
             raise ValueError(f"kl_seq_len ({self.kl_seq_len}) is the length softmax_by kl:N scores its candidates "
                              f"on; this run's softmax_by is {self.softmax_by}")
         if self.stage1_from is not None:
@@ -148,6 +148,11 @@ class DistillConfig:
     def selection(self) -> tuple[str, int] | None:
         """`softmax_by` as (rule, N), or None."""
         return None if self.softmax_by is None else parse_softmax_by(self.softmax_by)
+
+    @property
+    def selection_rule(self) -> str | None:
+        """`softmax_by`'s rule ("kl", "error" or "even"), or None."""
+        return None if self.selection is None else self.selection[0]
 
     @property
     def stages(self) -> list[int]:

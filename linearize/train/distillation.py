@@ -383,7 +383,7 @@ class Run:
             shutil.copyfile(source / STAGE1_NAME, self.out / STAGE1_NAME)
         self.rt.barrier()
         extra = {"stage1_from": str(source)}
-        if self.cfg.selection is not None and self.cfg.selection[0] == "kl" and same_kl_scoring(self.cfg, theirs, scores):
+        if self.cfg.selection_rule == "kl" and same_kl_scoring(self.cfg, theirs, scores):
             extra |= {key: scores[key] for key in KL_RECORD_KEYS}
         self.write_layer_scores({int(k): v for k, v in scores["mse"].items()}, extra)
 
@@ -400,7 +400,7 @@ class Run:
                 record["picked"] = top_layers(errors, count)
             elif rule == "even":  # picked before stage 1, which kept them softmax
                 record["picked"] = sorted(set(self.preset_softmax) - set(self.cfg.softmax_layers))
-        self.write_record(record, final=selection is None or selection[0] != "kl")
+        self.write_record(record, final=self.cfg.selection_rule != "kl")
 
     def write_record(self, record: dict, final: bool) -> None:
         """`LAYER_ERRORS_NAME`, and once the choice is made (`final`) its figure beside it."""
@@ -417,8 +417,7 @@ class Run:
         difference ("kl_gain"), the N highest ("picked"), "kl_train_steps" and the scoring's wall time
         ("kl_seconds"). With kl_train_steps, each candidate's KL is saved as it is taken ("kl_candidates",
         dropped at the end), so an interrupted selection resumes at the next candidate."""
-        selection = self.cfg.selection
-        if selection is None or selection[0] != "kl":
+        if self.cfg.selection_rule != "kl":
             return
         self.rt.barrier()
         record = json.loads((self.out / LAYER_ERRORS_NAME).read_text())
@@ -460,7 +459,7 @@ class Run:
         record |= {"kl_all_linear": baseline, "kl_restored": {str(k): v for k, v in restored_kl.items()},
                    "kl_gain": {str(k): v for k, v in gains.items()}, "kl_train_steps": self.cfg.kl_train_steps,
                    "kl_seq_len": self.cfg.kl_seq_len or self.cfg.seq_len,
-                   "kl_seconds": time.perf_counter() - started, "picked": top_layers(gains, selection[1])}
+                   "kl_seconds": time.perf_counter() - started, "picked": top_layers(gains, self.cfg.selection[1])}
         self.write_record(record, final=True)
 
     def validation_batches(self, blocks=None) -> Iterator[torch.Tensor]:
@@ -507,8 +506,7 @@ class Run:
     def softmax_layers(self) -> list[int]:
         """The layers softmax in stage 2 and the final model: those softmax from the start plus, with
         softmax_by error:N or kl:N, those picked after stage 1."""
-        selection = self.cfg.selection
-        if selection is None or selection[0] == "even":
+        if self.cfg.selection_rule in (None, "even"):
             return list(self.preset_softmax)
         record = json.loads((self.out / LAYER_ERRORS_NAME).read_text())
         return sorted(set(self.preset_softmax) | set(record["picked"]))

@@ -61,13 +61,13 @@ def stage1_source(cfg: DistillConfig) -> tuple[Path, DistillConfig, dict]:
 
 
 def _even_rule(cfg: DistillConfig) -> str | None:
-    return cfg.softmax_by if cfg.selection is not None and cfg.selection[0] == "even" else None
+    return cfg.softmax_by if cfg.selection_rule == "even" else None
 
 
 def same_kl_scoring(cfg: DistillConfig, theirs: DistillConfig, scores: dict) -> bool:
     """Whether the source run `theirs` scored KL-guided selection's candidates (its record `scores`) as `cfg`
     would: then its scores are `cfg`'s, whatever N each keeps."""
-    return ("kl_restored" in scores and theirs.selection is not None and theirs.selection[0] == "kl"
+    return ("kl_restored" in scores and theirs.selection_rule == "kl"
             and all(getattr(theirs, name) == getattr(cfg, name) for name in KL_SCORING_SETTINGS)
             and (theirs.kl_seq_len or theirs.seq_len) == (cfg.kl_seq_len or cfg.seq_len))
 
