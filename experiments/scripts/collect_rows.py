@@ -6,7 +6,8 @@ layer record (stage1_layer_errors.json and its figure), with its report drawn ag
 Reads the `rows-<row>.tgz` archives and `runs-so-far.tgz` a `background.sh wait` brought back (a row's own
 archive first: it is written when the row ends; runs-so-far holds rows cut short, their eval.json partial).
 A row whose evaluation never began has no eval.json: its layer record alone is copied, unless the row is
-published with a finished evaluation, which is kept whole. Prints what it took from where; the tables and figures are then the pages' own commands.
+published with a finished evaluation, which is kept whole. Prints what it took from where; the tables and
+figures are then the pages' own commands.
 """
 
 from __future__ import annotations

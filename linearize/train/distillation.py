@@ -34,6 +34,7 @@ from .losses import stage_loss
 from .run_dir import (
     CHECKPOINT_NAME,
     CONFIG_NAME,
+    KL_RECORD_KEYS,
     LAYER_ERRORS_NAME,
     LOG_NAME,
     STAGE1_NAME,
@@ -53,9 +54,6 @@ from .student import (
     prepare_stage,
     weights_dtype,
 )
-
-# The entries of a layer record that KL-guided selection's candidate scoring wrote (`select_by_kl`).
-KL_RECORD_KEYS = ("kl_all_linear", "kl_restored", "kl_gain", "kl_train_steps", "kl_seq_len", "kl_seconds")
 
 
 class TrainingDiverged(ValueError):
