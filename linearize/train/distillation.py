@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +30,15 @@ from ..cli_args import write_text_atomic
 from . import checkpoint
 from .config import DistillConfig
 from .layer_report import write_layer_figure
-from .layer_selection import even_layers, kl_distillation_loss, mean_kl, restored_layer_kl, top_layers
+from .layer_selection import (
+    even_layers,
+    kl_distillation_loss,
+    kl_teacher_states,
+    mean_kl,
+    restored_layer_kl,
+    teacher_final_states,
+    top_layers,
+)
 from .losses import stage_loss
 from .run_dir import (
     CHECKPOINT_NAME,
@@ -59,6 +68,19 @@ from .student import (
 class TrainingDiverged(ValueError):
     """A stage's loss or gradient norm stopped being finite. Nothing is saved once it is seen: a checkpoint
     or model of non-finite weights would only fail later, in whatever loads it."""
+
+
+@dataclass
+class KLTeacher:
+    """What KL-guided selection's trained candidates share (`Run.candidate_kl`): the teacher does not change
+    between them, so its forwards run once. `training`: the K x grad_accum micro-batches each candidate
+    trains on, each with `kl_teacher_states` on it; `validation`: the batches each is scored on, and
+    `scored` the teacher's `teacher_final_states` on them. They stay on the device: a value per token and
+    hidden unit (SmolLM2, 10 steps of 4 x 1,024 tokens: 94M values, 377 MB in float32)."""
+
+    training: list[tuple[torch.Tensor, torch.Tensor]]
+    validation: list[torch.Tensor]
+    scored: list[torch.Tensor]
 
 
 def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None,
@@ -130,6 +152,7 @@ class Run:
         self._check_resume(resume)
         # A run that took its stage 1 already (then was interrupted) no longer needs the source.
         self.stage1_source = stage1_source(cfg) if cfg.stage1_from and not self.took_stage1() else None
+        self.kl_teacher: KLTeacher | None = None  # `candidate_kl`'s, made by its first candidate
         micro = cfg.batch // cfg.grad_accum
         if micro % self.rt.world_size:
             raise ValueError(f"batch / grad_accum ({micro}) must be divisible by the {self.rt.world_size} ranks")
@@ -487,19 +510,33 @@ class Run:
             model, _ = prepare_stage(build_student(cfg, self.out / STAGE1_NAME, softmax, weights_dtype(rt, False)),
                                      cfg, 2)
         model.to(rt.device)
+        model.train()
+        if self.kl_teacher is None:
+            self.kl_teacher = self.make_kl_teacher(model)
         groups = parameter_groups(model, cfg, 2)
         params = [p for group in groups for p in group["params"]]
         optimizer = make_optimizer(groups, rt.device, cuda_graph=cfg.cuda_graph, betas=cfg.betas,
                                    weight_decay=cfg.weight_decay)
         average = (lambda: rt.average_gradients(params)) if rt.distributed else None
-        train_step = TrainStep(lambda ids: kl_distillation_loss(model, ids), params, optimizer, cfg.clip, rt.autocast,
-                               cuda_graph=cfg.cuda_graph, before_clip=average)
-        batches = forever(self.make_loader(self.train_blocks, seed=cfg.seed + 2))
-        model.train()
-        for _ in range(cfg.kl_train_steps):
-            train_step([next(batches).to(rt.device) for _ in range(cfg.grad_accum)])
-        [kl] = mean_kl(model, self.validation_batches(self.kl_blocks), [nullcontext], rt.autocast)
+        train_step = TrainStep(lambda batch: kl_distillation_loss(model, *batch), params, optimizer, cfg.clip,
+                               rt.autocast, cuda_graph=cfg.cuda_graph, before_clip=average)
+        training = self.kl_teacher.training
+        for step in range(cfg.kl_train_steps):
+            train_step(training[step * cfg.grad_accum:(step + 1) * cfg.grad_accum])
+        [kl] = mean_kl(model, self.kl_teacher.validation, [nullcontext], rt.autocast, self.kl_teacher.scored)
         return rt.means([kl])[0]
+
+    def make_kl_teacher(self, model) -> KLTeacher:
+        """The batches every candidate trains and is scored on, with the teacher's states on each, computed
+        once by `model` (any candidate: in `teacher_mode` each is the same teacher) in train mode, as the
+        candidates train."""
+        cfg, rt = self.cfg, self.rt
+        batches = forever(self.make_loader(self.train_blocks, seed=cfg.seed + 2))
+        ids = [next(batches).to(rt.device) for _ in range(cfg.kl_train_steps * cfg.grad_accum)]
+        with rt.autocast(True):
+            training = [(batch, kl_teacher_states(model, batch)) for batch in ids]
+        validation = list(self.validation_batches(self.kl_blocks))
+        return KLTeacher(training, validation, teacher_final_states(model, validation, rt.autocast))
 
     def softmax_layers(self) -> list[int]:
         """The layers softmax in stage 2 and the final model: those softmax from the start plus, with

@@ -126,31 +126,47 @@ def mean_token_kl(model, teacher_states: torch.Tensor, student_states: torch.Ten
     return chunked_kl_divergence(student_states, teacher_states, head.weight, softcap=softcap)
 
 
-def mean_kl(model, batches: Iterable[torch.Tensor], students: list[Callable[[], AbstractContextManager]],
-            autocast=nullcontext) -> list[float]:
-    """For each of `students` (factories of the contexts under which the model is that student), the mean
-    per-token KL(teacher || student) on `batches` (packed [B, L] token ids, no padding), the teacher
-    being the model under `teacher_mode`. Per batch: one teacher forward and one per student."""
-    sums = torch.zeros(len(students), dtype=torch.float64)
-    tokens = 0
+@contextmanager
+def evaluating(model) -> Iterator[None]:
     training = model.training
     model.eval()
     try:
-        # Not under `masking.unpadded_attention`: with no mask, HF runs sliding-window layers (Gemma's)
-        # as full causal attention, and the teacher here must be the teacher.
-        with torch.no_grad(), autocast():
-            for ids in batches:
-                with teacher_mode(model):
-                    teacher = final_states(model, ids)
-                for row, student_mode in enumerate(students):
-                    with student_mode():
-                        student = final_states(model, ids)
-                    sums[row] += mean_token_kl(model, teacher, student).double().cpu() * ids.numel()
-                    del student
-                tokens += ids.numel()
-                del teacher
+        yield
     finally:
         model.train(training)
+
+
+def teacher_final_states(model, batches: Iterable[torch.Tensor], autocast=nullcontext) -> list[torch.Tensor]:
+    """The teacher's `final_states` on each of `batches`, as `mean_kl` takes them: computed once, they
+    serve every student scored on the same batches (KL-guided selection's candidates share one teacher)."""
+    with evaluating(model), torch.no_grad(), autocast(), teacher_mode(model):
+        return [final_states(model, ids) for ids in batches]
+
+
+def mean_kl(model, batches: Iterable[torch.Tensor], students: list[Callable[[], AbstractContextManager]],
+            autocast=nullcontext, teachers: list[torch.Tensor] | None = None) -> list[float]:
+    """For each of `students` (factories of the contexts under which the model is that student), the mean
+    per-token KL(teacher || student) on `batches` (packed [B, L] token ids, no padding), the teacher
+    being the model under `teacher_mode`. Per batch: one teacher forward, or its `teachers` entry
+    (`teacher_final_states` of the same batches), and one forward per student."""
+    sums = torch.zeros(len(students), dtype=torch.float64)
+    tokens = 0
+    # Not under `masking.unpadded_attention` (nor is `teacher_final_states`): with no mask, HF runs
+    # sliding-window layers (Gemma's) as full causal attention, and the teacher here must be the teacher.
+    with evaluating(model), torch.no_grad(), autocast():
+        for index, ids in enumerate(batches):
+            if teachers is None:
+                with teacher_mode(model):
+                    teacher = final_states(model, ids)
+            else:
+                teacher = teachers[index]
+            for row, student_mode in enumerate(students):
+                with student_mode():
+                    student = final_states(model, ids)
+                sums[row] += mean_token_kl(model, teacher, student).double().cpu() * ids.numel()
+                del student
+            tokens += ids.numel()
+            del teacher
     return (sums / max(1, tokens)).tolist()
 
 
@@ -164,14 +180,24 @@ def restored_layer_kl(model, batches: Iterable[torch.Tensor], autocast=nullconte
     return means[0], dict(zip(layers, means[1:]))
 
 
-def kl_distillation_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """The mean per-token KL(teacher || model) on one packed batch (`mean_token_kl`), a float32 scalar whose
-    gradient reaches what the model trains; the teacher (`teacher_mode`, no gradient) is the same model
-    with its linearized layers softmax and its adapters off. The candidates of `kl_train_steps` train on it."""
+def kl_teacher_states(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The teacher's `final_states` on one packed batch as `kl_distillation_loss` takes them: the same model
+    (`teacher_mode`) with its linearized layers softmax and its adapters off, no gradient."""
     from .masking import unpadded_attention
 
+    with unpadded_attention(model), torch.no_grad(), teacher_mode(model):
+        return final_states(model, input_ids)
+
+
+def kl_distillation_loss(model, input_ids: torch.Tensor, teacher: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean per-token KL(teacher || model) on one packed batch (`mean_token_kl`), a float32 scalar whose
+    gradient reaches what the model trains. `teacher`: `kl_teacher_states` of these ids, computed before
+    (under the same autocast), or None to compute it here. The candidates of `kl_train_steps` train on
+    it, all against one precomputed teacher."""
+    from .masking import unpadded_attention
+
+    if teacher is None:
+        teacher = kl_teacher_states(model, input_ids)
     with unpadded_attention(model):
-        with torch.no_grad(), teacher_mode(model):
-            teacher = final_states(model, input_ids)
         student = final_states(model, input_ids)
     return mean_token_kl(model, teacher, student).float()

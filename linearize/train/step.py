@@ -19,6 +19,22 @@ import torch
 # optimizer's moments exist, so that the capture records steady-state work only.
 WARMUP_STEPS = 3
 
+# A micro-batch: token ids, or a tuple of tensors that the loss takes together (ids and what a teacher
+# computed on them once, say). A graph holds a copy of each tensor and replays on new values.
+MicroBatch = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _tensors(batch: MicroBatch) -> tuple[torch.Tensor, ...]:
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _shapes(batches: list[MicroBatch]) -> list[torch.Size]:
+    return [t.shape for batch in batches for t in _tensors(batch)]
+
+
+def _cloned(batch: MicroBatch) -> MicroBatch:
+    return tuple(t.clone() for t in batch) if isinstance(batch, tuple) else batch.clone()
+
 
 def graphable_optimizer(groups: list[dict], device: torch.device, **options) -> torch.optim.AdamW:
     """AdamW whose step a CUDA graph can hold: `capturable` keeps its step counts on the device, and
@@ -46,7 +62,8 @@ def rates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> N
 class TrainStep:
     """`step(micro_batches)` -> (mean loss, gradient norm), both device tensors (read them when logging).
 
-    `loss_fn(ids)` gives one micro-batch's loss; `autocast(cache_enabled)` its precision context.
+    `loss_fn(batch)` gives one micro-batch's loss (`MicroBatch`); `autocast(cache_enabled)` its precision
+    context.
     `before_clip` runs between the backward passes and clipping (the hand-averaged gradients of data
     parallelism; its all-reduce is captured with the rest). With `cuda_graph` (CUDA only, and an
     optimizer from `graphable_optimizer`), the first WARMUP_STEPS steps run eagerly on a side stream,
@@ -56,7 +73,7 @@ class TrainStep:
     eager, and `path` says why.
     """
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter],
+    def __init__(self, loss_fn: Callable[[MicroBatch], torch.Tensor], params: list[torch.nn.Parameter],
                  optimizer: torch.optim.Optimizer, clip: float,
                  autocast: Callable[[bool], AbstractContextManager], *, cuda_graph: bool = False,
                  before_clip: Callable[[], None] | None = None, uncapturable: str | None = None):
@@ -66,7 +83,7 @@ class TrainStep:
         self.reason = None if self.graphed or not cuda_graph else uncapturable or "parameters not on a CUDA device"
         self.steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: list[torch.Tensor] = []
+        self.inputs: list[MicroBatch] = []
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.stream = torch.cuda.Stream() if self.graphed else None
 
@@ -76,9 +93,9 @@ class TrainStep:
             return "cuda graph"
         return f"eager ({self.reason})" if self.reason else "eager"
 
-    def __call__(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, torch.Tensor]:
         self.steps += 1
-        if self.graph is not None and [b.shape for b in micro_batches] == [b.shape for b in self.inputs]:
+        if self.graph is not None and _shapes(micro_batches) == _shapes(self.inputs):
             return self._replay(micro_batches)
         if self.graphed and self.graph is None and self.steps > WARMUP_STEPS and self._capture(micro_batches):
             return self._replay(micro_batches)
@@ -92,7 +109,7 @@ class TrainStep:
         torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
-    def _eager(self, micro_batches: list[torch.Tensor], cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, micro_batches: list[MicroBatch], cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         out = self._forward_backward(micro_batches, cache)
         self.optimizer.zero_grad(set_to_none=True)
         return out
@@ -100,10 +117,10 @@ class TrainStep:
     def _forward_backward(self, micro_batches, cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clipping and the optimizer's step; the gradients stay for the caller."""
         n = len(micro_batches)
-        loss_sum = torch.zeros((), device=micro_batches[0].device, dtype=torch.float64)
-        for ids in micro_batches:
+        loss_sum = torch.zeros((), device=_tensors(micro_batches[0])[0].device, dtype=torch.float64)
+        for batch in micro_batches:
             with self.autocast(cache):
-                loss = self.loss_fn(ids)
+                loss = self.loss_fn(batch)
             (loss / n).backward()
             loss_sum += loss.detach().double() / n
         if self.before_clip is not None:
@@ -112,18 +129,19 @@ class TrainStep:
         self.optimizer.step()
         return loss_sum, grad_norm
 
-    def _replay(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, torch.Tensor]:
         for static, batch in zip(self.inputs, micro_batches, strict=True):
-            static.copy_(batch)
+            for held, new in zip(_tensors(static), _tensors(batch), strict=True):
+                held.copy_(new)
         self.graph.replay()
         return self.outputs[0].clone(), self.outputs[1].clone()
 
-    def _capture(self, micro_batches: list[torch.Tensor]) -> bool:
+    def _capture(self, micro_batches: list[MicroBatch]) -> bool:
         """Capture one step (recorded, not run); False, and the step stays eager, where that fails.
 
         The gradients are None going in, so the graph's backward allocates them in its own pool and
         every replay writes them afresh: no zeroing between replays."""
-        self.inputs = [b.clone() for b in micro_batches]
+        self.inputs = [_cloned(b) for b in micro_batches]
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         try:

@@ -22,8 +22,12 @@ from linearize.train.layer_report import layer_figure
 from linearize.train.layer_selection import (
     even_layers,
     kl_distillation_loss,
+    kl_teacher_states,
     linearized_attention,
+    mean_kl,
     restored_layer_kl,
+    softmax_in,
+    teacher_final_states,
     teacher_mode,
     top_layers,
 )
@@ -124,7 +128,6 @@ def test_each_layers_kl_equals_a_model_built_with_only_that_layer_softmax(method
 def test_the_model_with_every_layer_switched_to_softmax_is_the_teacher(arch):
     """The KL's reference, on every supported architecture (Gemma's sliding windows, Gemma 2's logit cap,
     Phi-3's fused projections, q/k norms)."""
-    from linearize.train.layer_selection import softmax_in
 
     overrides = GEMMA_FULL if arch == "gemma3_text" else {}
     teacher = tiny_teacher(arch, **overrides)
@@ -163,7 +166,6 @@ def test_teacher_mode_turns_off_the_adapters_and_switches_every_layer(arch):
     torch.testing.assert_close(as_teacher, logits(teacher, [ids])[0], rtol=1e-4, atol=1e-5)
     # Outside it, the student; and with only the layers switched (adapters on), neither.
     assert not torch.allclose(logits(model, [ids])[0], as_teacher, atol=1e-3)
-    from linearize.train.layer_selection import softmax_in
     with softmax_in(model, linearized_attention(model)):
         assert not torch.allclose(logits(model, [ids])[0], as_teacher, atol=1e-3)
 
@@ -182,6 +184,30 @@ def test_the_kl_distillation_loss_is_the_mean_token_kl_and_trains_the_adapters_a
     assert set(grads) == names and all("lora_" in name for name in grads)
     assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_A" in name)
     assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_teacher_computed_once_gives_the_loss_and_scores_of_one_computed_each_time(arch):
+    """KL-guided selection's candidates share the teacher's states (`KLTeacher`): the loss on them is the
+    loss that computes its own teacher, values and gradients, and `mean_kl` scores alike with them."""
+    model, _ = lora_student(arch)
+    model.train()
+    batches = [torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    own = kl_distillation_loss(model, batches[0])
+    own.backward()
+    own_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    given = kl_distillation_loss(model, batches[0], kl_teacher_states(model, batches[0]))
+    given.backward()
+    assert given.item() == own.item()
+    assert {name for name, p in model.named_parameters() if p.grad is not None} == set(own_grads)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, own_grads[name], rtol=0, atol=0)
+    students = [lambda: softmax_in(model, []), lambda: softmax_in(model, [min(linearized_attention(model))])]
+    assert mean_kl(model, batches, students, teachers=teacher_final_states(model, batches)) == \
+        mean_kl(model, batches, students)
+    assert model.training
 
 
 def test_a_head_other_than_a_bias_free_linear_takes_the_kl_from_full_logits():
@@ -411,6 +437,32 @@ def test_another_rule_or_other_candidate_training_picks_anew_from_the_taken_stag
                                       kl_train_steps=3, stage1_from=str(source)), progress=False))
     assert longer["mse"] == theirs["mse"] and longer["kl_train_steps"] == 3
     assert longer["kl_all_linear"] != theirs["kl_all_linear"]  # scored again, three steps a candidate
+
+
+def test_the_candidates_share_one_teacher_forward_per_batch(workspace, tmp_path, monkeypatch):
+    """Trained candidates: the teacher runs once on each training micro-batch and validation batch for
+    the whole selection, not once per candidate."""
+    from linearize.train import distillation
+
+    calls = {"kl_teacher_states": 0, "teacher_final_states": 0}
+
+    def counted(name):
+        original = getattr(distillation, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(distillation, name, counted(name))
+    teacher = tmp_path / "teacher3"
+    tiny_teacher(num_hidden_layers=3).save_pretrained(teacher)
+    tiny_tokenizer().save_pretrained(teacher)
+    cfg = config(workspace, tmp_path / "run", model=str(teacher), softmax_by="kl:1", kl_train_steps=2, grad_accum=2)
+    scores = scores_of(distill(cfg, progress=False))
+    assert len(scores["kl_restored"]) == 3  # four candidates: none and each of the three layers
+    assert calls == {"kl_teacher_states": cfg.kl_train_steps * cfg.grad_accum, "teacher_final_states": 1}
 
 
 def test_a_stage_1_trained_otherwise_is_refused_before_any_work(workspace, tmp_path, three_layer_source):

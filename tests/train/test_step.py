@@ -78,6 +78,35 @@ def test_eager_step_equals_the_plain_loop_with_accumulation(cuda_graph, uncaptur
     assert all(p.grad is None for p in trained(model))
 
 
+def paired(data):
+    """Each micro-batch with a second tensor the loss takes beside its ids: a per-sequence weight."""
+    return [[(ids, 1.0 + ids[:, 0].float() / 128) for ids in micro_batches] for micro_batches in data]
+
+
+def weighted_loss(model, ids, weights):
+    return stage_loss(model, ids, 2) * weights.mean()
+
+
+def test_a_micro_batch_may_be_a_tuple_that_the_loss_takes_whole():
+    """(ids, what was computed on them before): the eager step is the plain loop over the same tuples."""
+    data = paired(batches(3, accum=2))
+    reference = student()
+    optimizer = torch.optim.AdamW(trained(reference), lr=1e-2)
+    for micro_batches in data:
+        for ids, weights in micro_batches:
+            (weighted_loss(reference, ids, weights) / len(micro_batches)).backward()
+        torch.nn.utils.clip_grad_norm_(trained(reference), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model = student()
+    step = TrainStep(lambda batch: weighted_loss(model, *batch), trained(model),
+                     torch.optim.AdamW(trained(model), lr=1e-2), 1.0, lambda cache: nullcontext())
+    for micro_batches in data:
+        step(micro_batches)
+    for p, q in zip(trained(model), trained(reference), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_a_graphable_optimizer_keeps_device_rates_that_a_scheduler_fills_in_place():
     """A replayed step reads the rate through the tensor the graph captured: the scheduler must fill that
@@ -128,6 +157,42 @@ def test_a_graphed_step_trains_as_the_eager_loop_does(accum, method):
     model = student(device, method)
     optimizer = graphable_optimizer([{"params": trained(model), "lr": 1e-3}], device)
     step = TrainStep(lambda ids: stage_loss(model, ids, 2), trained(model), optimizer, 1.0, autocast, cuda_graph=True)
+    losses = [float(step(micro_batches)[0]) for micro_batches in data]
+    assert step.path == "cuda graph"
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    for p, q in zip(trained(model), trained(reference), strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_graphed_step_replays_on_each_tensor_of_a_tuple_micro_batch():
+    """The graph holds a copy of every tensor of a tuple micro-batch and replays on the new values of each:
+    the weights change every step, so a replay that kept the captured ones would drift from the loop."""
+    device = torch.device("cuda")
+    data = paired(batches(WARMUP_STEPS + 4, 2, device))
+
+    def autocast(cache=True):
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
+
+    reference = student(device)
+    optimizer = graphable_optimizer([{"params": trained(reference), "lr": 1e-3}], device)
+    ref_losses = []
+    for micro_batches in data:
+        total = 0.0
+        for ids, weights in micro_batches:
+            with autocast():
+                loss = weighted_loss(reference, ids, weights)
+            (loss / len(micro_batches)).backward()
+            total += loss.item() / len(micro_batches)
+        torch.nn.utils.clip_grad_norm_(trained(reference), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref_losses.append(total)
+    model = student(device)
+    step = TrainStep(lambda batch: weighted_loss(model, *batch), trained(model),
+                     graphable_optimizer([{"params": trained(model), "lr": 1e-3}], device), 1.0, autocast,
+                     cuda_graph=True)
     losses = [float(step(micro_batches)[0]) for micro_batches in data]
     assert step.path == "cuda graph"
     assert losses == pytest.approx(ref_losses, rel=2e-2)
