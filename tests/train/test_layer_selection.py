@@ -4,6 +4,7 @@ against a direct computation, Gemma's sliding layers left out, end-to-end distil
 import argparse
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -463,6 +464,27 @@ def test_the_candidates_share_one_teacher_forward_per_batch(workspace, tmp_path,
     scores = scores_of(distill(cfg, progress=False))
     assert len(scores["kl_restored"]) == 3  # four candidates: none and each of the three layers
     assert calls == {"kl_teacher_states": cfg.kl_train_steps * cfg.grad_accum, "teacher_final_states": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trained_candidates_under_a_cuda_graph_score_as_eager_ones(workspace, tmp_path):
+    """On the GPU, the candidates' steps past the warm-up replay a captured graph on the shared teacher's
+    states: the scores are the eager steps' to bf16 accuracy."""
+    from linearize.train.step import WARMUP_STEPS
+
+    teacher = tmp_path / "teacher3"
+    tiny_teacher(num_hidden_layers=3).save_pretrained(teacher)
+    tiny_tokenizer().save_pretrained(teacher)
+    scores = {}
+    for graphed in (False, True):
+        out = tmp_path / f"graph-{graphed}"
+        distill(config(workspace, out, model=str(teacher), softmax_by="kl:1", kl_train_steps=WARMUP_STEPS + 3,
+                       cuda_graph=graphed, device="cuda"), progress=False)
+        scores[graphed] = scores_of(out)
+    for key in ("kl_all_linear", "kl_restored"):
+        assert scores[True][key] == pytest.approx(scores[False][key], rel=3e-2)
+    assert all(math.isfinite(v) for v in scores[True]["kl_restored"].values())
 
 
 def test_a_stage_1_trained_otherwise_is_refused_before_any_work(workspace, tmp_path, three_layer_source):
