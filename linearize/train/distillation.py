@@ -468,6 +468,7 @@ class Run:
                 self.write_record(record, final=False)
                 bar.update(1)
             bar.close()
+            self.kl_teacher = None  # its device memory goes back before stage 2
             del record["kl_candidates"]
             baseline, restored_kl = scores["all_linear"], {i: scores[str(i)] for i in layers}
         else:
@@ -528,8 +529,8 @@ class Run:
 
     def make_kl_teacher(self, model) -> KLTeacher:
         """The batches every candidate trains and is scored on, with the teacher's states on each, computed
-        once by `model` (any candidate: in `teacher_mode` each is the same teacher) in train mode, as the
-        candidates train."""
+        once by `model` (any candidate: in `teacher_mode` each is the same teacher): on the training
+        micro-batches in train mode, as the candidates train; on the scoring's batches as `mean_kl` scores."""
         cfg, rt = self.cfg, self.rt
         batches = forever(self.make_loader(self.train_blocks, seed=cfg.seed + 2))
         ids = [next(batches).to(rt.device) for _ in range(cfg.kl_train_steps * cfg.grad_accum)]
