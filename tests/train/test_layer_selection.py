@@ -468,20 +468,33 @@ def test_the_candidates_share_one_teacher_forward_per_batch(workspace, tmp_path,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_trained_candidates_under_a_cuda_graph_score_as_eager_ones(workspace, tmp_path):
+def test_trained_candidates_under_a_cuda_graph_score_as_eager_ones(workspace, tmp_path, monkeypatch):
     """On the GPU, the candidates' steps past the warm-up replay a captured graph on the shared teacher's
     states: the scores are the eager steps' to bf16 accuracy."""
-    from linearize.train.step import WARMUP_STEPS
+    from linearize.train import distillation
+    from linearize.train.step import WARMUP_STEPS, TrainStep
 
+    steps = []
+
+    class Recorded(TrainStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            steps.append(self)
+
+    monkeypatch.setattr(distillation, "TrainStep", Recorded)
     teacher = tmp_path / "teacher3"
     tiny_teacher(num_hidden_layers=3).save_pretrained(teacher)
     tiny_tokenizer().save_pretrained(teacher)
     scores = {}
     for graphed in (False, True):
         out = tmp_path / f"graph-{graphed}"
+        steps.clear()
         distill(config(workspace, out, model=str(teacher), softmax_by="kl:1", kl_train_steps=WARMUP_STEPS + 3,
                        cuda_graph=graphed, device="cuda"), progress=False)
         scores[graphed] = scores_of(out)
+    # The four candidates' steps (the stages take 4 steps each here, the candidates WARMUP_STEPS + 3).
+    candidates = [step for step in steps if step.steps == WARMUP_STEPS + 3]
+    assert len(candidates) == 4 and all(step.path == "cuda graph" for step in candidates)
     for key in ("kl_all_linear", "kl_restored"):
         assert scores[True][key] == pytest.approx(scores[False][key], rel=3e-2)
     assert all(math.isfinite(v) for v in scores[True]["kl_restored"].values())
