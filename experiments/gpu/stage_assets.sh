@@ -2,7 +2,7 @@
 # Stages what the GPU runs need beside the teacher (no network there) into .device/assets/, which
 # .git/info/exclude keeps out of git, and splits the teacher of ../shared/gpu/prepare.sh's .device/a and
 # .device/b in three. Run it after prepare.sh (which rewrites a and b). A device call carries at most
-# 64 MiB counted in disk blocks, the tracked tree included (~18 MiB with the docs' results), so the
+# 64 MiB counted in disk blocks, the tracked tree included (~24 MiB with the docs' results), so the
 # teacher travels in thirds and the cold start takes four carries:
 #   .device/a      the teacher's first third and the gguf wheel (call 1 installs a/whl/*.whl)
 #   .device/b      its second third

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stages the second teacher, Gemma-3-270M, for the GPU machine (no network there): its GGUF (242 MiB)
-# in as many parts as the 64 MiB a call carries needs beside the tracked tree (6 with a 16 MiB tree),
+# in as many parts as the 64 MiB a call carries needs beside the tracked tree (7 with a 24 MiB tree),
 # .device/g1 .. .device/gN, and its tokenizer files (the dense folder without its weights) as
 # .device/g0/tokenizer.tgz. Run after stage_assets.sh; fetches the teacher here first
 # (`python -m linearize.assets fetch --only gemma3-hf`) if it is not in the cache yet.
