@@ -291,6 +291,32 @@ def test_write_into_replaces_only_its_section(tmp_path):
     assert "| b |" in text and "| a |" not in text
 
 
+def test_a_page_holds_several_named_tables_each_rewritten_alone(tmp_path, capsys):
+    page = tmp_path / "results.md"
+    page.write_text("# Results\n")
+    write_into(page, "| main 1 |\n")
+    write_into(page, "| gemma 1 |\n", section="gemma3")
+    write_into(page, "| main 2 |\n")
+    write_into(page, "| gemma 2 |\n", section="gemma3")
+    text = page.read_text()
+    assert text.count(TABLE_START) == 1 and text.count("<!-- recipe table: gemma3 -->") == 1
+    assert "| main 2 |" in text and "| gemma 2 |" in text and "1 |" not in text
+    assert text.index("| main 2 |") < text.index("| gemma 2 |")  # each stays where it was first put
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": "a", "row": "A"}}))
+    (run_dir / "eval.json").write_text(json.dumps({"provenance": {}, "tasks": {"ppl": {"by_length": [
+        {"length": 512, "ppl": 9.0}]}}}))
+    before = page.read_text()
+    # A bad name, or a name without a page, is refused before anything is drawn or written.
+    for argv in (["--into", str(page), "--section", "gemma 3"], ["--section", "gemma3"]):
+        assert main(["recipe", "table", str(run_dir), *argv, "--plot", str(tmp_path / "rows.png")]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+        assert page.read_text() == before and not (tmp_path / "rows.png").exists()
+    assert main(["recipe", "table", str(run_dir), "--into", str(page), "--section", "gemma3"]) == 0
+    assert "| A |" in page.read_text().split("<!-- recipe table: gemma3 -->")[1] and "| main 2 |" in page.read_text()
+
+
 def test_table_keeps_the_columns_asked_for_beside_the_row(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)

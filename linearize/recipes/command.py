@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .files import Recipe, RecipeError, display_path, find, shipped
 from .running import run
-from .table import finished_runs, plot_rows, table, write_into
+from .table import finished_runs, plot_rows, table, table_markers, write_into
 
 
 def register(subparsers) -> None:
@@ -34,6 +34,8 @@ def register(subparsers) -> None:
     t = sub.add_parser("table", help="a Markdown table of finished runs")
     t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
+    t.add_argument("--section", metavar="NAME",
+                   help="with --into: the page's table of this name, for a page with several tables")
     t.add_argument("--plot", type=Path, help="also draw the rows' perplexity and retrieval by length into this PNG")
     t.add_argument("--columns", type=_patterns, metavar="PATTERNS",
                    help="only these columns beside the row's name: comma-separated names or shell-style "
@@ -117,12 +119,16 @@ def _plot_command(args) -> int:
 
 
 def _table_command(args) -> int:
+    if args.section is not None:
+        if args.into is None:
+            raise RecipeError("--section names a table of the page given by --into")
+        table_markers(args.section)  # a bad name is refused before the figure is drawn
     runs = _finished_runs_of(args.runs)
     text = table(runs, args.columns)
     if args.plot:
         print(f"wrote {plot_rows(runs, args.plot)}")
     if args.into:
-        write_into(args.into, text)
+        write_into(args.into, text, args.section)
         print(f"wrote {args.into}")
     else:
         print(text, end="")

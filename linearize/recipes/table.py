@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from pathlib import Path
 
 from .files import RecipeError, display_path, shipped_named
@@ -187,13 +188,23 @@ def finished_runs(roots: list[Path]) -> list[Path]:
     return found
 
 
-def write_into(markdown_path: Path, text: str) -> None:
+def table_markers(section: str | None = None) -> tuple[str, str]:
+    """The comments around a page's recipe table; a named section lets one page hold several tables."""
+    if section is None:
+        return TABLE_START, TABLE_END
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", section):
+        raise RecipeError(f"--section {section!r}: a table's name is letters, digits, '-' and '_' only")
+    return f"<!-- recipe table: {section} -->", f"<!-- end of recipe table: {section} -->"
+
+
+def write_into(markdown_path: Path, text: str, section: str | None = None) -> None:
     """Replace the section between the table markers of `markdown_path` (appended if it has none)."""
-    block = f"{TABLE_START}\n{text}{TABLE_END}\n"
+    start, end = table_markers(section)
+    block = f"{start}\n{text}{end}\n"
     page = markdown_path.read_text() if markdown_path.exists() else ""
-    if TABLE_START in page and TABLE_END in page:
-        before, rest = page.split(TABLE_START, 1)
-        after = rest.split(TABLE_END, 1)[1].lstrip("\n")
+    if start in page and end in page:
+        before, rest = page.split(start, 1)
+        after = rest.split(end, 1)[1].lstrip("\n")
         page = before + block + after
     else:
         page = page + ("\n" if page and not page.endswith("\n") else "") + block
