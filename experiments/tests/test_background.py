@@ -2,6 +2,7 @@
 reader stops early (`| head`), which ends the script with SIGPIPE at its next write."""
 
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -53,3 +54,26 @@ def test_start_clears_the_last_sets_results(tmp_path):
             break
         time.sleep(0.1)
     assert (bg / "done").exists()
+
+
+def test_rows_names_each_row_a_chain_runs_or_trains():
+    said = subprocess.run(["bash", str(SCRIPT), "rows", "0: rows a b, tests tests/x.py", "1: after distill-c, distill d k=v"],
+                          check=True, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    assert said.stdout.split() == ["a", "b", "d"]
+
+
+def test_wait_brings_back_this_sets_rows_so_far_not_those_of_a_set_beside_it(tmp_path):
+    """Two sets share the runs folder: the first set's poll once brought the second set's rows back,
+    half-run, as if they were its own."""
+    bg, out, runs = tmp_path / "bg", tmp_path / "out", tmp_path / "runs"
+    (bg / "out").mkdir(parents=True)
+    out.mkdir()
+    (bg / "rows").write_text("mine\n")
+    for row in ("mine", "theirs"):
+        (runs / row).mkdir(parents=True)
+        (runs / row / "eval.json").write_text("{}")
+    (runs / "mine" / "model.safetensors").write_bytes(b"\0" * 3_000_000)  # weights stay on the machine
+    subprocess.run(["bash", str(SCRIPT), "wait", "0"], check=True, capture_output=True, text=True, timeout=60,
+                   env={"BG": str(bg), "OUT": str(out), "RUNS": str(runs), "PATH": "/usr/bin:/bin"})
+    with tarfile.open(out / "runs-so-far.tgz") as archive:
+        assert archive.getnames() == ["runs/mine/eval.json"]
