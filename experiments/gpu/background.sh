@@ -3,32 +3,20 @@
 # calls while the machine stays warm; later calls poll it and bring its results back:
 #   bash experiments/gpu/background.sh start SECONDS "0: rows gemma3-lizard" ...   (returns at once)
 #   bash experiments/gpu/background.sh wait SECONDS    (sleeps until it ends or SECONDS pass; copies its results to $OUT)
-#   bash experiments/gpu/background.sh rows "0: rows a b, distill c" ...   (the rows those chains run, a line each)
 # A call must come every ~30 s or the machine goes back, taking the detached parts with it.
 set -uo pipefail
 BG=${BG:-/tmp/bg}  # another BG runs a second set beside the first
 RUNS=${RUNS:-/tmp/runs}  # where session.sh's rows and distill parts put their runs
-case ${1:?start, wait or rows} in
-  rows)
-    shift
-    for chain in "$@"; do
-      IFS=',' read -ra parts <<< "${chain#*:}"
-      for part in "${parts[@]}"; do
-        read -ra words <<< "$part"
-        case ${words[0]:-} in rows|distill) for w in "${words[@]:1}"; do [[ $w == *=* ]] || echo "$w"; done ;; esac
-      done
-    done ;;
+case ${1:?start or wait} in
   start)
     seconds=${2:?seconds}
     shift 2
     # A set started again (after a failed start) must not bring back the last one's files as its own.
-    rm -rf "$BG/out" "$BG/done" "$BG"/chain-*.out && mkdir -p "$BG/out"
-    # A second set beside this one shares the runs folder: a wait brings back this set's rows only.
-    bash "$0" rows "$@" > "$BG/rows"
+    rm -rf "$BG/out" "$BG/done" "$BG/rows" "$BG"/chain-*.out && mkdir -p "$BG/out"
     # A later call replaces the working tree under it: the detached parts run from their own copy.
     rm -rf "$BG/repo" && mkdir -p "$BG/repo" && cp -r linearize experiments recipes tests pyproject.toml "$BG/repo/"
     cd "$BG/repo" && export PYTHONPATH="/tmp/site:$BG/repo"
-    setsid bash -c 'export CHAINS="$0" OUT="$0/out" DEADLINE=$(($(date +%s) + $1)) STEP_LIMIT=$1; shift; bash experiments/gpu/together.sh "$@"; touch '"$BG"'/done' \
+    setsid bash -c 'export CHAINS="$0" OUT="$0/out" ROWS_FILE="$0/rows" DEADLINE=$(($(date +%s) + $1)) STEP_LIMIT=$1; shift; bash experiments/gpu/together.sh "$@"; touch '"$BG"'/done' \
       "$BG" "$seconds" "$@" > "$BG/log" 2>&1 < /dev/null &
     echo "started: $*" ;;
   wait)
@@ -38,9 +26,10 @@ case ${1:?start, wait or rows} in
     while [ ! -f "$BG/done" ] && [ "$(date +%s)" -lt "$end" ]; do cp -ru "$BG/out/." "$OUT/"; sleep 5; done
     cp -ru "$BG/out/." "$OUT/"
     # This set's rows still running come back as they stand (logs, eval.json so far: the files under
-    # 2 MB, not weights or checkpoints), in case the session's device time ends before they do.
+    # 2 MB, not weights or checkpoints), in case the session's device time ends before they do. A set
+    # beside this one shares the runs folder: only the rows session.sh named in $BG/rows come back.
     dirs=()
-    while read -r row; do [ -d "$RUNS/$row" ] && dirs+=("$(basename "$RUNS")/$row"); done < <(cat "$BG/rows" 2>/dev/null)
+    while read -r row; do [ -d "$RUNS/$row" ] && dirs+=("$(basename "$RUNS")/$row"); done < <(sort -u "$BG/rows" 2>/dev/null)
     [ ${#dirs[@]} -gt 0 ] && (cd "$(dirname "$RUNS")" && find "${dirs[@]}" -type f -size -2000k -print0 |
       tar czf "$OUT/runs-so-far.tgz" --null -T -)
     # The results are in $OUT before anything is printed: a reader that stops early (`| head`) ends

@@ -132,6 +132,8 @@ case $part in
     for name in "$@"; do recipes+=("$name"); done
     only=()
     [ "$part" = distill ] && only=(--no-eval)
+    # Under background.sh, the set's rows so far: its polls bring back these runs, not a set's beside it.
+    [ -n "${ROWS_FILE:-}" ] && printf '%s\n' "$@" >> "$ROWS_FILE"
     step "$part" 570 python -m linearize.cli recipe run "${recipes[@]}" "${only[@]}" --out /tmp/runs
     # The runs stay in /tmp/runs (a later call on a warm machine resumes them); weights and checkpoints
     # stay there, the training logs come back.

@@ -56,10 +56,19 @@ def test_start_clears_the_last_sets_results(tmp_path):
     assert (bg / "done").exists()
 
 
-def test_rows_names_each_row_a_chain_runs_or_trains():
-    said = subprocess.run(["bash", str(SCRIPT), "rows", "0: rows a b, tests tests/x.py", "1: after distill-c, distill d k=v"],
-                          check=True, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
-    assert said.stdout.split() == ["a", "b", "d"]
+def test_start_names_the_rows_its_parts_run(tmp_path):
+    """session.sh names each rows or distill part's rows in $BG/rows as it starts them (here they fail
+    at once: no `python` on this PATH), so a poll knows which runs are this set's."""
+    bg = tmp_path / "bg"
+    started = subprocess.run(["bash", str(SCRIPT), "start", "5", "0: rows nosuchrow, nosuchpart", "0: distill other"],
+                             cwd=SCRIPT.parents[2], check=False, capture_output=True, text=True,
+                             env={"BG": str(bg), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert started.returncode == 0
+    for _ in range(300):
+        if (bg / "done").exists():
+            break
+        time.sleep(0.1)
+    assert sorted((bg / "rows").read_text().split()) == ["nosuchrow", "other"]
 
 
 def test_wait_brings_back_this_sets_rows_so_far_not_those_of_a_set_beside_it(tmp_path):
