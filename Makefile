@@ -3,8 +3,9 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# `make test`: the fast default (one Triton-interpreter case per kernel code path); `make test-all`:
-# every test, the slow ones and all interpreter cases too (the gpu ones skip without CUDA). An `-m` in
+# `make test`: the fast default (each method, form, architecture family and CLI verb at least once; one
+# Triton-interpreter case per kernel code path); `make test-all`: every test, the slow ones and all
+# interpreter cases too (the gpu ones skip without CUDA). Both list their 15 slowest tests. An `-m` in
 # PYTEST_ARGS comes last and so replaces FAST.
 FAST := not slow and not interpreter and not gpu
 # The Hugging Face hub is out of reach here: fail at once instead of retrying for a minute.
@@ -31,10 +32,10 @@ $(ASSETS): $(INSTALLED) linearize/assets.py
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q -m "$(FAST)" $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 -m "$(FAST)" $(PYTEST_ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/linearize demo

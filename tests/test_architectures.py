@@ -4,7 +4,7 @@ a fused qkv (Phi-3), query scaling and logit caps (Gemma 2), sliding-window laye
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, covering, perturb_new_parameters, tiny_teacher
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma3Config, Phi3Config
 
 import linearize
@@ -59,8 +59,7 @@ def test_in_stage_one_the_student_is_the_teacher(arch, padded):
     torch.testing.assert_close(got[rows], expected[rows], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("arch,method", covering(FAMILIES, METHODS))
 def test_prefill_then_decode_and_left_padding(arch, method):
     model = converted(arch, method)
     assert_pieces_equal_whole(model, torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(0)))

@@ -20,6 +20,7 @@ def generated_cache(method, new_tokens, **options):
     return out.past_key_values
 
 
+@pytest.mark.slow
 def test_lizard_cache_bytes_same_after_64_and_2000_tokens():
     short = generated_cache("lizard", 64, window=16)
     long = generated_cache("lizard", 2000, window=16)

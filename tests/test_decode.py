@@ -111,6 +111,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch):
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncompiled(monkeypatch):
     """`compile_backend`: the step through torch.compile (aot_eager on CPU: dynamo's trace, no codegen)
     decodes the uncached model's tokens; a step that fails to compile runs uncompiled and says why."""

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, covering, perturb_new_parameters, tiny_teacher
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
@@ -22,8 +22,7 @@ def decode_token_by_token(model, ids):
         return torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(ids.shape[1])], 1)
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("arch,method", covering(list(ARCHITECTURES), METHODS))
 @pytest.mark.parametrize("length", [16, 21])  # a multiple of the window (8) and chunk (4), and not
 def test_full_sequence_equals_token_by_token(method, arch, length):
     model = linearized(method, arch)

@@ -37,31 +37,30 @@ def test_parsing_help_or_a_bad_flag_imports_nothing_heavy(argv):
     assert heavy_modules_after(code) == []
 
 
-def test_public_names_load_on_first_use():
+def test_public_names_and_submodules_load_on_first_use():
+    """`linearize.__all__` resolves lazily, and `import linearize` then `linearize.decode.greedy_decode` (the
+    README's quickstart) works: one interpreter for both, as each start imports torch."""
     out = python("import linearize, types\n"
+                 "print(linearize.decode.greedy_decode.__name__, linearize.ops.backend.get_backend(),"
+                 " hasattr(linearize, 'no_such_name'))\n"
                  "names = [n for n in linearize.__all__ if getattr(linearize, n) is None]\n"
                  "import linearize.convert\n"
                  "print(names, isinstance(linearize.convert, types.FunctionType), set(linearize.__all__) <= set(dir(linearize)))")
-    assert out.split() == ["[]", "True", "True"]
-
-
-def test_submodules_load_on_first_use():
-    """`import linearize` then `linearize.decode.greedy_decode` (the README's quickstart) works."""
-    out = python("import linearize\nprint(linearize.decode.greedy_decode.__name__, linearize.ops.backend.get_backend(),"
-                 " hasattr(linearize, 'no_such_name'))")
-    assert out.split() == ["greedy_decode", "auto", "False"]
+    assert out.split() == ["greedy_decode", "auto", "False", "[]", "True", "True"]
 
 
 FROM_PRETRAINED = f"\nm = AutoModelForCausalLM.from_pretrained({str(LIZARD)!r})\nprint(type(m).__name__)"
 
 
+# A fresh interpreter each (~5 s): `make test-all`. In process, the README test loads a checkpoint through
+# AutoModelForCausalLM after `import linearize` in `make test`.
+@pytest.mark.slow
 @pytest.mark.parametrize("imports", [
     "import linearize\nfrom transformers import AutoModelForCausalLM",
     "from transformers import AutoModelForCausalLM\nimport linearize",
     # transformers first imported from inside one of our modules: registration waits for that import to end
-    pytest.param("import linearize.attention\nfrom transformers import AutoModelForCausalLM", marks=pytest.mark.slow),
-    pytest.param("from linearize.cache import LinearizeCacheLayer\nfrom transformers import AutoModelForCausalLM",
-                 marks=pytest.mark.slow),
+    "import linearize.attention\nfrom transformers import AutoModelForCausalLM",
+    "from linearize.cache import LinearizeCacheLayer\nfrom transformers import AutoModelForCausalLM",
 ])
 def test_auto_classes_find_linearized_checkpoints_in_either_import_order(imports):
     assert python(imports + FROM_PRETRAINED).strip().splitlines()[-1] == "LinearizedLlamaForCausalLM"

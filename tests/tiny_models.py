@@ -81,3 +81,13 @@ def save_tiny_teacher(path, arch="llama"):
     tiny_teacher(arch).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def covering(archs: list[str], methods: list[str]) -> list:
+    """(arch, method) pairs for a parametrize: every pair, the slow mark on all but a few that take each
+    family and each method at least once (`make test` runs those; `make test-all` every pair)."""
+    import pytest
+
+    fast = {(arch, methods[i % len(methods)]) for i, arch in enumerate(archs)}
+    return [pytest.param(arch, method, marks=() if (arch, method) in fast else pytest.mark.slow)
+            for arch in archs for method in methods]

@@ -42,6 +42,7 @@ def outputs(tmp_path_factory, teacher_dir):
     return root
 
 
+@pytest.mark.slow
 def test_kernels_measure_our_op_and_sdpa_and_skip_gpu_only_rows(outputs):
     results = load(outputs / "kernels", "kernels")
     assert results["peak"]["tflops"] > 0
@@ -98,6 +99,7 @@ def test_kernel_targets_are_ratios_to_fla_in_the_same_run_or_another(tmp_path, c
     assert capsys.readouterr().out.splitlines() == lines[:2]
 
 
+@pytest.mark.slow
 def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(outputs):
     results = load(outputs / "model", "model")
     assert [m["name"] for m in results["models"]] == [model_bench.SOFTMAX, "lizard"]
@@ -129,6 +131,7 @@ def test_model_compares_softmax_with_lizard_and_the_linear_cache_stays_constant(
         f"model.{name}.png" for name in ("prefill", "decode", "memory", "batch")}
 
 
+@pytest.mark.slow
 def test_train_times_both_stages_and_the_teachers_fine_tunes(outputs):
     results = load(outputs / "train", "train")
     rows = {r["key"]: r for r in results["rows"]}
@@ -146,6 +149,7 @@ def test_train_times_both_stages_and_the_teachers_fine_tunes(outputs):
     assert "- stage 2 (LoRA), 64: step eager (parameters not on a CUDA device)" in (outputs / "train" / "train.md").read_text()
 
 
+@pytest.mark.slow
 def test_train_profile_lists_each_points_top_ops(outputs):
     for mode in ("full", "lora", "stage1", "stage2"):
         table = (outputs / "train" / f"profile-{mode}-64.txt").read_text()
@@ -179,6 +183,7 @@ def test_the_gemm_floor_does_the_projections_and_mlp_flops_and_nothing_else(teac
     assert all(torch.equal(value, reloaded[name]) for name, value in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_model_profile_lists_each_models_top_ops_in_prefill_and_decode(outputs):
     for name in ("softmax", "lizard"):
         for phase in ("prefill", "decode"):
@@ -203,6 +208,7 @@ def test_op_count_counts_dispatched_ops_and_views_apart():
     assert (count.ops, count.views) == (4, 2)
 
 
+@pytest.mark.slow
 def test_report_merges_sections_and_replaces_them_on_rerun(outputs, tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nHow to rerun.\n")
@@ -258,6 +264,7 @@ def test_a_paced_serve_run_is_another_section():
     assert title(whole) == whole["title"] and title(paced).endswith("(prefill budget 1)")
 
 
+@pytest.mark.slow
 def test_a_sweep_stops_at_the_first_oom_and_at_the_time_limit(teacher_dir, tmp_path, monkeypatch):
     measure = model_bench.measure_point
 
@@ -355,6 +362,7 @@ def test_serve_measures_the_engine_for_softmax_and_lizard(teacher_dir, tmp_path)
     assert "decode tokens/s" in markdown
 
 
+@pytest.mark.slow
 def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tmp_path, monkeypatch):
     """A point's time is estimated in proportion to its clients from the last one measured: at 4x the
     clients, a point a third of the first model's share (half the limit) long predicts 4/3 of it, and
@@ -382,6 +390,7 @@ def test_serve_skips_a_point_whose_time_grows_with_its_clients_past_the_limit(tm
     assert {p["reason"] for p in points if p["status"] == "skipped"} == {"would pass the time limit"}
 
 
+@pytest.mark.slow
 def test_serve_cuts_a_point_at_the_time_limit_and_keeps_what_arrived(teacher_dir, tmp_path, capsys):
     """A point still running at its model's share of the time limit is cut: its requests are cancelled,
     it is recorded as "cut" with the tokens that had arrived, the model's larger points are skipped, and

@@ -47,6 +47,7 @@ def recording_loss(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_every_mode_runs_at_every_length_with_and_without_checkpointing(teacher_dir, tmp_path, monkeypatch):
     calls = recording_loss(monkeypatch)
     run("bench", "train", "--out", tmp_path, "--model", teacher_dir, *SWEEP, "--set", "window=8")
@@ -73,6 +74,7 @@ def test_every_mode_runs_at_every_length_with_and_without_checkpointing(teacher_
     assert len(projection) == 2 and all(line.count("checkpointing o") == 3 for line in projection)
 
 
+@pytest.mark.slow
 def test_a_shape_builds_random_weights_and_sweeps_the_same_points(tmp_path, monkeypatch):
     """`--shape smollm2` on the CPU (its layers and widths cut down here): the shape's defaults, every mode."""
     monkeypatch.setattr(train_bench, "random_model", functools.partial(shapes.random_model, **TINY_SHAPE))
@@ -160,6 +162,7 @@ class OutOfMemoryAt32(train_bench.TrainStep):
         return super().__call__(micro_batches)
 
 
+@pytest.mark.slow
 def test_an_oom_is_a_row_and_the_other_points_run(teacher_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(train_bench, "TrainStep", OutOfMemoryAt32)
     run("bench", "train", "--out", tmp_path, "--model", teacher_dir, *SWEEP, "--modes", "stage1,stage2")

@@ -237,6 +237,7 @@ def test_a_perfect_reader_scores_one_and_naming_every_label_scores_zero(task, to
 # --- through evaluate and the task lists
 
 
+@pytest.mark.slow
 def test_babilong_shorthand_and_names():
     assert api.parse_tasks("babilong") == list(TASKS)
     assert api.parse_tasks("babilong_qa3,babilong") == ["babilong_qa3", "babilong_qa1", "babilong_qa2",

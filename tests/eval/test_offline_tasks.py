@@ -12,6 +12,7 @@ def full_manager():
     return harness.task_manager(full_index=True)
 
 
+@pytest.mark.slow
 def test_boolq_reads_the_olmo_copy_with_superglue_labels(full_manager, tmp_path):
     rows = [{"question": "is the sea wet", "answer": True, "passage": "The sea is water."},
             {"question": "is fire cold", "answer": False, "passage": "Fire is hot."}]
@@ -24,6 +25,7 @@ def test_boolq_reads_the_olmo_copy_with_superglue_labels(full_manager, tmp_path)
     assert docs["label"] == [1, 0] and docs["question"] == ["is the sea wet", "is fire cold"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task,folder", [
     ("openbookqa", "openbookqa/main"), ("sciq", "sciq/none"), ("social_iqa", "social_i_qa/none"),
     ("copa", "super_glue/copa"), ("cb", "super_glue/cb"), ("rte", "glue/rte"), ("sst2", "glue/sst2"),
@@ -48,6 +50,7 @@ def test_a_task_without_a_local_copy_is_refused_when_the_hub_is_out_of_reach(mon
     local_tasks.check_hub_tasks(sources)
 
 
+@pytest.mark.slow
 def test_an_evaluation_refuses_such_a_task_before_any_task_runs(model, tokenizer, fake_olmo, monkeypatch):
     import linearize.hub
     from linearize.eval import api

@@ -99,6 +99,7 @@ def test_a_continued_call_needing_gradients_takes_the_reference(interpreter):
     assert out["state_names"] and out["state_exact"] and out["state"] < 1e-6, out
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows, columns", [(32, 16), (16, 32)])
 def test_the_forward_kernels_tiles_do_not_change_its_values(rows, columns, interpreter):
     """`forward_launch` with more queries a program than keys a step, and fewer: a fresh pass (values and
@@ -120,7 +121,8 @@ def test_the_forward_kernels_tiles_do_not_change_its_values(rows, columns, inter
     _check_continued(CONTINUED_CASES["L100-after50-gqa-gate"], out["continued"])
 
 
-@pytest.mark.parametrize("name, block", [("L130-gqa-gate", 48), ("L100-mha-nogate-pad10", 64)])
+@pytest.mark.parametrize("name, block", [pytest.param("L130-gqa-gate", 48, marks=pytest.mark.interpreter),
+                                         ("L100-mha-nogate-pad10", 64)])
 def test_a_long_fresh_call_in_kernel_blocks_equals_one_pass(name, block, interpreter):
     """KERNEL_BLOCK made tiny: the first block fresh, the others continued, against one `still_parallel`
     pass and against the one-call kernel pass (y and the state after)."""
@@ -145,6 +147,7 @@ def test_still_model_prefilled_in_pieces_through_the_kernels_gives_one_calls_log
     assert out["state_names"] and out["state_exact"] and out["state"] < 1e-5, out
 
 
+@pytest.mark.interpreter
 def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path(interpreter):
     """Training and scoring passes; then a cached prefill, whose state (slots, window, linear state)
     the routing builds beside the kernel, and greedy decoding from it."""

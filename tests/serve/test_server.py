@@ -132,6 +132,7 @@ def test_concurrent_greedy_answers_are_offline_greedy_token_for_token(server, of
     assert server.health()["running"] == 0
 
 
+@pytest.mark.slow
 def test_clients_that_leave_free_their_slots_and_others_are_unharmed(server, offline):
     tokenizer = offline.tokenizer
     fields = {"model": SERVED_NAME, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
@@ -208,6 +209,7 @@ def test_bad_input_gets_4xx_in_openai_format_and_the_server_keeps_serving(server
     assert server.process.poll() is None
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_429_at_once(start_server):
     server = start_server("--max-batch", "1", "--max-queue", "1")
     fields = {"model": SERVED_NAME, "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -262,6 +264,7 @@ def test_a_softmax_model_is_served_from_batched_kv_rows(start_server, served_tea
     assert server.health()["running"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_lets_the_running_requests_finish_then_exits_0(start_server):
     server = start_server("--max-batch", "2")
     n = 1000  # seconds of steps

@@ -340,6 +340,7 @@ def test_cuda_graph_on_the_cpu_trains_as_the_default_and_logs_why_it_stepped_eag
     assert [r["loss"] for r in steps] == [r["loss"] for r in log(plain) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_distill_the_clean_way_and_a_rerun_resumes_it(workspace, tmp_path):
     """A scheduler's stop, `kill` or `docker stop` is a SIGTERM, which would kill the process between two
     checkpoints: the CLI raises it where Ctrl-C raises KeyboardInterrupt, so the run saves its checkpoint,

@@ -83,8 +83,14 @@ def test_top_layers_takes_the_highest_scores_ties_to_the_lower_index():
 # The KL-guided scores against a direct computation.
 
 
-@pytest.mark.parametrize("arch,layers", [("llama", "all"), ("gemma2", "all"), ("gemma3_text", "all"), ("gemma3_text", "full")])
-@pytest.mark.parametrize("method", ["lizard", "still"])
+# `make test` takes each method once, and each of the two layer sets once; the rest run in `make test-all`.
+KL_CASES = [(method, arch, layers) for method in ("lizard", "still")
+            for arch, layers in [("llama", "all"), ("gemma2", "all"), ("gemma3_text", "all"), ("gemma3_text", "full")]]
+FAST_KL_CASES = [("lizard", "llama", "all"), ("still", "gemma3_text", "full")]
+
+
+@pytest.mark.parametrize("method,arch,layers", [
+    pytest.param(*case, marks=() if case in FAST_KL_CASES else pytest.mark.slow) for case in KL_CASES])
 def test_each_layers_kl_equals_a_model_built_with_only_that_layer_softmax(method, arch, layers):
     # Gemma 2: its final logit soft-cap, which the chunked KL applies to the logits it forms.
     overrides = GEMMA_FULL if arch == "gemma3_text" else {"num_hidden_layers": 3}
@@ -361,7 +367,7 @@ def test_a_run_saved_with_softmax_by_error_resumes_as_error_n(workspace, tmp_pat
     assert distill(config(workspace, tmp_path / "run", softmax_by="error:1"), resume=True, progress=False) == out
 
 
-@pytest.mark.parametrize("kl_train_steps", [0, 2])
+@pytest.mark.parametrize("kl_train_steps", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp_path, kl_train_steps):
     teacher = tmp_path / "gemma"
     tiny_teacher("gemma3_text", **GEMMA_FULL).save_pretrained(teacher)
@@ -402,6 +408,7 @@ def three_layer_source(workspace, tmp_path):
                    progress=False)
 
 
+@pytest.mark.slow
 def test_a_run_from_another_runs_stage_1_takes_its_tensors_and_kl_scores_and_picks_its_own_n(
         workspace, tmp_path, three_layer_source, monkeypatch):
     source = three_layer_source
@@ -426,6 +433,7 @@ def test_a_run_from_another_runs_stage_1_takes_its_tensors_and_kl_scores_and_pic
     assert model.config.linearize["softmax_layers"] == mine["picked"]
 
 
+@pytest.mark.slow
 def test_another_rule_or_other_candidate_training_picks_anew_from_the_taken_stage_1(workspace, tmp_path,
                                                                                        three_layer_source):
     source, teacher = three_layer_source, str(three_layer_source.parent / "teacher3")
