@@ -276,7 +276,7 @@ def _known_keys(at: tuple[str, ...]) -> set[str] | None:
 
 def _check_distill(path: Path, recipe: Recipe) -> None:
     """`distill` must make a valid DistillConfig and method config."""
-    from ..config import ConfigError, make_method_config
+    from ..config import ConfigError
     from ..train import DistillConfig
 
     if not isinstance(recipe.distill, dict):
@@ -289,22 +289,21 @@ def _check_distill(path: Path, recipe: Recipe) -> None:
     if "method" not in recipe.distill:
         raise RecipeError(f"recipe {path}: 'distill' needs a 'method'")
     try:
-        cfg = recipe.distill_config(Path("model"))
-        make_method_config(cfg.method, **cfg.options)
+        recipe.distill_config(Path("model"))  # which parses the method's options too (`DistillConfig.method_config`)
     except (ConfigError, TypeError, ValueError) as e:
         raise RecipeError(f"recipe {path}: distill: {e}") from None
 
 
 def _check_inference_options(path: Path, distill: dict | None, options: dict) -> None:
     """An eval's "set" must name inference options of the recipe's method, with valid values."""
-    from ..config import ConfigError, with_inference_options
+    from ..config import ConfigError, make_method_config, with_inference_options
 
     if distill is None:
         raise RecipeError(f"recipe {path}: eval 'set' changes a distilled model; this recipe distils none")
     if not isinstance(options, dict):
         raise RecipeError(f"recipe {path}: eval 'set' must be a mapping of inference options, got {options!r}")
     try:
-        with_inference_options(distill.get("method"), distill.get("options", {}), options)
+        with_inference_options(make_method_config(distill.get("method"), **(distill.get("options") or {})), options)
     except ConfigError as e:
         raise RecipeError(f"recipe {path}: eval 'set': {e}") from None
 

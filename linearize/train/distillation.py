@@ -205,7 +205,7 @@ class Run:
         architecture it does not take, bad method options), and softmax layers that leave no layer linear:
         checked on the teacher's config, before anything is written."""
         from ..architectures import architecture_of
-        from ..config import check_fits_positions, make_method_config
+        from ..config import check_fits_positions
         from ..convert import UnsupportedModelError, check_layer_choice, kept_sliding_layers
         from ..loading import load_config
 
@@ -218,7 +218,7 @@ class Run:
             architecture_of(config)
         except ValueError as e:
             raise UnsupportedModelError(str(e)) from None
-        check_fits_positions(make_method_config(self.cfg.method, **self.cfg.options), config)
+        check_fits_positions(self.cfg.method_config, config)
         layers = getattr(config, "num_hidden_layers", None)
         # The layers softmax from the start: the config's, and with softmax_by even:N those it picks.
         self.preset_softmax = sorted(self.cfg.softmax_layers)

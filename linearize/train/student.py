@@ -48,7 +48,7 @@ def linearized_student(teacher, cfg: DistillConfig, softmax_layers: list[int] | 
     from ..convert import convert
 
     softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
-    model = convert(teacher, cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
+    model = convert(teacher, cfg.method_config, softmax_layers=softmax_layers, layers=cfg.layers)
     upcast_to_float32(p for layer in linearized_layers(model) for p in layer.new_parameters())
     return model
 
