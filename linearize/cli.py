@@ -38,16 +38,16 @@ def cmd_convert(args) -> None:
 
     # The flags first (option names and values against the method, --out), then what needs the model's
     # config (an alias may be fetched for it), then the weights.
-    options = parse_set_options(args.set or [], [args.method])
+    method = make_method_config(args.method, **parse_set_options(args.set or []))
     check_new_output(args.out)
     config = load_config(args.model)
     layers = getattr(config, "num_hidden_layers", None)  # None: convert names the model type
     if layers is not None:
         check_layer_choice(layers, args.method, args.softmax_layers, kept=kept_sliding_layers(config, args.layers))
-    check_fits_positions(make_method_config(args.method, **options), config)
+    check_fits_positions(method, config)
     with atomic_output_dir(args.out) as scratch:
         model = load_model(args.model, dtype=args.dtype)
-        convert(model, args.method, softmax_layers=args.softmax_layers, layers=args.layers, **options)
+        convert(model, method, softmax_layers=args.softmax_layers, layers=args.layers)
         model.save_pretrained(scratch)
         load_tokenizer(args.model).save_pretrained(scratch)
     print(f"wrote {args.method} model to {args.out}")

@@ -1,8 +1,9 @@
 """Typed hyper-parameters of each attention method, with the papers' defaults.
 
-One dataclass per method. `make_method_config(name, **options)` validates and is what the CLI's
-`--set key=value` and `convert(model, method, **options)` go through, so a bad value fails before
-any weight is touched.
+One dataclass per method. `make_method_config(name, **options)` validates and is what the edges go
+through once: the CLI's `--set key=value`, a recipe's `distill.options`, `convert(model, method,
+**options)` and a checkpoint's config.json. A bad value fails before any weight is touched, and every
+layer below takes the typed config (`MethodConfig`), never its options again.
 """
 
 from __future__ import annotations
@@ -239,15 +240,41 @@ def parse_inference_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
-def with_inference_options(method: str, options: dict, changes: dict) -> MethodConfig:
-    """`method`'s validated config from a trained model's `options` with `changes`, which may name
-    only its INFERENCE_OPTIONS (values may be strings, as from the command line)."""
+def with_inference_options(cfg: MethodConfig, changes: dict) -> MethodConfig:
+    """A trained model's validated `cfg` with `changes`, which may name only its method's INFERENCE_OPTIONS
+    (values may be strings, as from the command line)."""
+    method = method_name(cfg)
     allowed = INFERENCE_OPTIONS.get(method, ())
     fixed = sorted(set(changes) - set(allowed))
     if fixed:
         raise ConfigError(f"{method} cannot change {', '.join(fixed)} after training; options it can: "
                           f"{', '.join(allowed) or 'none'}")
-    return make_method_config(method, **{**options, **changes})
+    hints = get_type_hints(type(cfg))
+    changed = dataclasses.replace(cfg, **{key: _coerce(key, raw, hints[key]) for key, raw in changes.items()})
+    _validate(changed)
+    return changed
+
+
+def method_name(cfg: MethodConfig) -> str:
+    """The method a typed config is for ("lizard" for a `LizardConfig`)."""
+    for name, cls in METHOD_CONFIGS.items():
+        if type(cfg) is cls:
+            return name
+    raise ConfigError(f"{type(cfg).__name__} is not a method config; choose one of "
+                      f"{', '.join(cls.__name__ for cls in METHOD_CONFIGS.values())}")
+
+
+def checked_method_config(cfg: MethodConfig) -> MethodConfig:
+    """`cfg` itself once its values pass the checks `make_method_config` makes (ConfigError otherwise): for a
+    config built in Python, as `LizardConfig(window=64)`."""
+    method_name(cfg)
+    _validate(cfg)
+    return cfg
+
+
+def method_options(cfg: MethodConfig) -> dict:
+    """Every option of `cfg`, as a checkpoint's config.json records them (`linearize.options`)."""
+    return dataclasses.asdict(cfg)
 
 
 def make_method_config(method: str, **options) -> MethodConfig:

@@ -3,27 +3,35 @@ change a linearized model's forward-only options (STILL's budget, say) after tra
 
 from __future__ import annotations
 
-import dataclasses
-
 from transformers import PreTrainedModel
 
 from .architectures import architecture_of, layers_kept_softmax
 from .attention import LinearizedAttention
-from .config import ConfigError, check_fits_positions, make_method_config, with_inference_options
-from .modeling import LINEARIZED_CLASSES, swap_attention
+from .config import (
+    ConfigError,
+    MethodConfig,
+    check_fits_positions,
+    checked_method_config,
+    make_method_config,
+    method_name,
+    method_options,
+    with_inference_options,
+)
+from .modeling import LINEARIZED_CLASSES, method_config_of, swap_attention
 
 
 class UnsupportedModelError(ValueError):
     """The model's architecture has no linearized counterpart."""
 
 
-def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: str = "all",
+def convert(model: PreTrainedModel, method: str | MethodConfig, softmax_layers=None, layers: str = "all",
             **options) -> PreTrainedModel:
     """Linearize `model` in place and return it.
 
     Every decoder layer not listed in `softmax_layers` gets `method`'s attention, built around the
-    teacher's q/k/v/o projections; `options` override the method's defaults (see `linearize.config`);
-    a window, chunk or budget longer than the model's positions is refused (`check_fits_positions`).
+    teacher's q/k/v/o projections. `method` is a method's name, with `options` overriding its defaults
+    (parsed here, as `make_method_config` does: strings allowed), or a typed config (`LizardConfig(...)`,
+    what the CLI, recipes and distill pass down), with no `options` beside it; a window, chunk or budget longer than the model's positions is refused (`check_fits_positions`).
     `layers="full"` keeps the teacher's sliding-window layers (Gemma's five in six) as they are, also
     in constant memory, and linearizes its full-attention layers only. The model becomes the matching
     `Linearized*ForCausalLM`, so it saves and loads as one.
@@ -37,7 +45,7 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
         kept = layers_kept_softmax(model.config, layers)
     except ValueError as e:
         raise UnsupportedModelError(str(e)) from None
-    cfg = make_method_config(method, **options)
+    cfg = method_config(method, options)
     check_fits_positions(cfg, model.config)
     num_layers = model.config.num_hidden_layers
     softmax_layers = sorted({int(i) for i in (softmax_layers or [])})
@@ -47,7 +55,7 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
     softmax_layers = sorted(set(softmax_layers) | set(kept))
 
     # distilled: false until distill exports the trained model (`modeling.undistilled_note`)
-    spec = {"method": method, "options": dataclasses.asdict(cfg), "softmax_layers": softmax_layers, "layers": layers,
+    spec = {"method": method_name(cfg), "options": method_options(cfg), "softmax_layers": softmax_layers, "layers": layers,
             "distilled": False}
     config_class, model_class = LINEARIZED_CLASSES[model_type]
     teacher_config = model.config
@@ -58,8 +66,18 @@ def convert(model: PreTrainedModel, method: str, softmax_layers=None, layers: st
         if getattr(module, "config", None) is teacher_config:
             module.config = config
     model.__class__ = model_class
-    swap_attention(model, spec)
+    swap_attention(model, cfg, softmax_layers)
     return model
+
+
+def method_config(method: str | MethodConfig, options: dict) -> MethodConfig:
+    """`convert`'s method as a typed config: parsed from a name and its options, or a typed one checked."""
+    if isinstance(method, str):
+        return make_method_config(method, **options)
+    if options:
+        raise ConfigError(f"options {', '.join(sorted(options))} given beside a {type(method).__name__}: "
+                          "set them in the config instead")
+    return checked_method_config(method)
 
 
 def check_layer_choice(num_layers: int, method: str, softmax_layers=(), kept=(),
@@ -108,10 +126,10 @@ def set_inference_options(model: PreTrainedModel, **options) -> PreTrainedModel:
     spec = getattr(model.config, "linearize", None)
     if not spec:
         raise ConfigError("inference options change a linearized model; this one has softmax attention only")
-    cfg = with_inference_options(spec["method"], spec["options"], options)
+    cfg = with_inference_options(method_config_of(model), options)
     check_fits_positions(cfg, model.config)
     for layer in model.model.layers:
         if isinstance(layer.self_attn, LinearizedAttention):
             layer.self_attn.cfg = cfg
-    model.config.linearize = {**spec, "options": dataclasses.asdict(cfg)}
+    model.config.linearize = {**spec, "options": method_options(cfg)}
     return model

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import assets, modeling  # noqa: F401  (modeling registers the linearized model types with the Auto classes)
+from . import assets, modeling  # modeling registers the linearized model types with the Auto classes
 from .cli_args import first_line
 from .config import ConfigError
 from .gguf_files import from_gguf, no_bpe_cleanup
@@ -45,12 +45,12 @@ def load_model(spec: str | Path, *, dtype: torch.dtype | str | None = None, devi
         from .convert import set_inference_options
 
         set_inference_options(model, **inference_options)  # checks the options against the model's positions
-    elif linearized := getattr(model.config, "linearize", None):
+    elif getattr(model.config, "linearize", None):
         # Lengths past the model's positions would load, then fail in the first forward; `--set` can fix them.
-        from .config import check_fits_positions, make_method_config
+        from .config import check_fits_positions
 
         try:
-            check_fits_positions(make_method_config(linearized["method"], **linearized["options"]), model.config)
+            check_fits_positions(modeling.method_config_of(model), model.config)
         except ConfigError as e:
             raise ModelSpecError(f"cannot load {where}: its config.json's linearize settings are invalid ({e})") from e
     if device is not None:

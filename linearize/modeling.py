@@ -18,20 +18,33 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .architectures import ARCHITECTURES
 from .attention import ATTENTION_CLASSES, LinearizedAttention
-from .config import make_method_config
+from .config import MethodConfig, make_method_config, method_name
 from .norms import fuse_norms
 
 
-def swap_attention(model: nn.Module, spec: dict) -> None:
-    """Replace each decoder layer's attention per `spec`, keeping the teacher's projections, and the
-    teacher's RMSNorms by the fused op (`norms.fuse_norms`)."""
+def swap_attention(model: nn.Module, cfg: MethodConfig, softmax_layers=()) -> None:
+    """Give each decoder layer not in `softmax_layers` the attention of `cfg`'s method, keeping the
+    teacher's projections, and replace the teacher's RMSNorms by the fused op (`norms.fuse_norms`)."""
     fuse_norms(model)
-    cfg = make_method_config(spec["method"], **spec.get("options", {}))
-    softmax_layers = set(spec.get("softmax_layers", []))
-    attention_class = ATTENTION_CLASSES[spec["method"]]
+    softmax_layers = set(softmax_layers)
+    attention_class = ATTENTION_CLASSES[method_name(cfg)]
     for idx, layer in enumerate(model.model.layers):
         if idx not in softmax_layers and not isinstance(layer.self_attn, LinearizedAttention):
             layer.self_attn = attention_class(layer.self_attn, cfg, model.config)
+
+
+def spec_method_config(spec: dict) -> MethodConfig:
+    """The typed method config of a checkpoint's `linearize` settings (its config.json: an edge, parsed here)."""
+    return make_method_config(spec["method"], **spec.get("options", {}))
+
+
+def method_config_of(model: nn.Module) -> MethodConfig:
+    """The method config a linearized model runs: the one its linearized layers share, or for a model
+    with none (every layer softmax), its checkpoint settings' own."""
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, LinearizedAttention):
+            return layer.self_attn.cfg
+    return spec_method_config(model.config.linearize)
 
 
 def _linearized_classes(model_type: str, config_class: type, model_class: type) -> tuple[type, type]:
@@ -45,7 +58,8 @@ def _linearized_classes(model_type: str, config_class: type, model_class: type) 
 
     def __init__(self, config):
         model_class.__init__(self, config)
-        swap_attention(self, config.linearize)
+        spec = config.linearize
+        swap_attention(self, spec_method_config(spec), spec.get("softmax_layers", []))
 
     linearized_model = type(model_name, (model_class,), {
         "__module__": __name__, "__qualname__": model_name, "config_class": linearized_config, "__init__": __init__,

@@ -40,11 +40,11 @@ import torch
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
 from ..train.config import DistillConfig
-from ..train.distillation import build_student
 from ..train.losses import stage_loss
 from ..train.runtime import Runtime
 from ..train.step import WARMUP_STEPS, TrainStep, make_optimizer
 from ..train.student import (
+    build_student,
     enable_checkpointing,
     linearized_layers,
     linearized_student,

@@ -6,165 +6,49 @@ import datetime
 import importlib.metadata
 import json
 import platform
-import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 
-from linearize.eval import babilong, generative, harness, longcontext, ruler
-from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS, greedy_generate, rows_per_batch
-from linearize.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity
-from linearize.eval.texts import essay_sentences
+from linearize.eval import generative, harness, longcontext
+from linearize.eval.config import EvalConfig, EvalSettingError  # noqa: F401  (EvalSettingError: importable here)
+from linearize.eval.generation import greedy_generate, rows_per_batch
+from linearize.eval.perplexity import perplexity
+from linearize.eval.tasks import (  # noqa: F401  (the task settings' parsers, importable from here too)
+    KNOWN_TASKS,
+    LONGCONTEXT,
+    RULER,
+    SHORTHANDS,
+    SYNTHETIC,
+    TaskNotInRun,
+    check_chat_template,
+    check_prompt_lengths,
+    check_task_limits,
+    haystack_essay,
+    parse_depths,
+    parse_lengths,
+    parse_task_lengths,
+    parse_tasks,
+)
 
-LONGCONTEXT = tuple(longcontext.TASKS)  # every long-context task: the synthetic six, RULER's and BABILong's
-SYNTHETIC = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "mqar")
-# The RULER-style tasks whose mean is the results tables' "RULER" column (recipes; 4K there). The
-# `ruler` shorthand is RULER's own task set (ruler.RULER_TASKS), averaged in the eval report.
-RULER = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
-SHORTHANDS = {"zeroshot": harness.ZEROSHOT, "longcontext": SYNTHETIC, "ruler": ruler.RULER_TASKS,
-              "babilong": babilong.BABILONG_TASKS}
-SHORTHANDS["zeroshot_gen"] = generative.ZEROSHOT_GEN  # the zero-shot questions answered by a generated letter
-KNOWN_TASKS = ("ppl", *harness.HARNESS_TASKS, *LONGCONTEXT)
-KNOWN_TASKS += generative.TASKS  # lm-eval tasks of ours (generate, then score)
 FORMAT = "linearize-eval/1"
-
-
-def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
-    """Expand shorthands and check names: 'ppl,zeroshot' -> ['ppl', 'piqa', ...] (order kept, no repeats).
-
-    Names that are not ours are accepted if lm-eval knows them (they run through the harness).
-    """
-    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
-    names = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        for name in SHORTHANDS.get(item, (item,)):
-            if name not in KNOWN_TASKS and not harness.is_lm_eval_task(name):
-                choices = ", ".join((*KNOWN_TASKS, *SHORTHANDS))
-                raise ValueError(f"Unknown task {name!r}; choose from {choices}, or an lm-eval task name.")
-            if name not in names:
-                names.append(name)
-    if not names:
-        raise ValueError("No tasks given; pass a comma-separated list such as ppl,zeroshot,passkey.")
-    return names
-
-
-class TaskNotInRun(ValueError):
-    """Per-task settings (task lengths or limits) name a task this run does not evaluate."""
-
-
-def _items(value) -> list:
-    """A comma-separated string's items, a list's, or a lone value (a recipe's `lengths: 512`) as one item."""
-    if isinstance(value, str):
-        return value.split(",")
-    return list(value) if isinstance(value, Iterable) else [value]
-
-
-def parse_lengths(lengths: str | int | Sequence[int | str]) -> list[int]:
-    """'1k,2k,512,32K' -> [512, 1024, 2048, 32768] (k = 1024), sorted, no repeats; 512 alone -> [512]. 0
-    is BABILong's length of the facts alone (other tasks refuse it in `check_prompt_lengths`)."""
-    items = _items(lengths)
-    parsed = set()
-    for item in (str(i).strip() for i in items):
-        match = re.fullmatch(r"(\d+)([kK]?)", item)
-        if not match:
-            raise ValueError(f"Bad length {item!r}; use token counts such as 512, 4k or 32K (0: BABILong's facts alone).")
-        parsed.add(int(match[1]) * (1024 if match[2] else 1))
-    if not parsed:
-        raise ValueError("No lengths given; pass a comma-separated list such as 1k,2k,4k.")
-    return sorted(parsed)
-
-
-def parse_depths(depths: str | float | Sequence[float | str]) -> list[float]:
-    """'0,25,50,75,100' -> [0, 25, 50, 75, 100]: needle depths in percent of the haystack; 50 alone -> [50]."""
-    items = _items(depths)
-    parsed = set()
-    for item in (str(i).strip() for i in items):
-        try:
-            depth = float(item)
-        except ValueError:
-            depth = -1.0
-        if not 0 <= depth <= 100:
-            raise ValueError(f"Bad depth {item!r}; depths are percentages from 0 to 100.")
-        parsed.add(int(depth) if depth.is_integer() else depth)
-    return sorted(parsed)
-
-
-def haystack_essay(task: str, essay: str | None) -> Sequence[str]:
-    """The essay sentences a long-context task needs (none for noise or key-value haystacks)."""
-    return essay_sentences(essay) if longcontext.TASKS[task][1] else ()
-
-
-def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int], essay: str | None = None,
-                         task_lengths: dict[str, list[int]] | None = None) -> None:
-    """Raise ValueError if the shortest length cannot hold a long-context task's prompt (or is 0 for ppl)."""
-    if "ppl" in names and 0 in (task_lengths or {}).get("ppl", lengths):
-        raise ValueError("lengths: ppl cannot score windows of length 0 (0 is BABILong's length of the facts "
-                         "alone): drop 0 from the lengths, or give ppl its own with --task-lengths")
-    for name in (n for n in names if n in LONGCONTEXT):
-        shortest = min((task_lengths or {}).get(name, lengths))
-        longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay))
-
-
-def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | int | Sequence[int | str]]
-                       ) -> dict[str, list[int]]:
-    """{task: lengths} for ppl or long-context tasks of this run, e.g. {"variable_tracking": "4k"}; a
-    shorthand (e.g. {"ruler": "4k"}) gives its tasks those lengths."""
-    if not isinstance(task_lengths, dict):
-        raise TypeError(f"task lengths must be a mapping of task to lengths, e.g. {{ruler: 4k}}, got {task_lengths!r}")
-    parsed = {}
-    for key, lengths in task_lengths.items():
-        for task in SHORTHANDS.get(key, (key,)):
-            if task not in names or (task != "ppl" and task not in LONGCONTEXT):
-                named = repr(task) if task == key else f"{key!r} (its task {task!r})"
-                raise TaskNotInRun(f"task lengths name {named}, which is not ppl or a long-context task of this "
-                                   f"run ({', '.join(names)})")
-            parsed[task] = parse_lengths(lengths)
-    return parsed
-
-
-def check_task_limits(names: Sequence[str], task_limits: dict[str, int]) -> None:
-    """Per-task caps may only name lm-eval tasks of this run, with positive integers."""
-    if not isinstance(task_limits, dict):
-        raise TypeError(f"task limits must be a mapping of task to a number of examples, e.g. {{mmlu: 20}}, "
-                        f"got {task_limits!r}")
-    for task, cap in task_limits.items():
-        if task not in names or task == "ppl" or task in LONGCONTEXT:
-            raise TaskNotInRun(f"a task limit names {task!r}, which is not an lm-eval task of this run "
-                               f"({', '.join(names)})")
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
-            raise ValueError(f"the limit of {task} must be a positive integer, got {cap!r}")
-
 
 def evaluate(
     model,
     tokenizer,
-    tasks: str | Sequence[str],
+    tasks: str | Sequence[str] | EvalConfig,
     *,
-    limit: int | None = None,
-    lengths: str | int | Sequence[int | str] = longcontext.DEFAULT_LENGTHS,
-    depths: str | float | Sequence[float | str] = longcontext.DEFAULT_DEPTHS,
-    samples: int = longcontext.DEFAULT_SAMPLES,
-    batch: int = 8,
-    harness_batch: int | None = None,
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-    seed: int = 0,
-    text: str | None = None,
-    essay: str | None = None,
-    ppl_max_tokens: int = DEFAULT_MAX_TOKENS,
-    data_dir: str | None = None,
     model_spec: str | None = None,
     on_progress: Callable[[dict], None] | None = None,
-    task_limits: dict[str, int] | None = None,
-    task_lengths: dict[str, str | Sequence[int | str]] | None = None,
     resume: dict | None = None,
-    chat_template: bool = False,
+    **settings,
 ) -> dict:
     """Evaluate a HF causal LM (teacher or linearized student) on `tasks`; returns the results dict.
 
+    `tasks` is an `EvalConfig`, or its `tasks` with the other settings as keywords (`settings`, parsed
+    into one here). Its settings:
     `limit` caps examples everywhere: lm-eval documents per task, perplexity windows per length,
     long-context samples per (length, depth) cell (`samples` otherwise). `task_limits` {task: cap}
     overrides it for single lm-eval tasks (e.g. {"mmlu": 20}: 20 questions per subject). `lengths` serve both the
@@ -185,26 +69,21 @@ def evaluate(
     (SETTINGS, and a task's own lengths and limit); the rest runs again.
     `chat_template` puts the generative tasks' prompts in the tokenizer's chat template (`run_harness`).
     """
-    names = parse_tasks(tasks)
-    task_limits = dict(task_limits or {})
-    check_task_limits(names, task_limits)
-    lengths, depths = parse_lengths(lengths), parse_depths(depths)
-    task_lengths = parse_task_lengths(names, task_lengths or {})
-    samples = samples if limit is None else min(samples, limit)
+    cfg = eval_config(tasks, settings)
+    names, limit, lengths, depths, batch = cfg.tasks, cfg.limit, cfg.lengths, cfg.depths, cfg.batch
+    task_limits, task_lengths, essay = cfg.task_limits, cfg.task_lengths, cfg.essay
     model.eval()
     started = datetime.datetime.now(datetime.UTC)
     clock = time.perf_counter()
     results: dict[str, dict] = {}
 
     harness_tasks = [n for n in names if n != "ppl" and n not in LONGCONTEXT]
-    if harness_batch is not None and harness_batch < 1:
-        raise ValueError(f"harness_batch must be a positive integer, got {harness_batch!r}")
-    harness_batch = harness_batch or batch
-    check_chat_template(chat_template, tokenizer)
-    settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, samples, batch, seed)
-    settings["harness_batch"] = harness_batch
+    check_chat_template(cfg.chat_template, tokenizer)
+    settings = provenance(model, model_spec, names, limit, task_limits, lengths, depths, cfg.samples_per_cell, batch,
+                          cfg.seed)
+    settings["harness_batch"] = cfg.harness_batch_size
     settings["task_lengths"] = task_lengths
-    if chat_template:  # recorded only when on, so that results written without the key read as off
+    if cfg.chat_template:  # recorded only when on, so that results written without the key read as off
         settings["chat_template"] = True
 
     def assemble(results: dict, complete: bool) -> dict:
@@ -227,7 +106,7 @@ def evaluate(
         return out
 
     check_prompt_lengths(names, tokenizer, lengths, essay, task_lengths)  # fail before any task has run
-    harness.check_data_reachable(harness_tasks, data_dir)
+    harness.check_data_reachable(harness_tasks, cfg.data_dir)
     kept, unfinished = resumable_tasks(resume, settings) if resume is not None else ({}, {})
     results |= kept
 
@@ -246,31 +125,41 @@ def evaluate(
             continue
         start = time.perf_counter()
         if name == "ppl":
-            results[name] = perplexity(model, tokenizer, task_lengths.get(name, lengths), text=text,
-                                       max_tokens=ppl_max_tokens, limit=limit, batch=batch)
+            results[name] = perplexity(model, tokenizer, task_lengths.get(name, lengths), text=cfg.text,
+                                       max_tokens=cfg.ppl_max_tokens, limit=limit, batch=batch)
         elif name in LONGCONTEXT:
             earlier = unfinished.get(name, {})
             start -= earlier.get("wall_time_s", 0.0)  # the time of the lengths kept counts too
             generate = partial(
-                greedy_generate, model, tokenizer, batch=batch, max_batch_tokens=max_batch_tokens, desc=name
+                greedy_generate, model, tokenizer, batch=batch, max_batch_tokens=cfg.max_batch_tokens, desc=name
             )
             results[name] = longcontext.run_longcontext(
-                name, generate, tokenizer, lengths=task_lengths.get(name, lengths), depths=depths, samples=samples,
-                seed=seed, essay=haystack_essay(name, essay), finished=earlier.get("samples", ()),
+                name, generate, tokenizer, lengths=task_lengths.get(name, lengths), depths=depths,
+                samples=cfg.samples_per_cell, seed=cfg.seed, essay=haystack_essay(name, essay), finished=earlier.get("samples", ()),
                 on_progress=partial(task_progress, name, start),
                 # At most one generate batch a call (its rows hold prompt and answer), so that a cut
                 # run keeps every batch it finished.
-                prompts_per_call=lambda tokens: rows_per_batch(tokens, batch, max_batch_tokens),
+                prompts_per_call=lambda tokens: rows_per_batch(tokens, batch, cfg.max_batch_tokens),
             )
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(
                 model, tokenizer, [n for n in harness_tasks if n not in results], limit=limit, task_limits=task_limits,
-                batch=harness_batch, seed=seed, data_dir=data_dir, on_task=finished, chat_template=chat_template,
+                batch=cfg.harness_batch_size, seed=cfg.seed, data_dir=cfg.data_dir, on_task=finished,
+                chat_template=cfg.chat_template,
             )
             continue
         results[name]["wall_time_s"] = time.perf_counter() - start  # the harness times its tasks itself
         finished(name, results[name])
     return assemble(results, complete=True)
+
+
+def eval_config(tasks: str | Sequence[str] | EvalConfig, settings: dict) -> EvalConfig:
+    """`evaluate`'s settings as one `EvalConfig`: the one given, or one parsed from the tasks and keywords."""
+    if isinstance(tasks, EvalConfig):
+        if settings:
+            raise TypeError(f"settings {', '.join(sorted(settings))} given beside an EvalConfig: set them in it")
+        return tasks
+    return EvalConfig(tasks, **settings)
 
 
 SETTINGS = ("model", "method_config", "depths", "samples_per_cell", "seed")
@@ -284,14 +173,6 @@ def task_settings(provenance: dict, task: str) -> dict:
     if task in generative.TASKS:
         own["chat_template"] = bool(provenance.get("chat_template"))
     return own
-
-
-def check_chat_template(chat_template, tokenizer=None) -> None:
-    """A bool, and with a tokenizer given, one that has a chat template when asked for."""
-    if not isinstance(chat_template, bool):
-        raise TypeError(f"chat_template must be true or false, got {chat_template!r}")
-    if chat_template and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template")
 
 
 def resumable_tasks(previous: dict, current_provenance: dict) -> tuple[dict[str, dict], dict[str, dict]]:

@@ -82,16 +82,7 @@ def run(args) -> int:
     from linearize.eval.report import write_json, write_report
 
     # Check every input before the (slow) model load, so a mistake fails at once.
-    tasks = _flag("--tasks", api.parse_tasks, args.tasks)
-    lengths = _flag("--lengths", api.parse_lengths, args.lengths)
-    depths = _flag("--depths", api.parse_depths, args.depths)
-    task_limits = _flag("--task-limit", parse_task_limits, args.task_limit)
-    _flag("--task-limit", api.check_task_limits, tasks, task_limits)
-    task_lengths = _flag("--task-lengths", api.parse_task_lengths, tasks,
-                         dict(item.partition("=")[::2] for item in args.task_lengths))
-    for flag in ("limit", "samples", "batch", "harness_batch"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}.")
+    cfg = eval_config_from_args(args)
     for flag in ("text", "essay"):
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag} {getattr(args, flag)} is not a file.")
@@ -103,19 +94,38 @@ def run(args) -> int:
     from linearize.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    api.check_prompt_lengths(tasks, tokenizer, lengths, args.essay, task_lengths)
-    _flag("--chat-template", api.check_chat_template, args.chat_template, tokenizer)
+    api.check_prompt_lengths(cfg.tasks, tokenizer, cfg.lengths, cfg.essay, cfg.task_lengths)
+    _flag("--chat-template", api.check_chat_template, cfg.chat_template, tokenizer)
     model = load_model(args.model, dtype=args.dtype, device=default_device(args.device), inference_options=options)
-    results = api.evaluate(
-        model, tokenizer, tasks, limit=args.limit, lengths=lengths, depths=depths, samples=args.samples,
-        batch=args.batch, harness_batch=args.harness_batch, seed=args.seed, text=args.text, essay=args.essay, model_spec=args.model,
-        on_progress=partial(write_json, out=args.out), task_limits=task_limits, task_lengths=task_lengths,
-        resume=previous, chat_template=args.chat_template,
-    )
+    results = api.evaluate(model, tokenizer, cfg, model_spec=args.model, on_progress=partial(write_json, out=args.out),
+                           resume=previous)
     for path in write_report(results, args.out):
         print(f"wrote {path}")
     print(summary_line(results))
     return 0
+
+
+# EvalConfig's settings -> the flags that give them, which its errors name.
+FLAGS = {"tasks": "--tasks", "limit": "--limit", "task_limits": "--task-limit", "lengths": "--lengths",
+         "task_lengths": "--task-lengths", "depths": "--depths", "samples": "--samples", "batch": "--batch",
+         "harness_batch": "--harness-batch", "chat_template": "--chat-template"}
+
+
+def eval_config_from_args(args):
+    """The `EvalConfig` of the command's flags (a ValueError naming the flag for a bad one)."""
+    from linearize.eval.config import EvalConfig, EvalSettingError
+
+    task_limits = _flag("--task-limit", parse_task_limits, args.task_limit)
+    try:
+        return EvalConfig(tasks=args.tasks, limit=args.limit, task_limits=task_limits, lengths=args.lengths,
+                          task_lengths=dict(item.partition("=")[::2] for item in args.task_lengths), depths=args.depths,
+                          samples=args.samples, batch=args.batch, harness_batch=args.harness_batch, seed=args.seed,
+                          text=args.text, essay=args.essay, chat_template=args.chat_template)
+    except EvalSettingError as e:
+        flag, text = FLAGS.get(e.setting, e.setting), str(e)
+        if text.startswith(f"{e.setting} "):  # a message that names the setting names the flag instead
+            raise ValueError(flag + text.removeprefix(e.setting)) from None
+        raise ValueError(f"{flag}: {text}") from None
 
 
 def check_out(out: str, *, resume: bool, overwrite: bool) -> None:

@@ -77,29 +77,24 @@ class Recipe:
     def check_eval(self) -> None:
         """Parse the eval settings as the evaluation will (task names, lengths, depths), so that a bad
         one fails before a row trains, not after. Imports the evaluation (torch): run, not list."""
-        from ..eval import api
+        self.eval_config()
+
+    def eval_config(self):
+        """The `eval` section (less its "set") as the evaluation's typed `EvalConfig` (RecipeError if bad)."""
+        from ..eval.config import EvalConfig, EvalSettingError
+        from ..eval.tasks import TaskNotInRun
 
         where = display_path(self.source) if self.source is not None else self.name
         if "tasks" not in self.eval:
             raise RecipeError(f"recipe {where}: eval: no 'tasks' to evaluate (e.g. tasks: ppl,zeroshot)")
         try:
-            tasks = api.parse_tasks(self.eval["tasks"])
-            for key, parse in (("lengths", api.parse_lengths), ("depths", api.parse_depths)):
-                if key in self.eval:
-                    parse(self.eval[key])
-            for key, check, what in (("task_lengths", api.parse_task_lengths, "lengths"),
-                                     ("task_limits", api.check_task_limits, "limits")):
-                try:
-                    check(tasks, self.eval.get(key) or {})
-                except api.TaskNotInRun as e:
-                    # Most often inherited from a parent that runs more tasks (`extends` or `eval.tasks=`).
-                    raise RecipeError(f"recipe {where}: eval: {e}; override eval.{key}=null (or set {what} for "
-                                      "this run's tasks)") from None
-            if "chat_template" in self.eval:
-                api.check_chat_template(self.eval["chat_template"])
-        except RecipeError:
-            raise
-        except (ValueError, TypeError, AttributeError) as e:
+            return EvalConfig(**{key: value for key, value in self.eval.items() if key != "set"})
+        except EvalSettingError as e:
+            if isinstance(e.__cause__, TaskNotInRun):
+                # Most often inherited from a parent that runs more tasks (`extends` or `eval.tasks=`).
+                what = "lengths" if e.setting == "task_lengths" else "limits"
+                raise RecipeError(f"recipe {where}: eval: {e}; override eval.{e.setting}=null (or set {what} for "
+                                  "this run's tasks)") from None
             raise RecipeError(f"recipe {where}: eval: {e}") from None
 
     def distill_config(self, out: Path, model: str | None = None):
@@ -276,7 +271,7 @@ def _known_keys(at: tuple[str, ...]) -> set[str] | None:
 
 def _check_distill(path: Path, recipe: Recipe) -> None:
     """`distill` must make a valid DistillConfig and method config."""
-    from ..config import ConfigError, make_method_config
+    from ..config import ConfigError
     from ..train import DistillConfig
 
     if not isinstance(recipe.distill, dict):
@@ -289,22 +284,21 @@ def _check_distill(path: Path, recipe: Recipe) -> None:
     if "method" not in recipe.distill:
         raise RecipeError(f"recipe {path}: 'distill' needs a 'method'")
     try:
-        cfg = recipe.distill_config(Path("model"))
-        make_method_config(cfg.method, **cfg.options)
+        recipe.distill_config(Path("model"))  # which parses the method's options too (`DistillConfig.method_config`)
     except (ConfigError, TypeError, ValueError) as e:
         raise RecipeError(f"recipe {path}: distill: {e}") from None
 
 
 def _check_inference_options(path: Path, distill: dict | None, options: dict) -> None:
     """An eval's "set" must name inference options of the recipe's method, with valid values."""
-    from ..config import ConfigError, with_inference_options
+    from ..config import ConfigError, make_method_config, with_inference_options
 
     if distill is None:
         raise RecipeError(f"recipe {path}: eval 'set' changes a distilled model; this recipe distils none")
     if not isinstance(options, dict):
         raise RecipeError(f"recipe {path}: eval 'set' must be a mapping of inference options, got {options!r}")
     try:
-        with_inference_options(distill.get("method"), distill.get("options", {}), options)
+        with_inference_options(make_method_config(distill.get("method"), **(distill.get("options") or {})), options)
     except ConfigError as e:
         raise RecipeError(f"recipe {path}: eval 'set': {e}") from None
 

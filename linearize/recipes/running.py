@@ -87,10 +87,9 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
     try:
         tokenizer = load_tokenizer(subject)
         # bf16 on a GPU, as experiments/gpu/teacher_eval.sh evaluates the teacher; float32 on a CPU.
-        settings = dict(recipe.eval)
         model = load_model(subject, device=device, dtype="bfloat16" if device == "cuda" else None,
-                           inference_options=settings.pop("set", None))
-        results = evaluate(model, tokenizer, **settings, model_spec=subject, resume=previous,
+                           inference_options=recipe.eval.get("set"))
+        results = evaluate(model, tokenizer, recipe.eval_config(), model_spec=subject, resume=previous,
                            on_progress=lambda partial: write_json(partial, eval_path))
         write_report(results, eval_path)
         record["evaluated"] = recipe.eval  # a changed recipe runs again, keeping the tasks it still shares

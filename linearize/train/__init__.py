@@ -5,7 +5,7 @@ The names load on first use (PEP 562), so the command's parser imports no torch.
 
 from linearize._lazy import lazy_exports
 
-_EXPORTS = {"DistillConfig": "config", "ResumeError": "run_dir", "TrainingDiverged": "distillation",
+_EXPORTS = {"DistillConfig": "config", "ResumeError": "run_dir", "TrainingDiverged": "losses",
             "distill": "distillation", "ensure_distilled": "distillation"}
 
 __all__ = ["DistillConfig", "ResumeError", "TrainingDiverged", "distill", "ensure_distilled"]

@@ -92,7 +92,7 @@ def config_from_args(args):
     from ..config import parse_set_options
     from .config import DistillConfig
 
-    options = parse_set_options(args.set or [], [args.method])
+    options = parse_set_options(args.set or [])  # checked against the method once, by DistillConfig
     lrs = {}
     if args.lr is not None:
         first, second = args.lr

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import LAYER_CHOICES, make_method_config
+from ..config import LAYER_CHOICES, MethodConfig, make_method_config
 
 # softmax_by's rules: what each one ranks the layers by. "even" needs no training to choose.
 SOFTMAX_BY_RULES = ("error", "even", "kl")
@@ -53,7 +53,7 @@ class DistillConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
-    options: dict = field(default_factory=dict)  # method options (see linearize.config)
+    options: dict = field(default_factory=dict)  # method options (see linearize.config), as `method_config` types them
     softmax_layers: list[int] = field(default_factory=list)
     # "full": linearize the teacher's full-attention layers only, keeping its sliding-window layers
     # (`linearize.architectures.layers_kept_softmax`); "all": every layer.
@@ -133,8 +133,11 @@ class DistillConfig:
                              "use --stage 2, its published recipe")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        # `options` stay as given (what distill_config.json records and a resume compares); the layers below
+        # take this typed config, parsed once here.
+        self.method_config: MethodConfig = make_method_config(self.method, **self.options)
         if self.method == "still" and 1 in self.stages:
-            still = make_method_config("still", **self.options)
+            still = self.method_config
             if not still.folds_within(self.seq_len):
                 raise ValueError(
                     f"STILL's softmax budget ({still.budget} slots, {still.per_chunk} picks per "

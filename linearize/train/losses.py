@@ -30,6 +30,11 @@ IGNORE_INDEX = -100  # HF's and F.cross_entropy's default
 CHUNK = 1024  # tokens a chunk: 1024 x 128K float32 logits are 0.5 GiB
 
 
+class TrainingDiverged(ValueError):
+    """A stage's loss or gradient norm stopped being finite. Nothing is saved once it is seen: a checkpoint
+    or model of non-finite weights would only fail later, in whatever loads it."""
+
+
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype of the logits' matmul: autocast's where it is on (as an nn.Linear head gets), else the
     operands' common dtype."""

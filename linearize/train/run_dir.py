@@ -16,6 +16,7 @@ LOG_NAME = "train_log.jsonl"
 CONFIG_NAME = "distill_config.json"
 STAGE1_NAME = "stage1_attention.pt"
 LAYER_ERRORS_NAME = "stage1_layer_errors.json"
+LORA_NAME = "stage2_lora.pt"  # stage 2's trained adapters, which the export merges
 CHECKPOINT_NAME = "checkpoint"
 
 
@@ -31,7 +32,7 @@ STAGE2_SETTINGS = {"stage", "softmax_by", "lr_stage2", "lora_r", "lora_alpha", "
 # What KL-guided selection's candidate scores depend on beyond stage 1: where two kl:N runs agree on these,
 # the scores of one are the other's.
 KL_SCORING_SETTINGS = ("kl_train_steps", "lr_stage2", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
-# The entries of a layer record that KL-guided selection's candidate scoring wrote (`Run.select_by_kl`): what
+# The entries of a layer record that KL-guided selection's candidate scoring wrote (`layer_selection.KLSelection`): what
 # a run taking its stage 1 copies where `same_kl_scoring`.
 KL_RECORD_KEYS = ("kl_all_linear", "kl_restored", "kl_gain", "kl_train_steps", "kl_seq_len", "kl_seconds")
 

@@ -6,9 +6,12 @@ float32 (`upcast_to_float32`): the new modules in stage 1, peft's LoRA adapters 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .config import DistillConfig
+from .run_dir import ResumeError
 from .runtime import Runtime
 
 
@@ -48,7 +51,7 @@ def linearized_student(teacher, cfg: DistillConfig, softmax_layers: list[int] | 
     from ..convert import convert
 
     softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
-    model = convert(teacher, cfg.method, softmax_layers=softmax_layers, layers=cfg.layers, **cfg.options)
+    model = convert(teacher, cfg.method_config, softmax_layers=softmax_layers, layers=cfg.layers)
     upcast_to_float32(p for layer in linearized_layers(model) for p in layer.new_parameters())
     return model
 
@@ -100,3 +103,25 @@ def enable_checkpointing(model) -> None:
     down the whole residual stream, through every MLP and projection of the teacher."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.disable_input_require_grads()
+
+
+def build_student(cfg: DistillConfig, stage1_path: Path | None, softmax_layers: list[int] | None = None,
+                  dtype: torch.dtype = torch.float32):
+    """Teacher, loaded in `dtype` (`weights_dtype`) -> linearized student (`linearized_student`: its new
+    modules float32), with stage-1 modules if they exist.
+
+    `softmax_layers` (default: the config's) may hold more layers than stage 1 had; their stage-1
+    modules are then left out.
+    """
+    from ..loading import load_model
+
+    softmax_layers = cfg.softmax_layers if softmax_layers is None else softmax_layers
+    model = linearized_student(load_model(cfg.model, dtype=dtype), cfg, softmax_layers)
+    if stage1_path is not None and stage1_path.exists():
+        reverted = tuple(f".layers.{i}." for i in set(softmax_layers) - set(cfg.softmax_layers))
+        tensors = {name: t for name, t in torch.load(stage1_path, map_location="cpu").items()
+                   if not any(r in f".{name}" for r in reverted)}
+        unexpected = model.load_state_dict(tensors, strict=False).unexpected_keys
+        if unexpected:
+            raise ResumeError(f"{stage1_path} does not match this model: unexpected {unexpected[:3]}")
+    return model

@@ -6,12 +6,12 @@
 import sys
 
 from linearize.cli import main
-from linearize.train import distillation
+from linearize.train import stage_loop
 
 
 def interrupting_stage_loss(n: int):
-    """`distillation.stage_loss` that raises KeyboardInterrupt in the Nth stage-2 training step."""
-    real, calls = distillation.stage_loss, {"n": 0}
+    """`stage_loop.stage_loss` that raises KeyboardInterrupt in the Nth stage-2 training step."""
+    real, calls = stage_loop.stage_loss, {"n": 0}
 
     def flaky(model, ids, stage):
         calls["n"] += stage == 2 and model.training  # validation runs in eval mode: not counted
@@ -23,5 +23,5 @@ def interrupting_stage_loss(n: int):
 
 
 if __name__ == "__main__":
-    distillation.stage_loss = interrupting_stage_loss(int(sys.argv[1]))
+    stage_loop.stage_loss = interrupting_stage_loss(int(sys.argv[1]))
     sys.exit(main(["distill", *sys.argv[2:]]))

@@ -12,7 +12,7 @@ import torch
 from interrupted_distill import interrupting_stage_loss
 
 from linearize.loading import load_model
-from linearize.train import DistillConfig, ResumeError, checkpoint, distill
+from linearize.train import DistillConfig, ResumeError, checkpoint, distill, stage_loop
 from linearize.train import distillation as distill_module
 from linearize.train.student import new_parameter_names
 
@@ -69,12 +69,12 @@ def test_each_stage_changes_only_its_parameters(workspace, tmp_path):
 def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monkeypatch):
     straight = distill(config(workspace, tmp_path / "straight"), progress=False)
 
-    real_loss = distill_module.stage_loss
+    real_loss = stage_loop.stage_loss
     # Mid stage-2 step 5: the checkpoint of step 3 is the last one saved before.
-    monkeypatch.setattr(distill_module, "stage_loss", interrupting_stage_loss(5))
+    monkeypatch.setattr(stage_loop, "stage_loss", interrupting_stage_loss(5))
     with pytest.raises(KeyboardInterrupt):
         distill(config(workspace, tmp_path / "resumed"), progress=False)
-    monkeypatch.setattr(distill_module, "stage_loss", real_loss)
+    monkeypatch.setattr(stage_loop, "stage_loss", real_loss)
     with pytest.raises(ResumeError):
         distill(config(workspace, tmp_path / "resumed"), progress=False)  # refuses to overwrite without --resume
     resumed = distill(config(workspace, tmp_path / "resumed"), resume=True, progress=False)
@@ -87,9 +87,9 @@ def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monk
 
 
 def recording_dtypes(monkeypatch) -> dict:
-    """`distillation.stage_loss`, noting at each stage's first call the model the trainer built: the dtypes of
+    """`stage_loop.stage_loss`, noting at each stage's first call the model the trainer built: the dtypes of
     its trained, stage-1 (new) and other frozen parameters and of its buffers, and stage 1's tensors' values."""
-    seen, real = {}, distill_module.stage_loss
+    seen, real = {}, stage_loop.stage_loss
 
     def loss(model, ids, stage):
         if stage not in seen:
@@ -102,7 +102,7 @@ def recording_dtypes(monkeypatch) -> dict:
                            "new_values": {n.removeprefix("base_model.model."): params[n].detach().clone() for n in new}}
         return real(model, ids, stage)
 
-    monkeypatch.setattr(distill_module, "stage_loss", loss)
+    monkeypatch.setattr(stage_loop, "stage_loss", loss)
     return seen
 
 
@@ -134,12 +134,12 @@ def test_a_bf16_run_trains_float32_masters_beside_a_bf16_teacher_resumes_and_exp
     assert seen[2]["new_values"].keys() == stage1.keys()
     assert all(torch.equal(seen[2]["new_values"][n], t) for n, t in stage1.items())
 
-    recording = distill_module.stage_loss
-    monkeypatch.setattr(distill_module, "stage_loss", interrupting_stage_loss(5))
+    recording = stage_loop.stage_loss
+    monkeypatch.setattr(stage_loop, "stage_loss", interrupting_stage_loss(5))
     with pytest.raises(KeyboardInterrupt):
         distill(config(workspace, tmp_path / "resumed", precision="bf16"), progress=False)
     seen.clear()
-    monkeypatch.setattr(distill_module, "stage_loss", recording)
+    monkeypatch.setattr(stage_loop, "stage_loss", recording)
     resumed = distill(config(workspace, tmp_path / "resumed", precision="bf16"), resume=True, progress=False)
     assert set(seen) == {2} and seen[2]["trained"] == {torch.float32} and seen[2]["frozen"] == {torch.bfloat16}
     losses = lambda out: {(r["stage"], r["step"]): r["loss"] for r in log(out) if "loss" in r}
@@ -218,8 +218,7 @@ def test_bad_settings_are_rejected():
 
 
 def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
-    from linearize.train.distillation import build_student
-    from linearize.train.student import parameter_groups, prepare_stage
+    from linearize.train.student import build_student, parameter_groups, prepare_stage
 
     cfg = config(workspace, workspace / "unused", head_lr_scale=30.0)
     model, _ = prepare_stage(build_student(cfg, None), cfg, 1)
@@ -240,10 +239,9 @@ def test_a_bf16_student_holds_frozen_weights_in_bf16_and_trains_float32_masters(
     float32 in both stages (in stage 2, exactly the tensors stage 1 saved), RoPE's frequencies float32.
     Under autocast its loss is the float32 student's, to bf16 precision, and gradients reach the trained
     tensors only."""
-    from linearize.train.distillation import build_student
     from linearize.train.losses import stage_loss
     from linearize.train.runtime import Runtime
-    from linearize.train.student import linearized_layers, prepare_stage, weights_dtype
+    from linearize.train.student import build_student, linearized_layers, prepare_stage, weights_dtype
 
     # alpha at 1: a stage-1 loss well above zero (see test_both_stages_reduce_their_losses_and_export_a_model)
     cfg = config(workspace, tmp_path / "unused", options={"window": 8, "num_sinks": 2, "alpha_init": 1.0})
@@ -289,9 +287,8 @@ def test_a_bf16_student_holds_frozen_weights_in_bf16_and_trains_float32_masters(
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(workspace, stage):
-    from linearize.train.distillation import build_student
     from linearize.train.losses import stage_loss
-    from linearize.train.student import prepare_stage
+    from linearize.train.student import build_student, prepare_stage
 
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
     results = []
@@ -353,14 +350,14 @@ def test_sigterm_stops_a_distill_the_clean_way_and_a_rerun_resumes_it(workspace,
     script = (
         "import os, signal, sys\n"
         "from linearize.cli import main\n"
-        "from linearize.train import distillation\n"
-        "real, calls = distillation.stage_loss, [0]\n"
+        "from linearize.train import stage_loop\n"
+        "real, calls = stage_loop.stage_loss, [0]\n"
         "def loss(model, ids, stage):\n"
         "    calls[0] += stage == 2 and model.training\n"
         "    if calls[0] == 3:\n"
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return real(model, ids, stage)\n"
-        "distillation.stage_loss = loss\n"
+        "stage_loop.stage_loss = loss\n"
         "sys.exit(main(['distill', *sys.argv[1:]]))\n"
     )
     stopped = subprocess.run([sys.executable, "-c", script, *args], check=False, capture_output=True, text=True,

@@ -2,6 +2,7 @@
 against a direct computation, Gemma's sliding layers left out, end-to-end distills, flags and recipes."""
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -21,6 +22,7 @@ from linearize.train.command import config_from_args, register
 from linearize.train.distillation import Run
 from linearize.train.layer_report import layer_figure
 from linearize.train.layer_selection import (
+    KLSelection,
     even_layers,
     kl_distillation_loss,
     kl_teacher_states,
@@ -319,7 +321,7 @@ def test_an_interrupted_kl_selection_resumes_at_the_next_candidate(workspace, tm
     whole = scores_of(distill(config(workspace, tmp_path / "whole", softmax_by="kl:1", kl_train_steps=2),
                               progress=False))
     scored = []
-    original = Run.candidate_kl
+    original = KLSelection.candidate_kl
 
     def interrupted_at_the_second(self, restored):
         if len(scored) == 1:
@@ -327,7 +329,7 @@ def test_an_interrupted_kl_selection_resumes_at_the_next_candidate(workspace, tm
         scored.append(restored)
         return original(self, restored)
 
-    monkeypatch.setattr(Run, "candidate_kl", interrupted_at_the_second)
+    monkeypatch.setattr(KLSelection, "candidate_kl", interrupted_at_the_second)
     cfg = config(workspace, tmp_path / "cut", softmax_by="kl:1", kl_train_steps=2)
     with pytest.raises(KeyboardInterrupt):
         distill(cfg, progress=False)
@@ -335,7 +337,7 @@ def test_an_interrupted_kl_selection_resumes_at_the_next_candidate(workspace, tm
     partial = scores_of(tmp_path / "cut")
     assert list(partial["kl_candidates"]) == ["all_linear"] and "picked" not in partial
     assert not figure_of(tmp_path / "cut").exists()  # drawn once the choice is made
-    monkeypatch.setattr(Run, "candidate_kl", lambda self, restored: scored.append(restored) or original(self, restored))
+    monkeypatch.setattr(KLSelection, "candidate_kl", lambda self, restored: scored.append(restored) or original(self, restored))
     distill(cfg, resume=True, progress=False)
     assert scored == [None, 0, 1]  # the all-linear candidate once, then the two not yet scored
     resumed = scores_of(tmp_path / "cut")
@@ -385,12 +387,12 @@ def test_layers_full_chooses_among_the_full_attention_layers_only(workspace, tmp
     assert linear == sorted({1, 3, 5} - set(record["picked"]))
     assert model.config.linearize["softmax_layers"] == sorted({0, 2, 4} | set(record["picked"]))
     # even over the same three: the middle one.
-    even = distill(DistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "even"), "softmax_by": "even:1", "kl_train_steps": 0,
-                                    "stage": "1"}), progress=False)
+    even = distill(dataclasses.replace(cfg, out=str(tmp_path / "even"), softmax_by="even:1", kl_train_steps=0,
+                                       stage="1"), progress=False)
     assert scores_of(even)["picked"] == [3]
     # Three full layers: N = 3 would leave none.
     with pytest.raises(ConfigError, match="--softmax-by kl:3: the model has 3 linearized layer"):
-        distill(DistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "bad"), "softmax_by": "kl:3"}), progress=False)
+        distill(dataclasses.replace(cfg, out=str(tmp_path / "bad"), softmax_by="kl:3"), progress=False)
     assert not (tmp_path / "bad").exists()
 
 
@@ -417,7 +419,7 @@ def test_a_run_from_another_runs_stage_1_takes_its_tensors_and_kl_scores_and_pic
     def no_scoring(*_):
         raise AssertionError("the candidates were scored again")
 
-    monkeypatch.setattr(Run, "candidate_kl", no_scoring)
+    monkeypatch.setattr(KLSelection, "candidate_kl", no_scoring)
     out = distill(config(workspace, tmp_path / "kl2", model=str(source.parent / "teacher3"), softmax_by="kl:2",
                          kl_train_steps=1, stage1_from=str(source)), progress=False)
     mine = scores_of(out)
@@ -451,12 +453,12 @@ def test_another_rule_or_other_candidate_training_picks_anew_from_the_taken_stag
 def test_the_candidates_share_one_teacher_forward_per_batch(workspace, tmp_path, monkeypatch):
     """Trained candidates: the teacher runs once on each training micro-batch and validation batch for
     the whole selection, not once per candidate."""
-    from linearize.train import distillation
+    from linearize.train import layer_selection
 
     calls = {"kl_teacher_states": 0, "teacher_final_states": 0}
 
     def counted(name):
-        original = getattr(distillation, name)
+        original = getattr(layer_selection, name)
 
         def wrapper(*args, **kwargs):
             calls[name] += 1
@@ -464,7 +466,7 @@ def test_the_candidates_share_one_teacher_forward_per_batch(workspace, tmp_path,
         return wrapper
 
     for name in calls:
-        monkeypatch.setattr(distillation, name, counted(name))
+        monkeypatch.setattr(layer_selection, name, counted(name))
     teacher = tmp_path / "teacher3"
     tiny_teacher(num_hidden_layers=3).save_pretrained(teacher)
     tiny_tokenizer().save_pretrained(teacher)
@@ -479,7 +481,7 @@ def test_the_candidates_share_one_teacher_forward_per_batch(workspace, tmp_path,
 def test_trained_candidates_under_a_cuda_graph_score_as_eager_ones(workspace, tmp_path, monkeypatch):
     """On the GPU, the candidates' steps past the warm-up replay a captured graph on the shared teacher's
     states: the scores are the eager steps' to bf16 accuracy."""
-    from linearize.train import distillation
+    from linearize.train import layer_selection
     from linearize.train.step import WARMUP_STEPS, TrainStep
 
     steps = []
@@ -489,7 +491,7 @@ def test_trained_candidates_under_a_cuda_graph_score_as_eager_ones(workspace, tm
             super().__init__(*args, **kwargs)
             steps.append(self)
 
-    monkeypatch.setattr(distillation, "TrainStep", Recorded)
+    monkeypatch.setattr(layer_selection, "TrainStep", Recorded)
     teacher = tmp_path / "teacher3"
     tiny_teacher(num_hidden_layers=3).save_pretrained(teacher)
     tiny_tokenizer().save_pretrained(teacher)
@@ -532,17 +534,19 @@ def test_a_stage_1_trained_otherwise_is_refused_before_any_work(workspace, tmp_p
 def test_an_interrupted_run_resumes_with_the_stage_1_it_took(workspace, tmp_path, three_layer_source, monkeypatch):
     source, teacher = three_layer_source, str(three_layer_source.parent / "teacher3")
     cfg = config(workspace, tmp_path / "run", model=teacher, softmax_by="error:1", stage1_from=str(source))
-    original = Run.stage
+    from linearize.train import distillation
 
-    def stop_in_stage_2(self, stage):
+    original = distillation.train_stage
+
+    def stop_in_stage_2(run, stage):
         if stage == 2:
             raise KeyboardInterrupt
-        original(self, stage)
+        original(run, stage)
 
-    monkeypatch.setattr(Run, "stage", stop_in_stage_2)
+    monkeypatch.setattr(distillation, "train_stage", stop_in_stage_2)
     with pytest.raises(KeyboardInterrupt):
         distill(cfg, progress=False)
-    monkeypatch.setattr(Run, "stage", original)
+    monkeypatch.setattr(distillation, "train_stage", original)
     (source / "stage1_attention.pt").unlink()  # taken already: the source is not read again
     out = distill(cfg, resume=True, progress=False)
     assert scores_of(out)["picked"] == top_layers({int(k): v for k, v in scores_of(out)["mse"].items()}, 1)
@@ -645,18 +649,18 @@ def test_the_kl_seq_len_flag():
 def test_kl_seq_len_scores_the_candidates_on_longer_sequences(workspace, tmp_path, monkeypatch, kl_train_steps):
     """STILL trains at 32 tokens here and its candidates are scored on 64-token sequences: every batch the
     scoring reads is 64 tokens long (the training's validation stays at 32), and the record and figure say so."""
-    from linearize.train import distillation
+    from linearize.train import layer_selection
 
     lengths = {"scored": set(), "validated": set()}
     for name, key in (("mean_kl", "scored"), ("restored_layer_kl", "scored")):
-        original = getattr(distillation, name)
+        original = getattr(layer_selection, name)
 
         def spy(model, batches, *args, _original=original, _key=key, **kwargs):
             batches = list(batches)
             lengths[_key].update(ids.shape[1] for ids in batches)
             return _original(model, batches, *args, **kwargs)
 
-        monkeypatch.setattr(distillation, name, spy)
+        monkeypatch.setattr(layer_selection, name, spy)
     validation = Run.validation_batches
 
     def seen(self, blocks=None):
