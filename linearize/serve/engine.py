@@ -205,14 +205,22 @@ class Engine:
             self._wake.notify()
         return request
 
+    def cancel_all(self) -> None:
+        """Take no new requests and cancel every one held, without waiting: each ends "cancelled" at the
+        thread's next turn."""
+        with self._wake:
+            self._accepting = False
+            for request in [*self._waiting, *(a.request for a in self._prefilling + self._running)]:
+                request.cancel()
+            self._wake.notify()
+
     def stop(self, drain: bool = True) -> None:
         """Take no new requests; with `drain` let the running and waiting ones finish, else cancel them;
         then end the thread."""
+        if not drain:
+            self.cancel_all()
         with self._wake:
             self._accepting = False
-            if not drain:
-                for request in [*self._waiting, *(a.request for a in self._prefilling + self._running)]:
-                    request.cancel()
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
