@@ -180,7 +180,7 @@ def _draining_server(base):
     class DrainingServer(base):
         def __init__(self, config, shutdown):
             super().__init__(config)
-            self.shutdown = shutdown
+            self.stopping = shutdown  # not `shutdown`: uvicorn's own method
             self.signals: list[int] = []
             self.forced_by: int | None = None
 
@@ -192,15 +192,15 @@ def _draining_server(base):
                 self.should_exit = self.force_exit = True
 
         async def on_tick(self, counter: int) -> bool:
-            if self.signals and not self.shutdown.draining:
-                self.shutdown.drain()
-                _say(f"draining: {self.shutdown.in_flight} request(s) in flight finish, new ones get 503 "
+            if self.signals and not self.stopping.draining:
+                self.stopping.drain()
+                _say(f"draining: {self.stopping.in_flight} request(s) in flight finish, new ones get 503 "
                      "(Ctrl-C again to stop them now)")
-            if len(self.signals) >= 2 and not self.shutdown.forced:
+            if len(self.signals) >= 2 and not self.stopping.forced:
                 self.forced_by = self.signals[1]
-                self.shutdown.force()
-                _say(f"stopping the {self.shutdown.in_flight} request(s) in flight")
-            if self.shutdown.idle:
+                self.stopping.force()
+                _say(f"stopping the {self.stopping.in_flight} request(s) in flight")
+            if self.stopping.idle:
                 return True
             return await super().on_tick(counter)
 
