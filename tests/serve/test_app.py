@@ -327,8 +327,8 @@ def test_an_unexpected_exception_is_a_500_in_openai_format(engine, tokenizer):
     ("/v1/completions", '{"model": "tiny", "prompt": "caf\\udce9 ok"}', "prompt"),
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d hi"}]}',
      "messages.0.content"),
-    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
-                             '"text": "a\\udfff"}]}]}', "messages.0.content.0.text"),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                              '"text": "a\\udfff"}]}]}'), "messages.0.content.0.text"),
     ("/v1/completions", '{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop.0"),
 ])
 def test_a_lone_surrogate_gets_400_naming_the_field(client, engine, path, body, param):
