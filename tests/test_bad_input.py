@@ -277,6 +277,13 @@ def test_a_model_config_that_is_not_a_json_object_is_named(work, capsys, content
     refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", names="config.json")
 
 
+def test_an_unusable_cache_folder_names_linearize_cache(work, capsys, monkeypatch):
+    # /proc takes no new folders: the model alias's dense copy has nowhere to go.
+    monkeypatch.setenv("LINEARIZE_CACHE", "/proc/x")
+    line = refused(capsys, work, "generate", "--model", "smollm2", "--prompt", "hi", names=["LINEARIZE_CACHE", "/proc/x"])
+    assert "cannot make the asset cache" in line
+
+
 def test_a_size_option_past_int32_is_refused(work, capsys):
     """window=1e20 is refused as an option, never reaching torch.zeros as a shape."""
     assert main(["convert", "--model", "teacher", "--method", "lizard", "--out", "student"]) == 0

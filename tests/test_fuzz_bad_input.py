@@ -312,6 +312,22 @@ def check_path_example(template: Path, verb: str, how: str) -> None:
         check(ws, argv, names, f"{verb} {flag} {how}")
 
 
+# A cache folder that cannot be made: LINEARIZE_CACHE under /proc, under a file, or a file itself.
+CACHES = ["proc", "file-as-dir", "file"]
+
+
+def check_cache_example(template: Path, verb: str, how: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp, _quiet_cache(Path(tmp) / "cache"):
+        ws = Path(tmp) / "ws"
+        shutil.copytree(template, ws)
+        # The alias's dense copy lives in the cache; distill keeps its token blocks there.
+        argv = command(verb, ws, ws / "teacher") if verb != "generate" else with_flag(
+            command(verb, ws, ws / "teacher"), "--model", "smollm2")
+        os.environ["LINEARIZE_CACHE"] = str({"proc": Path("/proc/linearize-cache"), "file-as-dir": ws / "data.txt" / "c",
+                                             "file": ws / "data.txt"}[how])
+        check(ws, argv, {"LINEARIZE_CACHE"}, f"{verb} LINEARIZE_CACHE={how}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The tests: a fixed set by default, random ones when marked slow.
 
@@ -343,6 +359,12 @@ def test_hostile_flag_value_is_refused_cleanly(template, verb, flag, value):
 @pytest.mark.parametrize("how", PATHS)
 def test_bad_output_or_model_path_is_refused_cleanly(template, verb, how):
     check_path_example(template, verb, how)
+
+
+@pytest.mark.parametrize("verb", ["generate", "distill"])
+@pytest.mark.parametrize("how", CACHES)
+def test_an_unusable_cache_folder_is_refused_cleanly(template, verb, how):
+    check_cache_example(template, verb, how)
 
 
 # The same examples every run (CI must not flake on a draw); FUZZ_RANDOM=1 explores new ones.

@@ -8,7 +8,8 @@ import torch
 from test_assets import gemma3_npm_tarball
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from linearize import assets, loading
+from linearize import loading
+from linearize.assets import fetch, registries
 from linearize.loading import ModelNotFoundError, ModelSpecError, load_model, load_tokenizer, resolve_spec
 
 TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -113,20 +114,20 @@ def test_gguf_file_gives_identical_logits(tiny_llama, tiny_gguf):
 
 def test_smollm2_alias_is_a_dense_copy_made_once(tiny_llama, tiny_gguf, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(assets, "smollm2_gguf", lambda: tiny_gguf)
+    monkeypatch.setattr(fetch, "smollm2_gguf", lambda: tiny_gguf)
     ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(3))
     assert torch.equal(_logits(load_model("smollm2"), ids), _logits(tiny_llama, ids))
     assert resolve_spec("smollm2") == ("dir", tmp_path / "cache" / "smollm2" / "hf-float32")
     assert load_tokenizer("smollm2").eos_token == "</s>"
-    monkeypatch.setattr(assets, "smollm2_gguf", lambda: pytest.fail("the GGUF was converted twice"))
+    monkeypatch.setattr(fetch, "smollm2_gguf", lambda: pytest.fail("the GGUF was converted twice"))
     assert load_model("smollm2").config.num_hidden_layers == TINY["num_hidden_layers"]
 
 
 def test_gemma3_alias_is_a_bfloat16_dense_copy_with_the_npm_tokenizer(tiny_gguf, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(assets, "gemma3_gguf", lambda: tiny_gguf)
+    monkeypatch.setattr(fetch, "gemma3_gguf", lambda: tiny_gguf)
     tarball = gemma3_npm_tarball(tmp_path / "tokenizer.tgz")
-    monkeypatch.setattr(assets, "_npm_tarball", lambda package, dest_dir: tarball)
+    monkeypatch.setattr(registries, "npm_tarball", lambda package, dest_dir: tarball)
     assert resolve_spec("gemma3") == ("dir", tmp_path / "cache" / "gemma3" / "hf-bfloat16")
     model = load_model("gemma3", dtype="auto")
     assert model.dtype == torch.bfloat16
@@ -140,7 +141,7 @@ def test_gemma3_alias_is_a_bfloat16_dense_copy_with_the_npm_tokenizer(tiny_gguf,
     tokenizer = load_tokenizer("gemma3")
     assert tokenizer("capital").input_ids == [tokenizer.bos_token_id, 7]
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<eos>", "<pad>")
-    monkeypatch.setattr(assets, "gemma3_gguf", lambda: pytest.fail("the GGUF was converted twice"))
+    monkeypatch.setattr(fetch, "gemma3_gguf", lambda: pytest.fail("the GGUF was converted twice"))
     assert load_model("gemma3").config.num_hidden_layers == TINY["num_hidden_layers"]
 
 

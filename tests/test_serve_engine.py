@@ -301,13 +301,13 @@ async def collect_or_error(engine, prompt, params, delay=0.0):
 
 def watch_kv_allocations(engine) -> list[int]:
     """The bytes of every buffer reallocation of the engine's BatchedKVCache, as they happen."""
-    sizes, reallocate = [], engine._kv._reallocate
+    sizes, reallocate = [], engine._rows.cache._reallocate
 
     def watched(rows, capacity):
         reallocate(rows, capacity)
-        sizes.append(engine._kv.nbytes)
+        sizes.append(engine._rows.cache.nbytes)
 
-    engine._kv._reallocate = watched
+    engine._rows.cache._reallocate = watched
     return sizes
 
 
@@ -332,7 +332,7 @@ def test_softmax_teachers_batch_their_requests_and_give_each_its_offline_greedy_
     assert [tokens for tokens, _ in results] == expected
     assert {reason for _, reason in results} == {"length"}
     assert 2 <= engine.peak_running <= 4  # batched, within the rows
-    assert engine.stats()["running"] == 0 and engine._kv.nbytes == 0  # the buffers go with the last request
+    assert engine.stats()["running"] == 0 and engine._rows.cache.nbytes == 0  # the buffers go with the last request
 
 
 def test_kv_mode_cancelling_a_request_frees_its_row_for_a_waiting_one():

@@ -8,11 +8,21 @@ response or as server-sent events. Every failure answers in OpenAI's error forma
 request, 404 for an unknown model or path, 429 when the engine's queue is full, 503 while it shuts
 down, 500 for a fault of the server's own, which then goes on serving. A client that goes away cancels
 its request, which frees its slot.
+
+A prompt is refused by its size before it is tokenized (`_Served.max_prompt_chars`: no prompt of more
+characters can fit `max_prompt_tokens`), and tokenized on a worker thread, so that a huge prompt
+neither takes the tokenizer's time nor holds up the event loop's other requests.
+
+`app.state.shutdown` (`Shutdown`) is how the process stops it: `drain()` answers every new request
+503 while the ones in flight finish; `force()` ends those too (a stream gets an error event and
+`[DONE]`); `idle` says when none is left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import logging
 import time
 import uuid
@@ -80,6 +90,7 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
     """The server's app over a started `engine` (`linearize.serve.engine.Engine`); its shutdown drains the
     engine (`engine.stop(drain=True)`) and sets `app.state.engine_stopped`."""
     served = _Served(engine, tokenizer, model_name, max_prompt_tokens, max_completion_tokens)
+    shutdown = Shutdown(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,17 +98,21 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
         # uvicorn gets here once the requests in flight have ended; the engine finishes any left over.
         # In a thread: a request still being drained delivers its tokens through this loop.
         await asyncio.to_thread(engine.stop, True)
+        served.close()
         app.state.engine_stopped = True
 
     app = FastAPI(title="linearize serve", summary=f"OpenAI-compatible API over {model_name}", lifespan=lifespan)
     app.state.engine_stopped = False
+    app.state.shutdown = shutdown
+    app.add_middleware(_ShutdownGate, shutdown=shutdown)
     _add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: HTTPRequest):
         served.check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = served.encode(body.prompt, add_special_tokens=True)
+            served.check_size(len(body.prompt), "prompt")
+            prompt_ids = await served.encode(body.prompt, add_special_tokens=True)
         else:
             prompt_ids = served.check_token_ids(body.prompt)
         max_tokens = served.max_tokens(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens")
@@ -112,7 +127,8 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
         served.check_model(body.model)
-        prompt_ids = served.encode(served.chat_prompt(body), add_special_tokens=False)
+        served.check_size(sum(len(m.text()) for m in body.messages), "messages")
+        prompt_ids = await served.encode(await served.chat_prompt(body), add_special_tokens=False)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = served.max_tokens(body.requested_tokens, served.max_completion_tokens, param)
         generation = served.submit(prompt_ids, body, max_tokens)
@@ -134,6 +150,55 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
     return app
 
 
+class Shutdown:
+    """How the server stops: `drain()` refuses new requests (503) while those in flight finish; `force()`
+    cancels those in flight too, so that each ends at once with an error (a stream: an error event, then
+    `[DONE]`). `in_flight` counts the HTTP requests being answered; `idle` once draining and none is left."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.draining = self.forced = False
+        self.in_flight = 0
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def force(self) -> None:
+        self.draining = self.forced = True
+        self.engine.cancel_all()
+
+    @property
+    def idle(self) -> bool:
+        return self.draining and self.in_flight == 0
+
+
+class _ShutdownGate:
+    """ASGI middleware: counts the requests in flight and, while the server drains, answers every new one
+    503 in OpenAI's format (and closes its connection), so that a client is told rather than refused."""
+
+    def __init__(self, app, shutdown: Shutdown):
+        self.app, self.shutdown = app, shutdown
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.shutdown.draining:
+            body = ErrorResponse(error=ErrorDetail(message="the server is shutting down: no new requests",
+                                                   type="service_unavailable_error", code="shutting_down"))
+            payload = json.dumps(body.model_dump()).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        self.shutdown.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.shutdown.in_flight -= 1
+
+
 class _Served:
     """What every request needs: the engine, the tokenizer, the served name and the limits."""
 
@@ -144,25 +209,47 @@ class _Served:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
         self.vocab_size = len(tokenizer)
+        # No token spells more characters than the vocabulary's longest entry (a byte-level one spells a
+        # byte a character, a byte-fallback one more characters than bytes), so no prompt longer than
+        # this can fit `max_prompt_tokens`.
+        self.longest_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_prompt_tokens * max(1, self.longest_token_chars)
+        # One worker: the tokenizer's calls run one at a time, off the event loop.
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="linearize-tokenize")
         self.created = int(time.time())
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, function, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, lambda: function(*args, **kwargs))
 
     def check_model(self, model: str) -> None:
         if model != self.name:
             raise APIError(404, f"The model `{model}` does not exist: this server serves `{self.name}`",
                            param="model", code="model_not_found")
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> str:
+    def check_size(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt of more characters than `max_prompt_tokens` can hold."""
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"the {param} has {chars} characters, more than {self.max_prompt_tokens} tokens can "
+                           f"hold ({self.max_prompt_chars}: at most {self.longest_token_chars} a token for this "
+                           f"tokenizer); this server takes at most {self.max_prompt_tokens} tokens", param=param,
+                           code="context_length_exceeded")
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"`{self.name}` has no chat template: use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return await self._off_loop(self.tokenizer.apply_chat_template, messages, tokenize=False,
+                                        add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 (templates raise what they like: jinja's TemplateError, TypeError, ...)
             reason = first_line(e)
             raise APIError(400, f"the chat template refused these messages: {reason}", param="messages") from None
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError(400, "the prompt gives no tokens to continue from", param="prompt")
         return self._check_length(ids)

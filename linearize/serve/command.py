@@ -10,7 +10,6 @@ import argparse
 import signal
 import socket
 import sys
-from contextlib import contextmanager
 
 from ..cli_args import (
     CommandError,
@@ -120,20 +119,6 @@ def end_tokens(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-@contextmanager
-def _signals_end_cleanly():
-    """SIGTERM and SIGINT end the process with status 0 once the server has drained.
-
-    uvicorn catches them to shut down gracefully, then raises them again under the handlers it found,
-    where Python's defaults would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT)."""
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def run(args) -> None:
     name = args.model if args.served_model_name is None else args.served_model_name
     if not name.strip():
@@ -166,11 +151,61 @@ def run(args) -> None:
     print(f"linearize: serving {name!r} ({engine.stats()['mode']} mode, {args.max_batch} at once, {args.max_queue} waiting) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
     engine.start()
+    server = _draining_server(uvicorn.Server)(config, app.state.shutdown)
     try:
-        with _signals_end_cleanly():
-            uvicorn.Server(config).run()
+        server.run()
     except SystemExit:  # uvicorn's way out when it could not start: it has logged why
         raise CommandError(f"the server could not start on {args.host}:{args.port} (see the log above)") from None
     finally:
         if not app.state.engine_stopped:
             engine.stop(drain=False)
+    if server.forced_by is not None:
+        name = signal.Signals(server.forced_by).name
+        _say(f"stopped by a second {name}: the requests in flight were cancelled")
+        raise SystemExit(128 + server.forced_by)  # what a process that signal stopped reports
+
+
+def _draining_server(base):
+    """uvicorn's Server, stopping as `linearize serve` promises (docs/serving.md, "Stopping"):
+
+    - the first SIGINT or SIGTERM drains: every new request is answered 503 (the server keeps listening,
+      so a client is told rather than refused), the requests in flight finish, then the server exits 0;
+    - a second forces: the requests in flight are cancelled and end at once with an error (a stream with
+      an error event and `[DONE]`), then the process exits as that signal's default would report it
+      (130 for SIGINT, 143 for SIGTERM), with no traceback;
+    - a third leaves it to uvicorn's own forced exit, for a client that never reads its answer.
+
+    The signals go to uvicorn's handler, which only counts them; the event loop's tick acts on them."""
+
+    class DrainingServer(base):
+        def __init__(self, config, shutdown):
+            super().__init__(config)
+            self.stopping = shutdown  # not `shutdown`: uvicorn's own method
+            self.signals: list[int] = []
+            self.forced_by: int | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            # Not uvicorn's: it would close the listening socket at the first signal, and raise the
+            # signals again after the shutdown.
+            self.signals.append(sig)
+            if len(self.signals) >= 3:
+                self.should_exit = self.force_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.signals and not self.stopping.draining:
+                self.stopping.drain()
+                _say(f"draining: {self.stopping.in_flight} request(s) in flight finish, new ones get 503 "
+                     "(Ctrl-C again to stop them now)")
+            if len(self.signals) >= 2 and not self.stopping.forced:
+                self.forced_by = self.signals[1]
+                self.stopping.force()
+                _say(f"stopping the {self.stopping.in_flight} request(s) in flight")
+            if self.stopping.idle:
+                return True
+            return await super().on_tick(counter)
+
+    return DrainingServer
+
+
+def _say(message: str) -> None:
+    print(f"linearize: {message}", file=sys.stderr, flush=True)

@@ -52,6 +52,24 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+def _lone_surrogate(value, path: tuple = ()) -> tuple[str, str, int] | None:
+    """The first string in a JSON value that is no Unicode text: (its path, as `a.0.b`, the lone UTF-16
+    surrogate it holds, the character's index); None if every string is text. JSON's `\\udXXX` escapes
+    can spell half a surrogate pair, which no tokenizer takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return ".".join(str(p) for p in path), value[e.start], e.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -69,6 +87,17 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token (benchmarks)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, body):
+        found = _lone_surrogate(body)
+        if found is not None:
+            param, char, index = found
+            raise PydanticCustomError("lone_surrogate", "character {index} is a lone UTF-16 surrogate (\\u{code}), "
+                                      "which is no Unicode text: send valid UTF-8",
+                                      {"param": param, "index": index, "code": f"{ord(char):04x}"})
+        return body
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -67,6 +67,10 @@ class ScriptedEngine:
         running = sum(r.finish_reason is None for r in self.requests)
         return {"running": running, "waiting": 0, "slots": 4, "mode": "slots"}
 
+    def cancel_all(self) -> None:
+        for request in self.requests:
+            request.cancel()
+
     def stop(self, drain: bool = True) -> None:
         self.stopped_with.append(drain)
 

@@ -317,3 +317,120 @@ def test_an_unexpected_exception_is_a_500_in_openai_format(engine, tokenizer):
         error = error_of(complete(client), 500)
         assert error["type"] == "server_error" and "KeyError" in error["message"]
         assert complete(client, prompt=tokenizer.encode("hi")).status_code == 200
+
+
+# ----------------------------------------------------------------------------------------------------
+# Text that is no Unicode, prompts too large to tokenize, and stopping
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", '{"model": "tiny", "prompt": "caf\\udce9 ok"}', "prompt"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d hi"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                              '"text": "a\\udfff"}]}]}'), "messages.0.content.0.text"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop.0"),
+])
+def test_a_lone_surrogate_gets_400_naming_the_field(client, engine, path, body, param):
+    # JSON's \u escapes can spell half of a UTF-16 pair, which is no text: no tokenizer takes it.
+    response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    error = error_of(response, 400)
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+    assert error["message"].startswith(f"{param}: ") and engine.requests == []
+    assert complete(client).status_code == 200
+
+
+class SlowTokenizer:
+    """The tiny tokenizer, whose `encode` takes `seconds` and records each text it was given."""
+
+    def __init__(self, tokenizer, seconds: float):
+        self.tokenizer, self.seconds, self.encoded = tokenizer, seconds, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __len__(self):
+        return len(self.tokenizer)
+
+    def encode(self, text, **kwargs):
+        import time
+
+        self.encoded.append(len(text))
+        time.sleep(self.seconds)
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(engine, tokenizer):
+    slow = SlowTokenizer(tokenizer, 0.0)
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    app = create_app(engine, slow, NAME, MAX_PROMPT)
+    with TestClient(app) as client:
+        error = error_of(complete(client, prompt="x" * (MAX_PROMPT * longest + 1)), 400)
+        assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+        assert f"{MAX_PROMPT * longest + 1} characters" in error["message"]
+        messages = [{"role": "user", "content": "y" * (MAX_PROMPT * longest)}, {"role": "user", "content": "z"}]
+        error = error_of(chat(client, messages=messages), 400)
+        assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+        assert slow.encoded == []  # neither reached the tokenizer
+        # At the limit it is tokenized, and refused by its tokens.
+        assert error_of(complete(client, prompt="x" * (MAX_PROMPT * longest)), 400)["code"] == "context_length_exceeded"
+        assert slow.encoded == [MAX_PROMPT * longest]
+
+
+def test_tokenizing_runs_off_the_event_loop(engine, tokenizer):
+    import asyncio
+    import time
+
+    import httpx
+
+    slow = SlowTokenizer(tokenizer, 1.5)
+    app = create_app(engine, slow, NAME, MAX_PROMPT)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            body = {"model": NAME, "prompt": "Say hi", "temperature": 0}
+            completion = asyncio.create_task(http.post("/v1/completions", json=body))
+            while not slow.encoded:
+                await asyncio.sleep(0.01)
+            started = time.perf_counter()
+            health = await http.get("/health")
+            waited = time.perf_counter() - started
+            return (await completion).status_code, health.status_code, waited
+
+    completion, health, waited = asyncio.run(main())
+    assert (completion, health) == (200, 200)
+    assert waited < 1.0, f"/health waited {waited:.2f} s for the tokenizer"
+
+
+def test_draining_answers_new_requests_503_and_forcing_ends_streams_with_an_error_and_done(tokenizer):
+    import asyncio
+
+    import httpx
+
+    engine = ScriptedEngine(tokenizer.encode(REPLY, add_special_tokens=False) * 50, delay=0.02)
+    app = create_app(engine, tokenizer, NAME, MAX_PROMPT)
+    shutdown = app.state.shutdown
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            body = {"model": NAME, "prompt": "Say hi", "temperature": 0, "max_tokens": MAX_COMPLETION}
+            stream = asyncio.create_task(http.post("/v1/completions", json={**body, "stream": True}))
+            whole = asyncio.create_task(http.post("/v1/completions", json=body))
+            while len(engine.requests) < 2:
+                await asyncio.sleep(0.01)
+            shutdown.drain()
+            assert shutdown.in_flight == 2 and not shutdown.idle
+            late = [await http.post("/v1/completions", json=body), await http.get("/health")]
+            shutdown.force()
+            return await stream, await whole, late
+
+    stream, whole, late = asyncio.run(main())
+    for response in late:
+        error = error_of(response, 503)
+        assert error["code"] == "shutting_down" and response.headers["connection"] == "close"
+    chunks = events(stream)  # ends with [DONE]
+    assert chunks[-1]["error"]["code"] == "shutting_down"
+    assert error_of(whole, 503)["code"] == "shutting_down"
+    assert shutdown.idle and all(r.cancelled for r in engine.requests)

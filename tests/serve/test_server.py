@@ -2,7 +2,8 @@
 
 Greedy answers under concurrency are token for token what offline greedy decoding gives for each prompt
 alone; clients that leave free their slots; bad input never stops the server; a full queue answers
-429; SIGTERM lets the running requests finish and exits 0.
+429; SIGTERM lets the running requests finish (new ones get 503) and exits 0; a second Ctrl-C ends them
+with an error event and [DONE] and exits 130.
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ def test_a_softmax_model_is_served_from_batched_kv_rows(start_server, served_tea
 
 
 @pytest.mark.slow
-def test_sigterm_lets_the_running_requests_finish_then_exits_0(start_server):
+def test_sigterm_lets_the_running_requests_finish_answers_new_ones_503_then_exits_0(start_server):
     server = start_server("--max-batch", "2")
     n = 1000  # seconds of steps
 
@@ -284,9 +285,11 @@ def test_sigterm_lets_the_running_requests_finish_then_exits_0(start_server):
             await asyncio.to_thread(server.wait_for, lambda s: s["running"] == 2)
             server.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
-            async with httpx.AsyncClient(timeout=5) as late:
-                with pytest.raises(httpx.ConnectError):  # no new connections while the old ones drain
-                    await late.get(f"{server.url}/health")
+            async with httpx.AsyncClient(timeout=5) as late:  # the server still listens, and tells them
+                refused = [await late.get(f"{server.url}/health"),
+                           await late.post(f"{server.url}/v1/completions", json={**fields, "prompt": "late"})]
+            assert [r.status_code for r in refused] == [503, 503]
+            assert {r.json()["error"]["code"] for r in refused} == {"shutting_down"}
             assert not whole.done() and not stream.done()
             return await whole, await stream
 
@@ -297,3 +300,33 @@ def test_sigterm_lets_the_running_requests_finish_then_exits_0(start_server):
     assert server.process.wait(timeout=30) == 0
     log = server.log.read_text()
     assert "Traceback" not in log and "Application shutdown complete" in log
+
+
+def test_a_second_ctrl_c_ends_the_requests_in_flight_with_an_error_and_exits_130(start_server):
+    server = start_server("--max-batch", "2", "--max-completion-tokens", "100000")
+    fields = {"model": SERVED_NAME, "max_tokens": 100_000, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            async def streamed() -> list[str]:
+                async with http.stream("POST", "/v1/completions",
+                                       json={**fields, "prompt": "streamed", "stream": True}) as response:
+                    return [line async for line in response.aiter_lines() if line]
+
+            stream = asyncio.create_task(streamed())
+            whole = asyncio.create_task(http.post("/v1/completions", json={**fields, "prompt": "whole"}))
+            await asyncio.to_thread(server.wait_for, lambda s: s["running"] == 2)
+            server.process.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.5)
+            assert not stream.done() and not whole.done()
+            server.process.send_signal(signal.SIGINT)
+            return await stream, await whole
+
+    lines, whole = asyncio.run(run())
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "shutting_down"
+    assert server.process.wait(timeout=30) == 130
+    log = server.log.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "stopped by a second SIGINT" in log
