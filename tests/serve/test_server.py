@@ -302,6 +302,7 @@ def test_sigterm_lets_the_running_requests_finish_answers_new_ones_503_then_exit
     assert "Traceback" not in log and "Application shutdown complete" in log
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_ends_the_requests_in_flight_with_an_error_and_exits_130(start_server):
     server = start_server("--max-batch", "2", "--max-completion-tokens", "100000")
     fields = {"model": SERVED_NAME, "max_tokens": 100_000, "temperature": 0, "ignore_eos": True}
