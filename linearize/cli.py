@@ -20,6 +20,7 @@ from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable
     atomic_output_dir,
     check_device,
     check_new_output,
+    check_text,
     check_writable_parent,
     default_device,
     describe_os_error,
@@ -104,6 +105,7 @@ def cmd_generate(args) -> None:
     from .loading import load_model, load_tokenizer
 
     # Every flag checked before the (slow) model load.
+    check_text(args.prompt, "--prompt")
     if not args.prompt and not args.chat:
         raise CommandError("--prompt is empty: give the text to continue (or --chat to answer an empty message)")
     check_decoding_flags(args.temperature, args.static, args.compile)
@@ -289,9 +291,10 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return e.code
-    from transformers.utils import logging as hf_logging
+    if getattr(args, "loads_models", True):  # `recipe list` reads YAML: transformers' import is seconds
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
+        hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
     try:
         if args.backend:
             from .ops.backend import set_backend

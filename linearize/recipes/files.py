@@ -39,12 +39,14 @@ class Recipe:
     overrides: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
-    def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-        """The recipe in `path` with its `extends` chain resolved and `overrides` ("a.b=value") applied."""
+    def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, smoke: bool = False) -> Recipe:
+        """The recipe in `path` with its `extends` chain resolved, made CPU-sized with `smoke` (`smoke_overrides`)
+        and `overrides` ("a.b=value") applied over that."""
         path = Path(path)
         if path.resolve().is_relative_to(RECIPES_DIR / BASE_DIR):
             raise RecipeError(f"recipe {path} is a base that recipes extend, not a row")
         raw = _resolve(path, ())
+        overrides = (*(smoke_overrides(raw) if smoke else ()), *overrides)
         for item in overrides:
             _override(raw, path, item)
         unknown = set(raw) - set(RECIPE_KEYS)
@@ -87,14 +89,18 @@ class Recipe:
             for key, parse in (("lengths", api.parse_lengths), ("depths", api.parse_depths)):
                 if key in self.eval:
                     parse(self.eval[key])
-            for key, check, what in (("task_lengths", api.parse_task_lengths, "lengths"),
-                                     ("task_limits", api.check_task_limits, "limits")):
+            # Every per-task setting that names a task this run leaves out, most often inherited from a parent
+            # that runs more tasks (`extends` or `eval.tasks=`): all named at once, so one retry fixes them.
+            conflicts = []
+            for key, check in (("task_lengths", api.parse_task_lengths), ("task_limits", api.check_task_limits)):
                 try:
                     check(tasks, self.eval.get(key) or {})
                 except api.TaskNotInRun as e:
-                    # Most often inherited from a parent that runs more tasks (`extends` or `eval.tasks=`).
-                    raise RecipeError(f"recipe {where}: eval: {e}; override eval.{key}=null (or set {what} for "
-                                      "this run's tasks)") from None
+                    conflicts.append((key, str(e)))
+            if conflicts:
+                problems = "; ".join(f"eval.{key}: {problem}" for key, problem in conflicts)
+                fixes = " ".join(f"eval.{key}=null" for key, _ in conflicts)
+                raise RecipeError(f"recipe {where}: {problems}; override {fixes} (or name this run's tasks there)")
             if "chat_template" in self.eval:
                 api.check_chat_template(self.eval["chat_template"])
         except RecipeError:
@@ -228,6 +234,58 @@ def shipped() -> list[Recipe]:
     return [Recipe.load(p) for p in _shipped()]
 
 
+# `recipe run --smoke`: the recipe made small enough for a 2-core CPU (a few minutes: two steps a stage on
+# short sequences, a couple of samples a task, one short length), every stage and task it names still run.
+# The per-task mappings go: they name the full run's lengths and limits.
+SMOKE_STEPS = 2
+SMOKE_DISTILL = {"seq_len": 256, "batch": 2, "grad_accum": 1, "save_every": SMOKE_STEPS, "eval_every": SMOKE_STEPS,
+                 "val_batches": 1}
+SMOKE_EVAL = {"limit": 2, "samples": 1, "lengths": "512", "depths": "50", "batch": 2, "task_lengths": None,
+              "task_limits": None}
+
+
+def smoke_overrides(raw: dict) -> list[str]:
+    """KEY=VALUE overrides that make the resolved recipe `raw` CPU-sized (SMOKE_DISTILL, SMOKE_EVAL)."""
+    items = [f"eval.{key}={json.dumps(value)}" for key, value in SMOKE_EVAL.items()]
+    if isinstance(raw.get("eval"), dict) and "harness_batch" in raw["eval"]:
+        items.append(f"eval.harness_batch={SMOKE_EVAL['batch']}")
+    distill = raw.get("distill")
+    if isinstance(distill, dict):
+        settings = {**SMOKE_DISTILL, "seq_len": _smoke_seq_len(distill)}
+        settings["max_tokens"] = SMOKE_STEPS * settings["batch"] * settings["seq_len"]
+        items += [f"distill.{key}={value}" for key, value in settings.items()]
+        if distill.get("kl_seq_len"):
+            items.append("distill.kl_seq_len=0")  # candidates scored at the smoke's seq_len
+        if distill.get("kl_train_steps"):
+            items.append("distill.kl_train_steps=1")
+    return items
+
+
+def _smoke_seq_len(distill: dict) -> int:
+    """SMOKE_DISTILL's seq_len, or the recipe's own where the method trains nothing that short (a STILL
+    budget that holds every token of it, a LoLCATs window as long)."""
+    from ..train import DistillConfig
+
+    short = SMOKE_DISTILL["seq_len"]
+    try:
+        DistillConfig(model="m", method=distill.get("method"), out="o", seq_len=short, batch=1,
+                      stage=str(distill.get("stage", "both")), options=distill.get("options") or {})
+    except (TypeError, ValueError):  # what the recipe's own check then reports, if it is not the length
+        return distill.get("seq_len", short) if isinstance(distill.get("seq_len"), int) else short
+    return short
+
+
+def shipped_rows() -> list[tuple[str, Path, str]]:
+    """(name, file, row label) of every shipped row, in `shipped`'s order: read from the files and their
+    `extends` chains alone, without the checks that import the training and evaluation code (torch)."""
+    rows = []
+    for path in _shipped():
+        raw = _resolve(path, ())
+        name = raw.get("name", path.stem)
+        rows.append((str(name), path, str(raw.get("row", name))))
+    return rows
+
+
 def _override(raw: dict, path: Path, item: str) -> None:
     """Set one dotted KEY=VALUE (the value read as YAML) in the resolved mapping `raw`."""
     key, sep, text = item.partition("=")
@@ -292,7 +350,10 @@ def _check_distill(path: Path, recipe: Recipe) -> None:
         cfg = recipe.distill_config(Path("model"))
         make_method_config(cfg.method, **cfg.options)
     except (ConfigError, TypeError, ValueError) as e:
-        raise RecipeError(f"recipe {path}: distill: {e}") from None
+        given = [item for item in recipe.overrides if item.startswith("distill.")
+                 and item.partition("=")[0].rsplit(".", 1)[-1] in str(e)]
+        source = f" (from {', '.join(given)})" if given else ""
+        raise RecipeError(f"recipe {path}: distill: {e}{source}") from None
 
 
 def _check_inference_options(path: Path, distill: dict | None, options: dict) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cli_args import write_text_atomic
+from ..cli_args import normal_permissions, write_text_atomic
 from . import checkpoint
 from .config import DistillConfig
 from .layer_report import write_layer_figure
@@ -51,6 +51,7 @@ from .run_dir import (
     check_same_run,
     check_saved_run,
     is_finished,
+    nothing_to_resume,
     same_kl_scoring,
     stage1_source,
 )
@@ -364,10 +365,11 @@ class Run:
             bar.close()
             raise
         except KeyboardInterrupt:
-            save()
             bar.close()
-            if rt.main:
-                print(f"\ninterrupted: checkpoint at step {step} saved in {ckpt_path}; rerun with --resume")
+            if step > (state["step"] if state is not None else 0):  # else nothing new to keep
+                save()
+                if rt.main:
+                    print(f"\ninterrupted: checkpoint at step {step} saved in {ckpt_path}; rerun with --resume")
             raise
         bar.close()
         self.finish_stage(model, stage, names, sharded)
@@ -573,6 +575,7 @@ class Run:
         model.config.linearize = {**model.config.linearize, "distilled": True}  # convert wrote false
         model.save_pretrained(self.out)
         self.tokenizer.save_pretrained(self.out)
+        normal_permissions(self.out)  # safetensors writes model.safetensors 0600
 
 
 def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) -> Path:
@@ -591,11 +594,16 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
                 run.select_by_kl()
         run.export()
         run.rt.barrier()
-    except TrainingDiverged:
-        # A run that diverged before its first checkpoint holds nothing a corrected command could resume
-        # (a changed --lr is a new run): it goes, as a refused start leaves nothing.
-        if made_out and run.rt.main and not (out / CHECKPOINT_NAME).exists():
-            shutil.rmtree(out, ignore_errors=True)
+    except (TrainingDiverged, KeyboardInterrupt):
+        # A run stopped (diverged, interrupted) before its first checkpoint holds nothing a command could
+        # resume (a changed --lr is a new run; a rerun would only be told to pass --resume): its folder goes
+        # back to how it was, as a refused start leaves it.
+        if run.rt.main and nothing_to_resume(out):
+            if made_out:
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                for name in (CONFIG_NAME, LOG_NAME):
+                    (out / name).unlink(missing_ok=True)
         raise
     finally:
         run.rt.stop()
