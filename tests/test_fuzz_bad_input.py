@@ -330,6 +330,8 @@ FAST_FLAG_CASES = [(verb, flag, HOSTILE[i % len(HOSTILE)]) for verb, flags in NU
                    for i, flag in enumerate(flags)]
 FAST_FLAG_CASES += [("generate", "--set", f"{key}={HOSTILE[i % 4]}") for i, key in enumerate(SET_KEYS)]
 FAST_FLAG_CASES += [("generate", "--prompt", ""), ("convert", "--method", "nope"), ("eval", "--tasks", "nope")]
+# Undecodable argv bytes (lone surrogates in Python), a length or a budget that trains nothing.
+FAST_FLAG_CASES += [("generate", "--prompt", "caf\udce9"), ("distill", "--seq-len", "1"), ("distill", "--max-tokens", "40")]
 FAST_FLAG_CASES += [("distill", "--softmax-by", value) for value in ("kl:x", "foo:2", "kl:2", "even:99", "nan", "")]
 
 
@@ -368,7 +370,8 @@ def test_fuzz_hostile_flags(template, data):
     verb = data.draw(st.sampled_from(["generate", "eval", "distill"]), "verb")
     flag = data.draw(st.sampled_from(NUMERIC[verb] + ["--set"]), "flag")
     hostile = [v for v in HOSTILE if not (flag in SIZES and v == "99999999999999999999")]
-    value = data.draw(st.sampled_from(hostile) | st.text(max_size=12), "value")
+    # Surrogates too: the text undecodable argv bytes become.
+    value = data.draw(st.sampled_from(hostile) | st.text(st.characters(exclude_categories=()), max_size=12), "value")
     if flag == "--set":
         value = f"{data.draw(st.sampled_from(SET_KEYS), 'key')}={value}"
     check_flag_example(template, verb, flag, value)

@@ -258,6 +258,37 @@ def test_recipe_list_shows_main_rows_then_ablations(capsys):
     assert all(Path(RECIPES_DIR.parent / f).stem == name for name, f, _ in rows)
 
 
+def test_recipe_list_imports_no_model_code_and_agrees_with_the_loaded_recipes():
+    """Listing reads YAML files: no transformers or torch import (seconds), the same rows as loading them."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom linearize.cli import main\nassert main(['recipe', 'list']) == 0\n"
+              "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=RECIPES_DIR.parent, check=True)
+    *listed, imported = done.stdout.splitlines()
+    assert imported == "[]"
+    rows = [line.split(None, 2) for line in listed[1:]]
+    assert [(name, row) for name, _, row in rows] == [(r.name, r.row) for r in shipped()]
+
+
+def test_smoke_overrides_make_every_shipped_row_cpu_sized():
+    """`--smoke` on every shipped row loads (its settings still valid together) and is small: a few steps a
+    stage, short sequences, a couple of samples, one short length, no per-task mappings."""
+    for recipe in shipped():
+        small = Recipe.load(recipe.source, smoke=True)
+        assert small.eval["limit"] == 2 and small.eval["lengths"] == "1k" and small.eval["samples"] == 1
+        assert small.eval["task_lengths"] is None and small.eval["task_limits"] is None
+        small.check_eval()
+        if small.distill is not None:
+            cfg = small.distill_config(Path("model"))
+            assert cfg.steps() <= 2 and cfg.seq_len <= max(256, recipe.distill.get("seq_len", 256))
+            assert cfg.max_tokens <= 2 * 2 * cfg.seq_len and not cfg.kl_seq_len
+    mine = Recipe.load(RECIPES_DIR / "lizard.yaml", ["eval.limit=5"], smoke=True)
+    assert mine.eval["limit"] == 5  # the command line's overrides apply over the smoke's
+
+
 def test_cli_refuses_bad_names_and_overrides_before_any_work(tmp_path, capsys):
     out = tmp_path / "runs"
     assert main(["recipe", "run", "lizzard", "--out", str(out)]) == 2

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
                    metavar="RECIPE|KEY=VALUE", help="distil only; a later run without it evaluates the models it finds")
     r.add_argument("--smoke", action=_SwitchThenWords, const=True, nargs="*", metavar="RECIPE|KEY=VALUE",
                    help="CPU-sized: two steps a stage on 256-token sequences, 2 documents or samples a task, one "
-                        "512-token length (KEY=VALUE overrides still apply over it): a few minutes on 2 cores")
+                        "1K length (KEY=VALUE overrides still apply over it): a few minutes on 2 cores")
     r.set_defaults(func=_run_command, words_after=[], evaluate=True, smoke=False)
     ls = sub.add_parser("list", help="the shipped recipes: name, file and row label, main rows then ablations")
     # Lists YAML files: the command skips loading transformers (what the verbs that load models need).

@@ -240,7 +240,7 @@ def shipped() -> list[Recipe]:
 SMOKE_STEPS = 2
 SMOKE_DISTILL = {"seq_len": 256, "batch": 2, "grad_accum": 1, "save_every": SMOKE_STEPS, "eval_every": SMOKE_STEPS,
                  "val_batches": 1}
-SMOKE_EVAL = {"limit": 2, "samples": 1, "lengths": "512", "depths": "50", "batch": 2, "task_lengths": None,
+SMOKE_EVAL = {"limit": 2, "samples": 1, "lengths": "1k", "depths": "50", "batch": 2, "task_lengths": None,
               "task_limits": None}
 
 

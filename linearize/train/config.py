@@ -113,7 +113,7 @@ class DistillConfig:
                      "lr_stage1", "lr_stage2", "clip"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):  # a recipe's `max_tokens: lots`
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise TypeError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value) or value <= 0:  # NaN passes `<= 0`
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not 0 <= self.warmup_ratio <= 1:

@@ -432,3 +432,25 @@ def test_the_command_reports_a_divergence_as_one_error_line_with_exit_2(workspac
     assert re.match(r"linearize: error: stage 1 diverged at step \d+: .* a lower --lr", lines[-1]), lines[-1]
     assert not any("Traceback" in line or "Warning" in line for line in lines), lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_run_interrupted_before_its_first_step_leaves_no_folder_and_reruns_without_resume(workspace, tmp_path,
+                                                                                            monkeypatch, calls):
+    """Ctrl-C in the step-0 validation (the first call of the loss) or in the first training step: nothing to
+    resume, so nothing is kept (no lone distill_config.json that would make a rerun demand --resume)."""
+    real, seen = distill_module.stage_loss, {"n": 0}
+
+    def interrupted(model, ids, stage):
+        seen["n"] += 1
+        if seen["n"] == calls:
+            raise KeyboardInterrupt
+        return real(model, ids, stage)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(distill_module, "stage_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(config(workspace, out, stage="1"), progress=False)
+    assert not out.exists()
+    monkeypatch.setattr(distill_module, "stage_loss", real)
+    assert (distill(config(workspace, out, stage="1"), progress=False) / "config.json").is_file()
