@@ -316,19 +316,24 @@ def test_a_lone_number_is_one_eval_length(tmp_path):
                 ).check_eval()
 
 
+LENGTHS_LEFT = ("eval.task_lengths: task lengths name 'niah_multikey', which is not ppl or a long-context task of "
+                "this run (ppl)")
+LIMITS_LEFT = "eval.task_limits: a task limit names 'mmlu', which is not an lm-eval task of this run (ppl)"
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["eval.tasks=ppl"], ("task lengths name 'niah_multikey', which is not ppl or a long-context task of this "
-                          "run (ppl); override eval.task_lengths=null (or set lengths for this run's tasks)")),
+    (["eval.tasks=ppl"], (f"{LENGTHS_LEFT}; {LIMITS_LEFT}; override eval.task_lengths=null eval.task_limits=null "
+                          "(or name this run's tasks there)")),
     (["eval.tasks=ppl", "eval.task_lengths=null"],
-     ("a task limit names 'mmlu', which is not an lm-eval task of this run (ppl); override eval.task_limits=null "
-      "(or set limits for this run's tasks)")),
+     f"{LIMITS_LEFT}; override eval.task_limits=null (or name this run's tasks there)"),
 ])
 def test_per_task_settings_left_from_the_parent_name_their_override(overrides, message):
     """Narrowing a row's tasks leaves its parent's task lengths and limits naming tasks it no longer runs:
-    refused (which tasks a setting names is explicit), with the override that clears them in the same line."""
+    refused (which tasks a setting names is explicit), every such setting at once, with the overrides that
+    clear them in the same line."""
     with pytest.raises(RecipeError) as error:
         Recipe.load(RECIPES_DIR / "lizard.yaml", overrides).check_eval()
-    assert str(error.value) == f"recipe recipes/lizard.yaml: eval: {message}"
+    assert str(error.value) == f"recipe recipes/lizard.yaml: {message}"
     Recipe.load(RECIPES_DIR / "lizard.yaml", [*overrides, "eval.task_lengths=null", "eval.task_limits=null"]
                 ).check_eval()
 
@@ -338,7 +343,7 @@ def test_recipe_run_names_the_override_of_a_parents_task_lengths(tmp_path, capsy
     assert main(["recipe", "run", "lizard", "--out", str(out), "eval.tasks=ppl", "--no-eval"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.rstrip().endswith(
-        "override eval.task_lengths=null (or set lengths for this run's tasks)")
+        "override eval.task_lengths=null eval.task_limits=null (or name this run's tasks there)")
     assert not out.exists()
 
 
