@@ -20,6 +20,7 @@ from .cli_args import (  # noqa: F401  (the verbs' shared types, also importable
     atomic_output_dir,
     check_device,
     check_new_output,
+    check_text,
     check_writable_parent,
     default_device,
     describe_os_error,
@@ -104,6 +105,7 @@ def cmd_generate(args) -> None:
     from .loading import load_model, load_tokenizer
 
     # Every flag checked before the (slow) model load.
+    check_text(args.prompt, "--prompt")
     if not args.prompt and not args.chat:
         raise CommandError("--prompt is empty: give the text to continue (or --chat to answer an empty message)")
     check_decoding_flags(args.temperature, args.static, args.compile)
@@ -149,12 +151,35 @@ def cmd_demo(args) -> None:
     device = "cuda" if gpu else None
     print(f"distilled with {cfg.max_tokens:,} tokens per stage at length {cfg.seq_len} (the papers use 20M), "
           f"options {options}")
+    perplexities = {}
     for name, spec in (("teacher", args.model), ("lizard student", str(out))):
         model = load_model(spec, device=device)
-        ppl = perplexity(model, tokenizer, [512], limit=4)["by_length"][0]["ppl"]
-        print(f"{name}: perplexity {ppl:.2f} on held-out Moby-Dick (4 windows of 512 tokens)")
+        perplexities[name] = perplexity(model, tokenizer, [512], limit=4)["by_length"][0]["ppl"]
+        print(f"{name}: perplexity {perplexities[name]:.2f} on held-out Moby-Dick (4 windows of 512 tokens)")
         answer = generate_text(model, tokenizer, prompt, max_new_tokens=32, chat=True)
         print(f"{name} says:", answer.strip() or "(nothing: it ended its turn at once)")
+    print(demo_summary(out, perplexities))
+
+
+def demo_summary(out: Path, perplexities: dict[str, float]) -> str:
+    """The demo's closing lines: the figures the README quotes (each stage's validation loss, first and
+    last, from the run's log; both perplexities) and where the model is, with what to run on it next."""
+    import json
+
+    from .train.run_dir import LOG_NAME
+
+    losses: dict[int, list[float]] = {}
+    log = out / LOG_NAME
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        record = json.loads(line)
+        if record.get("split") == "val":
+            losses.setdefault(record["stage"], []).append(record["val_loss"])
+    names = {1: "validation stage-1 MSE", 2: "stage-2 loss"}
+    figures = [f"{names.get(stage, f'stage {stage}')} {values[0]:.2f} -> {values[-1]:.2f}"
+               for stage, values in sorted(losses.items())]
+    figures.append(f"perplexity {perplexities['lizard student']:.1f} against the teacher's {perplexities['teacher']:.1f}")
+    return (f"summary: {', '.join(figures)}\n"
+            f"the distilled model is in {out}: linearize generate --model {out} --prompt \"Hello\" --chat")
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):
@@ -289,9 +314,10 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return e.code
-    from transformers.utils import logging as hf_logging
+    if getattr(args, "loads_models", True):  # `recipe list` reads YAML: transformers' import is seconds
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
+        hf_logging.disable_progress_bar()  # weight-loading bars would bury the one-line errors
     try:
         if args.backend:
             from .ops.backend import set_backend

@@ -104,8 +104,23 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.filename}: {reason}" if e.filename else reason
 
 
+def check_text(text: str, flag: str) -> str:
+    """`text` from the command line, refused (CommandError naming `flag`) unless it is valid UTF-8: Python
+    hands undecodable argv bytes over as lone surrogates, which no tokenizer takes. Decoding them under
+    another charset (Latin-1?) would be a guess, so the user is asked for UTF-8."""
+    for index, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            what = (f"byte 0x{ord(char) - 0xDC00:02x}" if "\udc80" <= char <= "\udcff"
+                    else f"lone surrogate U+{ord(char):04X}")
+            raise CommandError(f"{flag} is not valid UTF-8 text ({what} at character {index}): "
+                               "pass the text encoded as UTF-8")
+    return text
+
+
 def check_writable_parent(out: str | Path) -> list[Path]:
-    """Check that `out`'s missing parent folders can be made: none of its ancestors is a file.
+    """Check that `out`'s missing parent folders can be made and `out` written: none of its ancestors is a
+    file, and the nearest existing one is a folder this process may write in (checked before any work,
+    not found out when the results are saved).
 
     Returns the missing ancestors, nearest to the root first (what `atomic_output_dir` creates)."""
     if not str(out).strip():  # Path("") is ".": the current folder
@@ -114,6 +129,8 @@ def check_writable_parent(out: str | Path) -> list[Path]:
     missing = []
     for ancestor in out.parents:
         if ancestor.is_dir():
+            if not os.access(ancestor, os.W_OK | os.X_OK):  # EROFS (a read-only mount) too, for root as well
+                raise CommandError(f"cannot write {out}: the folder {ancestor} is not writable")
             break
         if ancestor.exists() or ancestor.is_symlink():
             raise CommandError(f"cannot write {out}: {ancestor} is a file, not a folder")
@@ -165,6 +182,18 @@ def _umask() -> int:
     return mask
 
 
+def normal_permissions(folder: Path) -> None:
+    """Give `folder` and the files under it the permissions mkdir and open give (0777 and 0666 less the
+    umask): tempfile.mkdtemp makes folders 0700 and safetensors writes its files 0600, which would keep a
+    saved model from the user's group (a shared cache, a server run as another user)."""
+    mask = _umask()
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            continue
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def write_text_atomic(path: Path, text: str) -> Path:
     """`text` into `path`, replacing it whole: a reader (or a resume after Ctrl-C) finds the old file or
     the new one, never half of one, and no PATH.tmp is left behind."""
@@ -202,11 +231,7 @@ def atomic_output_dir(out: str | Path):
         raise CommandError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         yield scratch
-        mask = _umask()
-        scratch.chmod(0o777 & ~mask)  # mkdtemp makes it 0700
-        for path in scratch.rglob("*"):  # and safetensors writes its files 0600
-            if path.is_file() and not path.is_symlink():
-                path.chmod(0o666 & ~mask)
+        normal_permissions(scratch)
         if out.exists():
             out.rmdir()
         scratch.rename(out)

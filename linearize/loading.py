@@ -146,6 +146,11 @@ def _from_pretrained(auto_class, kind: str, where: Path | str, **kwargs):
             if auto_class is not AutoTokenizer or isinstance(e, ModelSpecError | OSError):
                 raise
             reason = first_line(e)
+            if "Couldn't instantiate the backend tokenizer" in reason:  # its list of what is missing follows
+                present = [name for name in TOKENIZER_FILES if (where / name).is_file()]
+                reason = (f"it holds {', '.join(present) or 'no tokenizer file'} but no vocabulary "
+                          f"(tokenizer.json, or tokenizer.model, vocab.json + merges.txt or vocab.txt with a "
+                          f"tokenizer library that reads it): save the whole tokenizer into that folder")
             raise ModelSpecError(f"cannot load the tokenizer in {where}: {reason}") from e
     if not hub_reachable():
         # Only the local HF cache can help now; asking transformers would retry each file for a minute.

@@ -348,3 +348,79 @@ def test_a_recipe_distilled_without_eval_still_has_its_eval_checked_first(work, 
 def test_bad_softmax_by_is_refused(work, capsys, flags, names):
     refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
             *TRAIN, *flags, names=names)
+
+
+# The second trial (issue 69): undecodable argv, lengths and budgets that train nothing, recipe overrides,
+# a tokenizer without its vocabulary, an unwritable --out, a run stopped before its first step, file modes.
+
+@pytest.mark.parametrize("flags", [["--prompt", "\udcff\udcfe bad bytes"], ["--chat", "--prompt", "caf\udce9"]])
+def test_a_prompt_that_is_not_utf8_is_refused_by_flag(work, capsys, flags):
+    """Bytes that are not UTF-8 reach Python's argv as lone surrogates, which no tokenizer takes."""
+    line = refused(capsys, work, "generate", "--model", "teacher", *flags, names=["--prompt", "UTF-8"])
+    assert "byte 0x" in line
+
+
+@pytest.mark.parametrize("method,flags,names", [
+    ("lizard", ["--seq-len", "1"], ["--seq-len", "1", "window"]),
+    ("lolcats", ["--seq-len", "8", "--set", "window=8"], ["--seq-len", "8", "window (8)"]),
+])
+def test_a_sequence_length_that_trains_nothing_is_refused(work, capsys, method, flags, names):
+    train = [x for x in TRAIN if x not in ("--seq-len", "32")]
+    refused(capsys, work, "distill", "--model", "teacher", "--method", method, "--out", "run", "--data", "data.txt",
+            *train, *flags, names=names)
+    assert not (work / "run").exists()
+
+
+def test_a_token_budget_below_one_batch_names_max_tokens_not_the_data(work, capsys):
+    line = refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run",
+                   "--data", "data.txt", "--max-tokens", "100", "--seq-len", "32", "--batch", "8",
+                   names=["--max-tokens", "256"])
+    assert "--data" not in line and "data.txt" not in line
+
+
+def test_a_recipe_override_of_the_wrong_type_names_its_key_and_value(work, capsys):
+    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
+                                 "  seq_len: 32\n  batch: 2\n  data: data.txt\neval:\n  tasks: ppl\n")
+    refused(capsys, work, "recipe", "run", "r.yaml", "distill.max_tokens=lots", "--out", "runs", "--device", "cpu",
+            names=["max_tokens", "'lots'", "distill.max_tokens=lots"])
+    assert not (work / "runs").exists()
+
+
+def test_every_per_task_setting_that_conflicts_is_named_at_once(work, capsys):
+    (work / "r.yaml").write_text("model: teacher\ndistill:\n  method: lizard\n  stage: '1'\n  max_tokens: 64\n"
+                                 "  seq_len: 32\n  batch: 2\n  data: data.txt\neval:\n  tasks: ppl,passkey,mmlu\n"
+                                 "  task_lengths:\n    passkey: 64\n  task_limits:\n    mmlu: 2\n")
+    refused(capsys, work, "recipe", "run", "r.yaml", "eval.tasks=ppl", "--out", "runs", "--device", "cpu",
+            names=["eval.task_lengths=null", "eval.task_limits=null", "'passkey'", "'mmlu'"])
+
+
+def test_a_tokenizer_config_without_its_vocabulary_is_named(work, capsys):
+    (work / "teacher" / "tokenizer.json").unlink()
+    line = refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi",
+                   names=["teacher", "tokenizer_config.json", "no vocabulary"])
+    assert line.rstrip().endswith("folder"), line  # the whole reason, not a list cut at its first line
+
+
+def test_eval_into_a_read_only_folder_is_refused_before_any_work(work, capsys, monkeypatch):
+    (work / "ro").mkdir()
+    (work / "ro").chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the check is made to see the folder's mode as a user would
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: real(path, mode) and (
+            not mode & os.W_OK or bool(os.stat(path).st_mode & stat.S_IWUSR)))
+    loads = []
+    monkeypatch.setattr("linearize.loading.load_tokenizer", lambda *a, **k: loads.append(a))
+    refused(capsys, work, "eval", "--model", "teacher", "--tasks", "ppl", "--out", "ro/r.json", "--lengths", "64",
+            "--limit", "1", "--text", "data.txt", "--device", "cpu", names=["ro", "not writable"])
+    assert not loads
+
+
+def test_distill_writes_its_model_with_normal_permissions(work, capsys):
+    old = os.umask(0o022)
+    try:
+        assert main(["distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+                     *TRAIN, "--stage", "1"]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((work / "run" / "model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((work / "run" / "config.json").stat().st_mode) == 0o644

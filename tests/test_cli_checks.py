@@ -237,3 +237,34 @@ def test_other_errors_still_raise(monkeypatch):
     monkeypatch.setattr(command, "run", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["distill", "--model", "m", "--method", "lizard", "--out", "o"])
+
+
+# 8. What a command prints at its end: the eval summary's average, the demo's figures.
+
+def test_the_eval_summary_shows_the_numbers_its_zero_shot_average_is_made_of():
+    from linearize.eval.command import summary_line
+
+    metrics = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
+               "winogrande": "acc"}
+    tasks = {name: {"acc": 0.3, "acc_norm": 0.9} for name in metrics}
+    average = sum(tasks[name][metric] for name, metric in metrics.items()) / len(metrics)
+    line = summary_line({"tasks": tasks, "zeroshot_average": {"value": average, "metrics": metrics}})
+    shown = [float(part.split("=")[1]) for part in line.split() if not part.startswith("zeroshot_avg")]
+    assert sum(shown) / len(shown) == pytest.approx(float(line.split("zeroshot_avg=")[1]), abs=1e-3)
+    assert "arc_challenge:acc_norm=0.900" in line and "piqa=0.300" in line
+
+
+def test_the_demo_ends_with_the_figures_the_readme_quotes_and_its_folder(tmp_path):
+    import json
+
+    from linearize.cli import demo_summary
+
+    log = [{"stage": 1, "split": "val", "val_loss": 1.65}, {"stage": 1, "step": 1, "loss": 2.0},
+           {"stage": 1, "split": "val", "val_loss": 0.56}, {"stage": 2, "split": "val", "val_loss": 3.75},
+           {"stage": 2, "split": "val", "val_loss": 3.54}]
+    (tmp_path / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    text = demo_summary(tmp_path, {"teacher": 65.0, "lizard student": 86.0})
+    assert "stage-1 MSE 1.65 -> 0.56, stage-2 loss 3.75 -> 3.54, perplexity 86.0 against the teacher's 65.0" in text
+    assert str(tmp_path) in text.splitlines()[-1]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "--max-tokens 49152 --seq-len 256 --batch 4" in readme  # the CPU-sized distill beside the quickstart's

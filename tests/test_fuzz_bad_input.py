@@ -346,6 +346,8 @@ FAST_FLAG_CASES = [(verb, flag, HOSTILE[i % len(HOSTILE)]) for verb, flags in NU
                    for i, flag in enumerate(flags)]
 FAST_FLAG_CASES += [("generate", "--set", f"{key}={HOSTILE[i % 4]}") for i, key in enumerate(SET_KEYS)]
 FAST_FLAG_CASES += [("generate", "--prompt", ""), ("convert", "--method", "nope"), ("eval", "--tasks", "nope")]
+# Undecodable argv bytes (lone surrogates in Python), a length or a budget that trains nothing.
+FAST_FLAG_CASES += [("generate", "--prompt", "caf\udce9"), ("distill", "--seq-len", "1"), ("distill", "--max-tokens", "40")]
 FAST_FLAG_CASES += [("distill", "--softmax-by", value) for value in ("kl:x", "foo:2", "kl:2", "even:99", "nan", "")]
 
 

@@ -399,3 +399,21 @@ def test_a_row_cut_inside_its_first_long_length_still_makes_a_table_row(tmp_path
     cells = _row_cells(run)
     assert cells["row"] == "Lizard (partial)" and cells["niah_single 1K"] == "50.0"
     assert "variable_tracking 1K" not in cells and "RULER 1K" not in cells
+
+
+@pytest.mark.slow  # about a minute and a half on 2 cores
+def test_smoke_runs_a_shipped_recipe_cpu_sized(teacher, tmp_path, workspace_text, capsys):
+    """`recipe run FILE --smoke`: the recipe's stages and evaluation, at two steps a stage on short sequences
+    and a couple of samples; the overrides it set are in run.json. (The tiny teacher and a small text stand
+    in for SmolLM2 and the default mix; the tasks are cut to two, the rest is the smoke's own.)"""
+    runs = tmp_path / "runs"
+    assert main(["recipe", "run", str(RECIPES_DIR / "lizard-window-256.yaml"), "--smoke", "--out", str(runs),
+                 "--model", teacher, "--device", "cpu", f"distill.data={workspace_text}", "eval.tasks=ppl,passkey"]) == 0
+    out = runs / "lizard-window-256"
+    record = json.loads((out / "run.json").read_text())
+    assert "distill.seq_len=256" in record["overrides"] and "eval.limit=2" in record["overrides"]
+    assert record["recipe"]["distill"]["options"]["window"] == 256  # the row's own method options stay
+    steps = [json.loads(line) for line in (out / "model" / "train_log.jsonl").read_text().splitlines()]
+    assert {(r["stage"], r["step"]) for r in steps if "loss" in r} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    results = json.loads((out / "eval.json").read_text())
+    assert [row["length"] for row in results["tasks"]["ppl"]["by_length"]] == [1024]

@@ -258,6 +258,37 @@ def test_recipe_list_shows_main_rows_then_ablations(capsys):
     assert all(Path(RECIPES_DIR.parent / f).stem == name for name, f, _ in rows)
 
 
+def test_recipe_list_imports_no_model_code_and_agrees_with_the_loaded_recipes():
+    """Listing reads YAML files: no transformers or torch import (seconds), the same rows as loading them."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom linearize.cli import main\nassert main(['recipe', 'list']) == 0\n"
+              "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=RECIPES_DIR.parent, check=True)
+    *listed, imported = done.stdout.splitlines()
+    assert imported == "[]"
+    rows = [line.split(None, 2) for line in listed[1:]]
+    assert [(name, row) for name, _, row in rows] == [(r.name, r.row) for r in shipped()]
+
+
+def test_smoke_overrides_make_every_shipped_row_cpu_sized():
+    """`--smoke` on every shipped row loads (its settings still valid together) and is small: a few steps a
+    stage, short sequences, a couple of samples, one short length, no per-task mappings."""
+    for recipe in shipped():
+        small = Recipe.load(recipe.source, smoke=True)
+        assert small.eval["limit"] == 2 and small.eval["lengths"] == "1k" and small.eval["samples"] == 1
+        assert small.eval["task_lengths"] is None and small.eval["task_limits"] is None
+        small.check_eval()
+        if small.distill is not None:
+            cfg = small.distill_config(Path("model"))
+            assert cfg.steps() <= 2 and cfg.seq_len <= max(256, recipe.distill.get("seq_len", 256))
+            assert cfg.max_tokens <= 2 * 2 * cfg.seq_len and not cfg.kl_seq_len
+    mine = Recipe.load(RECIPES_DIR / "lizard.yaml", ["eval.limit=5"], smoke=True)
+    assert mine.eval["limit"] == 5  # the command line's overrides apply over the smoke's
+
+
 def test_cli_refuses_bad_names_and_overrides_before_any_work(tmp_path, capsys):
     out = tmp_path / "runs"
     assert main(["recipe", "run", "lizzard", "--out", str(out)]) == 2
@@ -285,19 +316,24 @@ def test_a_lone_number_is_one_eval_length(tmp_path):
                 ).check_eval()
 
 
+LENGTHS_LEFT = ("eval.task_lengths: task lengths name 'niah_multikey', which is not ppl or a long-context task of "
+                "this run (ppl)")
+LIMITS_LEFT = "eval.task_limits: a task limit names 'mmlu', which is not an lm-eval task of this run (ppl)"
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["eval.tasks=ppl"], ("task lengths name 'niah_multikey', which is not ppl or a long-context task of this "
-                          "run (ppl); override eval.task_lengths=null (or set lengths for this run's tasks)")),
+    (["eval.tasks=ppl"], (f"{LENGTHS_LEFT}; {LIMITS_LEFT}; override eval.task_lengths=null eval.task_limits=null "
+                          "(or name this run's tasks there)")),
     (["eval.tasks=ppl", "eval.task_lengths=null"],
-     ("a task limit names 'mmlu', which is not an lm-eval task of this run (ppl); override eval.task_limits=null "
-      "(or set limits for this run's tasks)")),
+     f"{LIMITS_LEFT}; override eval.task_limits=null (or name this run's tasks there)"),
 ])
 def test_per_task_settings_left_from_the_parent_name_their_override(overrides, message):
     """Narrowing a row's tasks leaves its parent's task lengths and limits naming tasks it no longer runs:
-    refused (which tasks a setting names is explicit), with the override that clears them in the same line."""
+    refused (which tasks a setting names is explicit), every such setting at once, with the overrides that
+    clear them in the same line."""
     with pytest.raises(RecipeError) as error:
         Recipe.load(RECIPES_DIR / "lizard.yaml", overrides).check_eval()
-    assert str(error.value) == f"recipe recipes/lizard.yaml: eval: {message}"
+    assert str(error.value) == f"recipe recipes/lizard.yaml: {message}"
     Recipe.load(RECIPES_DIR / "lizard.yaml", [*overrides, "eval.task_lengths=null", "eval.task_limits=null"]
                 ).check_eval()
 
@@ -307,7 +343,7 @@ def test_recipe_run_names_the_override_of_a_parents_task_lengths(tmp_path, capsy
     assert main(["recipe", "run", "lizard", "--out", str(out), "eval.tasks=ppl", "--no-eval"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.rstrip().endswith(
-        "override eval.task_lengths=null (or set lengths for this run's tasks)")
+        "override eval.task_lengths=null eval.task_limits=null (or name this run's tasks there)")
     assert not out.exists()
 
 

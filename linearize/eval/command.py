@@ -175,13 +175,18 @@ def parse_task_limits(items: list[str]) -> dict[str, int]:
 
 
 def summary_line(results: dict) -> str:
-    """One line of headline numbers for the terminal."""
+    """One line of headline numbers for the terminal. A zero-shot task shows the metric the zero-shot
+    average takes from it (`name:acc_norm=...` where that is not acc), so the average is the mean of the
+    numbers beside it."""
+    averaged = results.get("zeroshot_average", {}).get("metrics", {})
     parts = []
     for name, r in results["tasks"].items():
         if name == "ppl":
             parts += [f"ppl@{row['length']}={row['ppl']:.2f}" for row in r["by_length"]]
         elif "grid" in r:
             parts.append(f"{name}={r['score']:.3f}")
+        elif averaged.get(name, "acc") != "acc" and averaged[name] in r:
+            parts.append(f"{name}:{averaged[name]}={r[averaged[name]]:.3f}")
         elif "acc" in r:
             parts.append(f"{name}={r['acc']:.3f}")
     if "zeroshot_average" in results:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .files import Recipe, RecipeError, display_path, find, shipped
+from .files import Recipe, RecipeError, display_path, find, shipped_rows
 from .running import run
 from .table import finished_runs, plot_rows, table, table_markers, write_into
 
@@ -26,11 +26,15 @@ def register(subparsers) -> None:
                    help="teacher to use instead of each recipe's own (e.g. a local copy)")
     r.add_argument("--device", action=_ThenWords, nargs="+", metavar=("DEVICE", "RECIPE|KEY=VALUE"),
                    help="cuda or cpu (default: cuda if available)")
-    r.add_argument("--no-eval", dest="evaluate", action=_NoEvalThenWords, nargs="*", metavar="RECIPE|KEY=VALUE",
-                   help="distil only; a later run without it evaluates the models it finds")
-    r.set_defaults(func=_run_command, words_after=[], evaluate=True)
+    r.add_argument("--no-eval", dest="evaluate", action=_SwitchThenWords, const=False, nargs="*",
+                   metavar="RECIPE|KEY=VALUE", help="distil only; a later run without it evaluates the models it finds")
+    r.add_argument("--smoke", action=_SwitchThenWords, const=True, nargs="*", metavar="RECIPE|KEY=VALUE",
+                   help="CPU-sized: two steps a stage on 256-token sequences, 2 documents or samples a task, one "
+                        "1K length (KEY=VALUE overrides still apply over it): a few minutes on 2 cores")
+    r.set_defaults(func=_run_command, words_after=[], evaluate=True, smoke=False)
     ls = sub.add_parser("list", help="the shipped recipes: name, file and row label, main rows then ablations")
-    ls.set_defaults(func=_list_command)
+    # Lists YAML files: the command skips loading transformers (what the verbs that load models need).
+    ls.set_defaults(func=_list_command, loads_models=False)
     t = sub.add_parser("table", help="a Markdown table of finished runs")
     t.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     t.add_argument("--into", type=Path, help="replace the recipe table section of this Markdown file")
@@ -56,11 +60,12 @@ class _ThenWords(argparse.Action):
         namespace.words_after = [*namespace.words_after, *values[1:]]
 
 
-class _NoEvalThenWords(argparse.Action):
-    """`--no-eval`, then the recipes and overrides written after it, as `_ThenWords` takes them."""
+class _SwitchThenWords(argparse.Action):
+    """A switch (`--no-eval`, `--smoke`: sets `const`), then the recipes and overrides written after it, as
+    `_ThenWords` takes them."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, False)
+        setattr(namespace, self.dest, self.const)
         namespace.words_after = [*namespace.words_after, *values]
 
 
@@ -75,7 +80,8 @@ def _run_command(args) -> int:
     specs = [w for w in words if not _is_override(w)]
     if not specs:
         raise RecipeError("recipe run: no recipe named (a file, or a shipped recipe's name from `linearize recipe list`)")
-    recipes = [Recipe.load(find(spec), overrides) for spec in specs]  # every file checked before any work starts
+    # Every file checked before any work starts.
+    recipes = [Recipe.load(find(spec), overrides, smoke=args.smoke) for spec in specs]
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
         raise RecipeError(f"two recipes share a name: {names}")
@@ -91,7 +97,7 @@ def _run_command(args) -> int:
 
 
 def _list_command(args) -> int:
-    lines = [("name", "file", "row")] + [(r.name, display_path(r.source), r.row) for r in shipped()]
+    lines = [("name", "file", "row")] + [(name, display_path(path), row) for name, path, row in shipped_rows()]
     widths = [max(len(line[i]) for line in lines) for i in range(2)]
     for name, file, row in lines:
         print(f"{name:<{widths[0]}}  {file:<{widths[1]}}  {row}")

@@ -39,12 +39,14 @@ class Recipe:
     overrides: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
-    def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-        """The recipe in `path` with its `extends` chain resolved and `overrides` ("a.b=value") applied."""
+    def load(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, smoke: bool = False) -> Recipe:
+        """The recipe in `path` with its `extends` chain resolved, made CPU-sized with `smoke` (`smoke_overrides`)
+        and `overrides` ("a.b=value") applied over that."""
         path = Path(path)
         if path.resolve().is_relative_to(RECIPES_DIR / BASE_DIR):
             raise RecipeError(f"recipe {path} is a base that recipes extend, not a row")
         raw = _resolve(path, ())
+        overrides = (*(smoke_overrides(raw) if smoke else ()), *overrides)
         for item in overrides:
             _override(raw, path, item)
         unknown = set(raw) - set(RECIPE_KEYS)
@@ -91,10 +93,9 @@ class Recipe:
             return EvalConfig(**{key: value for key, value in self.eval.items() if key != "set"})
         except EvalSettingError as e:
             if isinstance(e.__cause__, TaskNotInRun):
-                # Most often inherited from a parent that runs more tasks (`extends` or `eval.tasks=`).
-                what = "lengths" if e.setting == "task_lengths" else "limits"
-                raise RecipeError(f"recipe {where}: eval: {e}; override eval.{e.setting}=null (or set {what} for "
-                                  "this run's tasks)") from None
+                raise RecipeError(f"recipe {where}: {_task_conflicts(self.eval)}") from None
+            raise RecipeError(f"recipe {where}: eval: {e}") from None
+        except TypeError as e:  # a key EvalConfig does not have
             raise RecipeError(f"recipe {where}: eval: {e}") from None
 
     def distill_config(self, out: Path, model: str | None = None):
@@ -223,6 +224,58 @@ def shipped() -> list[Recipe]:
     return [Recipe.load(p) for p in _shipped()]
 
 
+# `recipe run --smoke`: the recipe made small enough for a 2-core CPU (a few minutes: two steps a stage on
+# short sequences, a couple of samples a task, one short length), every stage and task it names still run.
+# The per-task mappings go: they name the full run's lengths and limits.
+SMOKE_STEPS = 2
+SMOKE_DISTILL = {"seq_len": 256, "batch": 2, "grad_accum": 1, "save_every": SMOKE_STEPS, "eval_every": SMOKE_STEPS,
+                 "val_batches": 1}
+SMOKE_EVAL = {"limit": 2, "samples": 1, "lengths": "1k", "depths": "50", "batch": 2, "task_lengths": None,
+              "task_limits": None}
+
+
+def smoke_overrides(raw: dict) -> list[str]:
+    """KEY=VALUE overrides that make the resolved recipe `raw` CPU-sized (SMOKE_DISTILL, SMOKE_EVAL)."""
+    items = [f"eval.{key}={json.dumps(value)}" for key, value in SMOKE_EVAL.items()]
+    if isinstance(raw.get("eval"), dict) and "harness_batch" in raw["eval"]:
+        items.append(f"eval.harness_batch={SMOKE_EVAL['batch']}")
+    distill = raw.get("distill")
+    if isinstance(distill, dict):
+        settings = {**SMOKE_DISTILL, "seq_len": _smoke_seq_len(distill)}
+        settings["max_tokens"] = SMOKE_STEPS * settings["batch"] * settings["seq_len"]
+        items += [f"distill.{key}={value}" for key, value in settings.items()]
+        if distill.get("kl_seq_len"):
+            items.append("distill.kl_seq_len=0")  # candidates scored at the smoke's seq_len
+        if distill.get("kl_train_steps"):
+            items.append("distill.kl_train_steps=1")
+    return items
+
+
+def _smoke_seq_len(distill: dict) -> int:
+    """SMOKE_DISTILL's seq_len, or the recipe's own where the method trains nothing that short (a STILL
+    budget that holds every token of it, a LoLCATs window as long)."""
+    from ..train import DistillConfig
+
+    short = SMOKE_DISTILL["seq_len"]
+    try:
+        DistillConfig(model="m", method=distill.get("method"), out="o", seq_len=short, batch=1,
+                      stage=str(distill.get("stage", "both")), options=distill.get("options") or {})
+    except (TypeError, ValueError):  # what the recipe's own check then reports, if it is not the length
+        return distill.get("seq_len", short) if isinstance(distill.get("seq_len"), int) else short
+    return short
+
+
+def shipped_rows() -> list[tuple[str, Path, str]]:
+    """(name, file, row label) of every shipped row, in `shipped`'s order: read from the files and their
+    `extends` chains alone, without the checks that import the training and evaluation code (torch)."""
+    rows = []
+    for path in _shipped():
+        raw = _resolve(path, ())
+        name = raw.get("name", path.stem)
+        rows.append((str(name), path, str(raw.get("row", name))))
+    return rows
+
+
 def _override(raw: dict, path: Path, item: str) -> None:
     """Set one dotted KEY=VALUE (the value read as YAML) in the resolved mapping `raw`."""
     key, sep, text = item.partition("=")
@@ -286,7 +339,10 @@ def _check_distill(path: Path, recipe: Recipe) -> None:
     try:
         recipe.distill_config(Path("model"))  # which parses the method's options too (`DistillConfig.method_config`)
     except (ConfigError, TypeError, ValueError) as e:
-        raise RecipeError(f"recipe {path}: distill: {e}") from None
+        given = [item for item in recipe.overrides if item.startswith("distill.")
+                 and item.partition("=")[0].rsplit(".", 1)[-1] in str(e)]
+        source = f" (from {', '.join(given)})" if given else ""
+        raise RecipeError(f"recipe {path}: distill: {e}{source}") from None
 
 
 def _check_inference_options(path: Path, distill: dict | None, options: dict) -> None:
@@ -312,3 +368,19 @@ def display_path(path: Path) -> str:
             return path.relative_to(root).as_posix()
     return str(path)
 
+
+def _task_conflicts(settings: dict) -> str:
+    """Every per-task setting of an eval section that names a task the run leaves out, most often inherited
+    from a parent that runs more tasks (`extends` or `eval.tasks=`): all named at once, so one retry fixes them."""
+    from ..eval.tasks import TaskNotInRun, check_task_limits, parse_task_lengths, parse_tasks
+
+    tasks = parse_tasks(settings["tasks"])
+    conflicts = []
+    for key, check in (("task_lengths", parse_task_lengths), ("task_limits", check_task_limits)):
+        try:
+            check(tasks, settings.get(key) or {})
+        except TaskNotInRun as e:
+            conflicts.append((key, str(e)))
+    problems = "; ".join(f"eval.{key}: {problem}" for key, problem in conflicts)
+    fixes = " ".join(f"eval.{key}=null" for key, _ in conflicts)
+    return f"{problems}; override {fixes} (or name this run's tasks there)"

@@ -29,6 +29,23 @@ def parse_softmax_by(text) -> tuple[str, int]:
     return rule, int(count)
 
 
+def check_trainable_length(method: str, options: dict, seq_len: int, stages: list[int]) -> None:
+    """Refuse (ValueError naming seq_len and the method's option) a training length on which the run would
+    learn nothing: one token (every attention, softmax or linear, returns that token's value, so every loss
+    is 0 whatever the weights), or for stage 1 a length the linear part never sees (LoLCATs' linear
+    attention covers only the tokens before its window; STILL's checks its softmax budget, below)."""
+    if isinstance(seq_len, int) and seq_len < 2:
+        raise ValueError(f"seq_len (--seq-len) {seq_len}: a sequence of one token trains nothing (every attention "
+                         "returns its value, so the loss is 0 whatever the weights): give --seq-len 2 or more, "
+                         f"and more than {method}'s window to train what it adds")
+    if method == "lolcats" and 1 in stages:
+        window = make_method_config("lolcats", **options).window
+        if seq_len <= window:
+            raise ValueError(f"seq_len (--seq-len) {seq_len} is not longer than lolcats' window ({window}): its linear "
+                             "attention sees only the tokens before the window, so stage 1 would train nothing; "
+                             "train on longer sequences (--seq-len) or give it a smaller window (--set window=N)")
+
+
 @dataclass
 class DistillConfig:
     model: str
@@ -95,12 +112,21 @@ class DistillConfig:
         for name in ("max_tokens", "seq_len", "batch", "grad_accum", "save_every", "eval_every", "head_lr_scale",
                      "lr_stage1", "lr_stage2", "clip"):
             value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):  # a recipe's `max_tokens: lots`
+                raise TypeError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value) or value <= 0:  # NaN passes `<= 0`
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.batch % self.grad_accum:
             raise ValueError(f"batch ({self.batch}) must be a multiple of grad_accum ({self.grad_accum})")
+        check_trainable_length(self.method, self.options, self.seq_len, self.stages)
+        micro = self.batch // self.grad_accum
+        if self.max_tokens // self.seq_len < micro:
+            # The data would be blamed otherwise: the training split is cut to max_tokens // seq_len sequences.
+            raise ValueError(f"max_tokens (--max-tokens) {self.max_tokens:,} holds {self.max_tokens // self.seq_len} "
+                             f"sequence(s) of seq_len {self.seq_len}, fewer than one micro-batch of {micro}: give "
+                             f"--max-tokens {micro * self.seq_len} or more (steps are --batch x --seq-len tokens)")
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
         if self.softmax_by is not None:

@@ -28,7 +28,6 @@ from .layer_selection import KLSelection, even_layers
 from .losses import TrainingDiverged
 from .resume import check_resume
 from .run_dir import (
-    CHECKPOINT_NAME,
     CONFIG_NAME,
     LAYER_ERRORS_NAME,
     LOG_NAME,
@@ -36,6 +35,7 @@ from .run_dir import (
     check_same_run,
     check_saved_run,
     is_finished,
+    nothing_to_resume,
     stage1_source,
 )
 from .runtime import Runtime
@@ -194,11 +194,16 @@ def distill(cfg: DistillConfig, *, resume: bool = False, progress: bool = True) 
                 KLSelection(run).select()
         export(run)
         run.rt.barrier()
-    except TrainingDiverged:
-        # A run that diverged before its first checkpoint holds nothing a corrected command could resume
-        # (a changed --lr is a new run): it goes, as a refused start leaves nothing.
-        if made_out and run.rt.main and not (out / CHECKPOINT_NAME).exists():
-            shutil.rmtree(out, ignore_errors=True)
+    except (TrainingDiverged, KeyboardInterrupt):
+        # A run stopped (diverged, interrupted) before its first checkpoint holds nothing a command could
+        # resume (a changed --lr is a new run; a rerun would only be told to pass --resume): its folder goes
+        # back to how it was, as a refused start leaves it.
+        if run.rt.main and nothing_to_resume(out):
+            if made_out:
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                for name in (CONFIG_NAME, LOG_NAME):
+                    (out / name).unlink(missing_ok=True)
         raise
     finally:
         run.rt.stop()

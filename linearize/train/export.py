@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cli_args import normal_permissions
 from .run_dir import LORA_NAME, STAGE1_NAME
 from .student import build_student, linearized_layers, prepare_stage
 
@@ -26,3 +27,4 @@ def export(run) -> None:
     model.config.linearize = {**model.config.linearize, "distilled": True}  # convert wrote false
     model.save_pretrained(run.out)
     run.tokenizer.save_pretrained(run.out)
+    normal_permissions(run.out)  # safetensors writes model.safetensors 0600

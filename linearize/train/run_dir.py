@@ -127,3 +127,10 @@ def is_finished(out: str | Path) -> bool:
     out = Path(out).expanduser()
     return ((out / CONFIG_NAME).is_file() and (out / "config.json").is_file()
             and any(out.glob("model*.safetensors")))
+
+
+def nothing_to_resume(out: str | Path) -> bool:
+    """Whether the run directory `out` holds no work: at most its config and its log (a run stopped before
+    its first checkpoint), nothing that --resume would continue from."""
+    out = Path(out).expanduser()
+    return out.is_dir() and all(p.name in (CONFIG_NAME, LOG_NAME) for p in out.iterdir())

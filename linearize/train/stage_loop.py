@@ -122,7 +122,7 @@ def train_stage(run, stage: int) -> None:
     average = (lambda: rt.average_gradients(params)) if rt.distributed and not sharded else None
     train_step = TrainStep(lambda ids: stage_loss(model, ids, stage), params, optimizer, cfg.clip, rt.autocast,
                            cuda_graph=cfg.cuda_graph, before_clip=average, uncapturable=uncapturable)
-    started, tokens_at_start = time.perf_counter(), ckpt.tokens
+    started, tokens_at_start, first_step = time.perf_counter(), ckpt.tokens, ckpt.step
     layer_errors = None  # stage 1's per-layer MSE at the last validation
     try:
         while ckpt.step < total:
@@ -160,10 +160,11 @@ def train_stage(run, stage: int) -> None:
         bar.close()
         raise
     except KeyboardInterrupt:
-        ckpt.save()
         bar.close()
-        if rt.main:
-            print(f"\ninterrupted: checkpoint at step {ckpt.step} saved in {ckpt_path}; rerun with --resume")
+        if ckpt.step > first_step:  # else nothing new to keep
+            ckpt.save()
+            if rt.main:
+                print(f"\ninterrupted: checkpoint at step {ckpt.step} saved in {ckpt_path}; rerun with --resume")
         raise
     bar.close()
     keep_trained(run, model, stage, names, sharded)

@@ -12,7 +12,7 @@ import torch
 from interrupted_distill import interrupting_stage_loss
 
 from linearize.loading import load_model
-from linearize.train import DistillConfig, ResumeError, checkpoint, distill, stage_loop
+from linearize.train import DistillConfig, ResumeError, checkpoint, distill, run_dir, stage_loop
 from linearize.train import distillation as distill_module
 from linearize.train.student import new_parameter_names
 
@@ -398,7 +398,7 @@ def test_a_diverging_second_stage_keeps_the_first_and_exports_nothing(workspace,
     assert not (out / "config.json").exists()  # the export: no model of non-finite weights
     assert not (out / "stage2_lora.pt").exists()
     # The last checkpoint is the finished first stage's: the second diverged before its first save.
-    saved = checkpoint.load(out / distill_module.CHECKPOINT_NAME)
+    saved = checkpoint.load(out / run_dir.CHECKPOINT_NAME)
     assert (saved["stage"], saved["stage_done"]) == (1, True)
 
 
@@ -430,3 +430,25 @@ def test_the_command_reports_a_divergence_as_one_error_line_with_exit_2(workspac
     assert re.match(r"linearize: error: stage 1 diverged at step \d+: .* a lower --lr", lines[-1]), lines[-1]
     assert not any("Traceback" in line or "Warning" in line for line in lines), lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_run_interrupted_before_its_first_step_leaves_no_folder_and_reruns_without_resume(workspace, tmp_path,
+                                                                                            monkeypatch, calls):
+    """Ctrl-C in the step-0 validation (the first call of the loss) or in the first training step: nothing to
+    resume, so nothing is kept (no lone distill_config.json that would make a rerun demand --resume)."""
+    real, seen = stage_loop.stage_loss, {"n": 0}
+
+    def interrupted(model, ids, stage):
+        seen["n"] += 1
+        if seen["n"] == calls:
+            raise KeyboardInterrupt
+        return real(model, ids, stage)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(stage_loop, "stage_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(config(workspace, out, stage="1"), progress=False)
+    assert not out.exists()
+    monkeypatch.setattr(stage_loop, "stage_loss", real)
+    assert (distill(config(workspace, out, stage="1"), progress=False) / "config.json").is_file()
