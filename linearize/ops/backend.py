@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,7 @@ class Implementation:
 
 def always(call) -> None:
     """`supports` of an implementation that takes every call (the PyTorch forms)."""
-    return None
+    return
 
 
 @dataclass(frozen=True)
