@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from linearize.ops.gla_window import GlaWindowOptions
 from linearize.ops.gla_window.testing import Case, make_inputs, run_checks
 
 # ----------------------------------------------------------------------------------------------------
@@ -70,8 +71,8 @@ def _bench_ours(B, H, L, D, gate, config=None, shared=False, profile_to=None):
     case = Case(L=L, gate=gate, dtype=torch.bfloat16, window=128, sinks=4, B=B, H=H, HKV=H, F=D, D=D)
     (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
     inputs = [fq, fk, log_g, qw, kw, v, sinks] + ([] if shared else [alpha])  # the shared form has no alpha
-    return _fwd_and_bwd(lambda: lizard_attention_triton(fq, fk, log_g, qw, kw, v, window=128, scale=D**-0.5,
-                                                        sinks=sinks, alpha=alpha, shared=shared, config=config),
+    options = GlaWindowOptions(window=128, scale=D**-0.5, sinks=sinks, alpha=alpha, shared=shared)
+    return _fwd_and_bwd(lambda: lizard_attention_triton(fq, fk, log_g, qw, kw, v, options, config=config),
                          inputs, profile_to)
 
 
@@ -152,8 +153,8 @@ def _our_forward(B, L, H, D):
     (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cuda")
 
     def forward(config=None, window=128):
-        return functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, window=window, scale=D**-0.5,
-                                 sinks=sinks, alpha=alpha, config=config)
+        options = GlaWindowOptions(window=window, scale=D**-0.5, sinks=sinks, alpha=alpha)
+        return functools.partial(lizard_attention_triton, fq, fk, log_g, qw, kw, v, options, config=config)
 
     return forward
 

@@ -25,6 +25,7 @@ from linearize.config import StillConfig
 from linearize.eval.longcontext import build_sample, sample_seed
 from linearize.eval.texts import essay_sentences
 from linearize.ops.common import cumsum_over_tokens, exp_weights, repeat_kv
+from linearize.ops.still import StillOptions
 from linearize.ops.still import naive as still
 from linearize.ops.still import routing as still_routing
 
@@ -63,7 +64,7 @@ def fold_times(q: torch.Tensor, k: torch.Tensor, cfg: StillConfig) -> torch.Tens
     B, H, L, d = q.shape
     state = still.init_state(B, H, k.shape[1], 1, d, cfg.window, cfg.slots, device=q.device)
     valid = torch.ones(B, L, dtype=torch.bool, device=q.device)
-    fold, _ = still_routing.fresh_routing(q, k, k, valid, state, start=0, **cfg.op_options(d**-0.5))
+    fold, _ = still_routing.fresh_routing(q, k, k, valid, state, StillOptions(**cfg.op_options(d**-0.5)), start=0)
     return fold
 
 

@@ -6,6 +6,7 @@ kernel path ran and the worst relative errors; tests call them on CUDA directly 
 """
 
 import copy
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -46,37 +47,37 @@ def counting_kernel_calls(calls: list, steps: list, layout_reads: list | None = 
     steps that run on the step kernels and the padding layouts read back from the device; list the
     lengths of the passes whose features come from the features kernel ("grad" for one with
     gradients)."""
-    first_pass, continued, step = kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step
+    feature_passes = [] if feature_passes is None else feature_passes
+
+    def count(form, impl, call):
+        if impl.startswith("triton"):
+            if form == "gla_window_step":
+                steps.append(1)
+            elif form == "lizard_features":
+                feature_passes.append("grad" if impl == "triton-differentiable" else call.q.shape[2])
+            else:
+                calls.append(1)
+
     layout = kernels.row_layout
-    kernels.lizard_attention = lambda *a, **k: calls.append(1) or first_pass(*a, **k)
-    kernels.lizard_attention_continued = lambda *a, **k: calls.append(1) or continued(*a, **k)
+    forms = {(kernels, "CHUNK"): kernels.CHUNK, (kernels, "CONTINUE"): kernels.CONTINUE, (kernels, "STEP"): kernels.STEP,
+             (features, "FEATURES"): features.FEATURES}
     kernels.row_layout = lambda *a: (layout_reads.append(1) if layout_reads is not None else None) or layout(*a)
-
-    def counted_step(*a, **k):
-        out = step(*a, **k)
-        steps.extend([1] if out is not None else [])
-        return out
-
-    def counted_features(q, *a, **k):
-        out = without_grad(q, *a, **k)
-        feature_passes.extend([q.shape[2]] if out is not None else [])
-        return out
-
-    def counted_features_with_grad(*a, **k):
-        out = with_grad(*a, **k)
-        feature_passes.extend(["grad"] if out is not None else [])
-        return out
-
-    without_grad, feature_passes = features.features_without_grad, [] if feature_passes is None else feature_passes
-    with_grad = features.features_with_grad
-    kernels.lizard_step, features.features_without_grad = counted_step, counted_features
-    features.features_with_grad = counted_features_with_grad
+    for (module, name), form in forms.items():
+        setattr(module, name, counted(form, count))
     try:
         yield
     finally:
-        kernels.lizard_attention, kernels.lizard_attention_continued, kernels.lizard_step = first_pass, continued, step
-        features.features_without_grad, features.features_with_grad = without_grad, with_grad
         kernels.row_layout = layout
+        for (module, name), form in forms.items():
+            setattr(module, name, form)
+
+
+def counted(form: backend.Form, count) -> backend.Form:
+    """`form` calling `count(form name, implementation name, call)` before each implementation runs."""
+    def run(impl):
+        return lambda call: count(form.name, impl.name, call) or impl.run(call)
+
+    return backend.Form(form.name, tuple(dataclasses.replace(impl, run=run(impl)) for impl in form.implementations))
 
 
 def _run(model, ids, kernels_on: bool):

@@ -110,12 +110,12 @@ def test_a_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_every_chunk_is_marked_unpadded_whatever_mask_hf_builds(arch):
+def test_every_chunk_is_marked_unpadded_whatever_mask_hf_builds(arch, monkeypatch):
     """What a graph's capture refuses: the kernels' dispatch reading the tokens' validity back from the
     device (`gla_window.row_layout`), which it does for a call with a mask unless told every token is
     valid. HF builds a mask for eager attention and for Gemma's sliding layers; the prefill's cache
     holds one sequence, never padded, so every layer's call is marked unpadded, with the same result."""
-    from linearize.attention.base import LinearizedAttention
+    from linearize.attention.lizard import LizardAttention
 
     model = tiny_teacher(arch)
     model.config._attn_implementation = "eager"  # a mask on every call
@@ -123,13 +123,22 @@ def test_every_chunk_is_marked_unpadded_whatever_mask_hf_builds(arch):
     perturb_new_parameters(model)
     model.eval()
     ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(7))
+    calls = []  # each layer call's `Pass`
+    attend = LizardAttention.attend
+
+    def recorded(self, *args):
+        calls.append(args[-1])
+        return attend(self, *args)
+
+    monkeypatch.setattr(LizardAttention, "attend", recorded)
     expected, _ = one_call(model, ids)
-    layers = [m for m in model.modules() if isinstance(m, LinearizedAttention)]
-    assert not any(layer.unpadded for layer in layers)  # the one-call prefill had its mask
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers and not any(call.unpadded for call in calls)  # the one-call prefill had its mask
     prefill = StaticPrefill(model, sizes=(8,), cuda_graph=False)
     done = 0
     for size in (8, 8, 5):
+        calls.clear()
         logits = prefill.run(ids[0, done:done + size].tolist())
         done += size
-        assert all(layer.unpadded for layer in layers)
+        assert len(calls) == layers and all(call.unpadded for call in calls)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -22,6 +22,7 @@ import argparse
 import torch
 
 from linearize.config import StillConfig
+from linearize.ops.still import StillOptions
 from linearize.ops.still import naive as still
 from linearize.ops.still import routing as still_routing
 
@@ -34,7 +35,7 @@ def random_inputs(length: int, device: str, seed: int = 0):
     valid = torch.ones(B, length, dtype=torch.bool, device=device)
     state = still.init_state(B, H, HKV, F, d, cfg.window, cfg.slots, device=device)
     fk = torch.rand(B, H, length, F, generator=g, device=device)
-    return (q, k, v, valid, state), fk, cfg.op_options(d**-0.5), cfg.slots
+    return (q, k, v, valid, state), fk, StillOptions(**cfg.op_options(d**-0.5)), cfg.slots
 
 
 def mismatches(a, b) -> int:
@@ -73,9 +74,9 @@ def main() -> None:
             torch._dynamo.reset()
             routing_compiled = torch.compile(still_routing.fresh_routing, backend="inductor")
         with torch.no_grad():
-            eager = still_routing.fresh_routing(*inputs, start=0, **options, fk=fk)
+            eager = still_routing.fresh_routing(*inputs, options, start=0, fk=fk)
             try:
-                compiled = routing_compiled(*inputs, start=0, **options, fk=fk)
+                compiled = routing_compiled(*inputs, options, start=0, fk=fk)
                 routing = f"{mismatches(eager, compiled)} mismatched elements"
             except Exception as e:  # noqa: BLE001 (report whatever inductor raises, then go on)
                 routing = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--no-kernel-path", dest="kernel_path", action="store_false")
     args = parser.parse_args()
     if args.kernel_path:
-        linearize.ops.still.unsupported_reason = lambda *a, **k: None
+        linearize.ops.still.triton.supports = lambda *a, **k: None
         linearize.ops.still.triton.still_attention_triton = lambda q, *a, **k: q.clone()
     print(f"ops a layer, SmolLM2 shape, a {args.tokens}-token prefill and one decode step after it "
           f"(STILL's kernel path: {args.kernel_path})")

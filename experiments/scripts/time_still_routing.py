@@ -18,6 +18,7 @@ import torch
 
 from linearize.bench.common import OpCount, default_device, wall_ms
 from linearize.config import StillConfig
+from linearize.ops.still import StillOptions
 from linearize.ops.still import naive as still
 from linearize.ops.still import routing as still_routing
 
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     cfg = StillConfig()
-    options = cfg.op_options(HEAD_DIM**-0.5)
+    options = StillOptions(**cfg.op_options(HEAD_DIM**-0.5))
     device = default_device()
     print(f"{device}, {torch.get_num_threads()} threads, {cfg}")
     for shape in args.shapes.split(","):
@@ -40,7 +41,7 @@ def main() -> None:
         k, v = (torch.randn(B, KV_HEADS, L, HEAD_DIM, generator=g).to(device) for _ in range(2))
         valid = torch.ones(B, L, dtype=torch.bool, device=device)
         state = still.init_state(B, HEADS, KV_HEADS, FEATURES, HEAD_DIM, cfg.window, cfg.slots, device=device)
-        route = partial(still_routing.fresh_routing, q, k, v, valid, state, start=0, **options)
+        route = partial(still_routing.fresh_routing, q, k, v, valid, state, options, start=0)
         best = min(wall_ms(route, device) for _ in range(args.repeats)) / 1e3
         with OpCount() as count:
             fold, _ = route()

@@ -19,7 +19,9 @@ from experiments.routing import (
 )
 from linearize.config import StillConfig
 from linearize.convert import convert
+from linearize.ops.gla_window import GlaWindowOptions
 from linearize.ops.gla_window import naive as gla_window
+from linearize.ops.still import StillOptions
 from linearize.ops.still import naive as still
 
 SMALL = {"window": 16, "chunk_size": 8}
@@ -126,8 +128,8 @@ def test_last_query_mass_is_the_normaliser_of_the_still_output(new_model):
         mass = last_query_mass({"q": q, "k": k}, attn)
         state = still.init_state(1, 4, 2, attn.features, 16, 16, attn.cfg.slots, device="cpu")
         y, _ = still.still_parallel(q, k, v, torch.ones(1, 200, dtype=torch.bool), None, state, attn.feature_map_q,
-                                    attn.feature_map_k, start=0, fresh=True, keep_state=False,
-                                    **attn.cfg.op_options(attn.scaling))
+                                    attn.feature_map_k, StillOptions(**attn.cfg.op_options(attn.scaling)), start=0,
+                                    fresh=True, keep_state=False)
     weights = mass["softmax"] + mass["linear"]
     assert (mass["linear"] > 0).any() and (mass["softmax"] > 0).sum(-1).eq(16 + 24).all()
     expected = torch.einsum("hl,hld->hd", weights, v[0].repeat_interleave(2, dim=0))
@@ -165,8 +167,8 @@ def test_last_query_mass_is_the_normaliser_of_the_shared_lizard_output(new_model
         mass = last_query_mass(inputs, attn)
         state = gla_window.init_state(1, 4, 2, attn.features, 16, 16, device="cpu")
         y, _ = gla_window.gla_window_parallel(fq, fk, log_g, q, k, v, torch.ones(1, 200, dtype=torch.bool), state,
-                                              window=16, scale=attn.scaling, sinks=attn.sinks, alpha=attn.alpha,
-                                              beta=1.0, shared=True, eps=attn.cfg.eps)
+                                              GlaWindowOptions(window=16, scale=attn.scaling, sinks=attn.sinks,
+                                                               alpha=attn.alpha, shared=True, eps=attn.cfg.eps))
     assert (mass["softmax"] > 0).sum(-1).eq(16).all() and (mass["linear"] > 0).all() and (mass["sinks"] > 0).all()
     weights = mass["softmax"] + mass["linear"]
     expected = torch.einsum("hl,hld->hd", weights, v[0].repeat_interleave(2, dim=0))

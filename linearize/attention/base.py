@@ -1,11 +1,14 @@
 """The shared shell of every linearized attention: the teacher's projections, padding, cache, stage 1.
 
-A subclass adds its small new modules and implements `attend(x, q, k, v, rope, valid, state, start)`
-on float32 [B, H, L, d] queries and [B, H_kv, L, d] keys/values (in the projections' dtype where it
-sets `native_operands`), returning (y, new_state).
+A subclass adds its small new modules and implements `attend(q, k, v, rope, valid, state, call)` on
+float32 [B, H, L, d] queries and [B, H_kv, L, d] keys/values (in the projections' dtype where it sets
+`native_operands`), returning (y, new_state); `call` (a `Pass`) holds what the call knows beyond its
+tensors, and `attend` picks its op's form from it once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,6 +36,25 @@ def token_validity(attention_mask, batch: int, length: int, device) -> torch.Ten
         keep = own if own.dtype == torch.bool else own == 0
         return keep.to(device).expand(batch, length).contiguous()
     raise TypeError(f"unsupported attention mask of shape {tuple(attention_mask.shape)}")
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What one call of a linearized attention knows beyond its tensors, found once in `forward`.
+
+    start     tokens of the sequence before this call (the cache's count; 0 without a cache)
+    caching   a cache will store the state after the call
+    unpadded  every token is valid (no attention mask, or a cache that holds one unpadded sequence),
+              known without reading the validity back from the device
+    frozen    the cache keeps fixed-shape tensors, so a decode step may write its state in place
+    dtype     the projections' output dtype (bf16 under autocast), in which the kernels take operands
+    """
+
+    start: int = 0
+    caching: bool = False
+    unpadded: bool = False
+    frozen: bool = False
+    dtype: torch.dtype = torch.float32
 
 
 class LinearizedAttention(nn.Module):
@@ -73,18 +95,10 @@ class LinearizedAttention(nn.Module):
         # Stage 1: q and k with RoPE as `attend` computed them for its own use (`keep_rotated`); the
         # target starts from them instead of rotating again (~10 kernels a layer and step).
         self.rotated: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Set per call for paths that need them: the projections' output dtype (bf16 under autocast),
-        # in which fused kernels take their operands, whether a cache will store the new state and
-        # whether that cache is frozen (its state may then be written in place), and whether the call
-        # has no attention mask (every token valid, known without a device read).
-        self.projection_dtype = torch.float32
         # q, k, v (and `input_projections`) as one GEMM while decoding (`linearize.fused_projections`);
         # None: separate GEMMs. `projected`: this call's outputs of the `input_projections`, in order.
         self.fused_qkv = None
         self.projected: tuple[torch.Tensor, ...] = ()
-        self.caching = False
-        self.frozen_cache = False
-        self.unpadded = False
 
     def new_parameters(self) -> list[nn.Parameter]:
         """Parameters this method adds on top of the teacher's projections."""
@@ -139,22 +153,20 @@ class LinearizedAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         valid = token_validity(attention_mask, B, L, hidden_states.device)
-        self.projection_dtype = q.dtype
 
         cache = (claim_cache_layer(past_key_values, self.layer_idx, self.mask_window)
                  if past_key_values is not None else None)
-        self.unpadded = attention_mask is None or (cache is not None and cache.unpadded)
         # A layer that has seen no token holds no sequence's state (a fixed-shape cache reset for a new
         # sequence keeps its tensors): the call takes the fresh path.
         state = cache.state if cache is not None and cache.seen else None
-        self.caching = cache is not None
-        self.frozen_cache = cache is not None and cache.frozen
-        start = cache.seen if cache is not None else 0
+        call = Pass(start=cache.seen if cache is not None else 0, caching=cache is not None,
+                    unpadded=attention_mask is None or (cache is not None and cache.unpadded),
+                    frozen=cache is not None and cache.frozen, dtype=q.dtype)
         # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
         # lose too much in bf16.
         operands = (q, k, v) if self.native_operands else (q.float(), k.float(), v.float())
         with torch.autocast(device_type=device_type, enabled=False):
-            y, new_state = self.attend(*operands, position_embeddings, valid, state, start)
+            y, new_state = self.attend(*operands, position_embeddings, valid, state, call)
         self.projected = ()  # held past the call, a STILL gate's [B, L, H d] would outlive its use
         if cache is not None:
             cache.store(new_state, L)
@@ -210,7 +222,7 @@ class LinearizedAttention(nn.Module):
             y = y.nan_to_num(0.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
-    def attend(self, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, call: Pass):
         raise NotImplementedError
 
 

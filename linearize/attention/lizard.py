@@ -8,8 +8,8 @@ from torch import nn
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
 from ..ops.features import lizard_features
-from ..ops.gla_window import gla_window
-from .base import LinearizedAttention
+from ..ops.gla_window import GlaWindowOptions, chunk_gla_window, continue_gla_window, gla_window_step
+from .base import LinearizedAttention, Pass
 
 
 class LizardAttention(LinearizedAttention):
@@ -43,20 +43,37 @@ class LizardAttention(LinearizedAttention):
         log_g = nn.functional.logsigmoid(logits)
         return log_g if self.cfg.gate_temperature == 1.0 else log_g / self.cfg.gate_temperature
 
-    def branch_inputs(self, q, k, position_embeddings):
-        """(phi_q(q), phi_k(k) for every query head, the window's q and k), in the projections' dtype
+    def branch_inputs(self, q, k, position_embeddings, dtype):
+        """(phi_q(q), phi_k(k) for every query head, the window's q and k), in `dtype` (the projections')
         where the features kernel runs (`ops.features`)."""
         rope = position_embeddings if self.cfg.rope_in_window else None
-        out = lizard_features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, self.projection_dtype)
+        out = lizard_features(q, k, self.feature_map_q.weight, self.feature_map_k.weight, rope, dtype)
         if rope is not None:
             self.keep_rotated(*out[2:])
         return out
 
-    def attend(self, q, k, v, position_embeddings, valid, state, start):
+    def op_options(self) -> GlaWindowOptions:
         cfg = self.cfg
-        fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings)
+        return GlaWindowOptions(window=cfg.window, scale=self.scaling, alpha=self.alpha,
+                                sinks=self.sinks if cfg.num_sinks else None, eps=cfg.eps,
+                                shared=cfg.combine == "shared", chunk=cfg.chunk_size)
+
+    def attend(self, q, k, v, position_embeddings, valid, state, call: Pass):
+        fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings, call.dtype)
         log_g = self.log_gate(q.shape[0], q.shape[2], q.device)
-        return gla_window(fq, fk, log_g, qw, kw, v, valid, state, window=cfg.window, scale=self.scaling,
-                          sinks=self.sinks if cfg.num_sinks else None, alpha=self.alpha, eps=cfg.eps,
-                          shared=cfg.combine == "shared", chunk=cfg.chunk_size, start=start, caching=self.caching,
-                          dtype=self.projection_dtype, unpadded=self.unpadded, in_place=self.frozen_cache)
+        return gla_window_pass(fq, fk, log_g, qw, kw, v, valid, state, self.op_options(), call)
+
+
+def gla_window_pass(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions, call: Pass):
+    """The gated-linear-plus-window op (Lizard's, Liger's) in the form this call takes: one token after a
+    carried state steps; more tokens after one, or a first pass that fills a cache without gradients,
+    continue (the kernel's continued form then returns the state it leaves); any other first pass
+    (training, scoring) is a chunked pass from an empty state."""
+    if state is not None and fq.shape[2] == 1:
+        return gla_window_step(fq, fk, log_g, qw, kw, v, state, options, valid=valid, dtype=call.dtype,
+                               in_place=call.frozen)
+    padding = None if call.unpadded else valid
+    if state is not None or (call.caching and not torch.is_grad_enabled()):
+        return continue_gla_window(fq, fk, log_g, qw, kw, v, options, state=state, valid=padding, dtype=call.dtype)
+    return chunk_gla_window(fq, fk, log_g, qw, kw, v, options, valid=padding, dtype=call.dtype,
+                            output_final_state=call.caching)

@@ -7,8 +7,8 @@ from torch import nn
 
 from ..config import LolcatsConfig
 from ..feature_maps import HedgehogFeatureMap
-from ..ops.lolcats import lolcats
-from .base import LinearizedAttention, rotate
+from ..ops.lolcats import LolcatsOptions, chunk_lolcats, continue_lolcats, lolcats_step
+from .base import LinearizedAttention, Pass, rotate
 
 
 class LolcatsAttention(LinearizedAttention):
@@ -22,9 +22,14 @@ class LolcatsAttention(LinearizedAttention):
     def head_scalars(self) -> list[nn.Parameter]:
         return [self.window_factors]
 
-    def attend(self, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, call: Pass):
         cfg = self.cfg
         q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
-        options = {"window": cfg.window, "scale": self.scaling, "factor": torch.sigmoid(self.window_factors.float()),
-                       "eps": cfg.eps}
-        return lolcats(q, k, v, valid, state, self.feature_map_q, self.feature_map_k, **options)
+        options = LolcatsOptions(window=cfg.window, scale=self.scaling,
+                                 factor=torch.sigmoid(self.window_factors.float()), eps=cfg.eps)
+        phi_q, phi_k = self.feature_map_q, self.feature_map_k
+        if state is None:
+            return chunk_lolcats(q, k, v, valid, phi_q, phi_k, options)
+        if q.shape[2] == 1:
+            return lolcats_step(q, k, v, valid, state, phi_q, phi_k, options)
+        return continue_lolcats(q, k, v, valid, state, phi_q, phi_k, options)

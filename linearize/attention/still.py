@@ -7,7 +7,7 @@ from torch import nn
 from ..config import StillConfig
 from ..feature_maps import HedgehogFeatureMap, NormPreservingFeatureMap
 from ..ops import still
-from .base import LinearizedAttention, rotate
+from .base import LinearizedAttention, Pass, rotate
 
 
 class StillAttention(LinearizedAttention):
@@ -28,16 +28,20 @@ class StillAttention(LinearizedAttention):
     def input_projections(self) -> list[nn.Linear]:
         return [self.gate] if self.cfg.gate else []
 
-    def attend(self, q, k, v, position_embeddings, valid, state, start):
+    def attend(self, q, k, v, position_embeddings, valid, state, call: Pass):
         cfg = self.cfg
         B, H, L, d = q.shape
         q, k = self.keep_rotated(*rotate(q, k, position_embeddings))
         gate = None
         if cfg.gate:
             gate = self.projected[0].float().sigmoid().view(B, L, H, d).transpose(1, 2)
-        fresh = state is None
-        if fresh:
+        options = still.StillOptions(**cfg.op_options(self.scaling))
+        phi_q, phi_k = self.feature_map_q, self.feature_map_k
+        if state is None:
             state = still.init_state(B, H, self.num_kv_heads, self.features, d, cfg.window, cfg.slots, device=q.device)
-        return still.still(q, k, v, valid, gate, state, self.feature_map_q, self.feature_map_k, fresh=fresh,
-                           start=start, caching=self.caching, dtype=self.projection_dtype, step=self.decode_step,
-                           **cfg.op_options(self.scaling))
+            return still.chunk_still(q, k, v, valid, gate, state, phi_q, phi_k, options, dtype=call.dtype,
+                                     output_final_state=call.caching)
+        if L == 1:
+            return self.decode_step(q, k, v, valid, gate, state, phi_q, phi_k, options)
+        return still.continue_still(q, k, v, valid, gate, state, phi_q, phi_k, options, start=call.start,
+                                    caching=call.caching, dtype=call.dtype)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
 from ..ops import gla_window
+from ..ops.gla_window import GlaWindowOptions
 from ..ops.gla_window.chunk import gla_window_chunked
 from ..ops.gla_window.naive import init_state
 from .common import (
@@ -104,8 +105,8 @@ def lizard_inputs(B, H, L, D, device, dtype):
     fq, fk = (grad_leaf(torch.rand(B, H, L, D, device=device)) for _ in range(2))  # positive, like phi's output
     log_g = grad_leaf(F.logsigmoid(torch.randn(B, H, L, 1, device=device) + 6))  # near the gate's init
     qw, kw, v = (grad_leaf(torch.randn(B, H, L, D, device=device)) for _ in range(3))
-    options = {"window": WINDOW, "scale": D**-0.5, "sinks": torch.zeros(H, SINKS, device=device, dtype=dtype),
-               "alpha": torch.ones(H, device=device, dtype=dtype)}
+    options = GlaWindowOptions(window=WINDOW, scale=D**-0.5, sinks=torch.zeros(H, SINKS, device=device, dtype=dtype),
+                               alpha=torch.ones(H, device=device, dtype=dtype))
     return [fq, fk, log_g, qw, kw, v], options
 
 
@@ -114,7 +115,7 @@ def make_lizard_chunked(B, H, L, D, device, dtype):
     inputs, options = lizard_inputs(B, H, L, D, device, dtype)
     valid = torch.ones(B, L, dtype=torch.bool, device=device)
     state = init_state(B, H, H, D, D, WINDOW, device=device, dtype=dtype)
-    return lambda: gla_window_chunked(*inputs, valid, state, beta=1.0, **options)[0], inputs
+    return lambda: gla_window_chunked(*inputs, valid, state, options)[0], inputs
 
 
 class Unsupported(Exception):
@@ -123,11 +124,11 @@ class Unsupported(Exception):
 
 def make_lizard_triton(B, H, L, D, device, dtype):
     inputs, options = lizard_inputs(B, H, L, D, device, dtype)
-    # lizard_attention falls back to the PyTorch op on inputs its kernel does not take: never time that here.
-    reason = gla_window.unsupported_reason(*inputs, window=options["window"], sinks=options["sinks"])
+    # chunk_gla_window falls back to the PyTorch op on inputs its kernel does not take: never time that here.
+    reason = gla_window.unsupported_reason(*inputs, window=options.window, sinks=options.sinks)
     if reason:
         raise Unsupported(f"the Triton kernel does not take these inputs: {reason}")
-    return lambda: gla_window.lizard_attention(*inputs, **options), inputs
+    return lambda: gla_window.chunk_gla_window(*inputs, options)[0], inputs
 
 
 def triton_unavailable(device: torch.device) -> str | None:

@@ -41,13 +41,15 @@ def test_continued_prefill_on_cuda(name):
 _ROW_BLOCKS_SCRIPT = """
 import torch
 from linearize.ops.gla_window.testing import Case, make_inputs
+from linearize.ops.gla_window import GlaWindowOptions
 from linearize.ops.gla_window.triton import Config, lizard_attention_head
 case = Case(L=70, gate="vector", F=64, D=64)
 (fq, fk, log_g, qw, kw, v, sinks, alpha), _ = make_inputs(case, "cpu")
 g = torch.Generator().manual_seed(1)
 carried = torch.randn(2, 4, 64, 64, generator=g), torch.rand(2, 4, 64, generator=g)
-runs = [lizard_attention_head(fq, fk, log_g, qw, kw, v, window=32, scale=0.125, sinks=sinks, alpha=alpha, head=31,
-                              carried=carried, config=Config(chunk=32, split=True, state_block_k=rows))
+options = GlaWindowOptions(window=32, scale=0.125, sinks=sinks, alpha=alpha)
+runs = [lizard_attention_head(fq, fk, log_g, qw, kw, v, options, head=31, carried=carried,
+                              config=Config(chunk=32, split=True, state_block_k=rows))
         for rows in (64, 16)]
 whole, blocks = ([y, *parts, *end] for y, parts, end in runs)
 result = [((a - b).norm() / a.norm()).item() for a, b in zip(whole, blocks)]

@@ -1,11 +1,12 @@
-"""The decode-step kernels equal `gla_window_step`: output and every entry of the new state."""
+"""The decode-step kernels equal `naive.gla_window_recurrent_step`: output and every entry of the new state."""
 
 import pytest
 import torch
 from interpreted import cases
 from test_lizard_triton import HAS_TRITON
 
-from linearize.ops.gla_window.naive import gla_window_step
+from linearize.ops.gla_window import GlaWindowOptions
+from linearize.ops.gla_window.naive import gla_window_recurrent_step
 
 CASES = {
     "gqa-sinks": {},
@@ -33,8 +34,8 @@ def make_case(device, B=3, H=4, HKV=2, F=16, D=16, window=8, M=2, vector=False, 
     win_valid = torch.rand(B, window - 1, generator=g, device=device) > (2 if fresh else 0.3)
     state = {"S": r(B, H, F, D), "z": r(B, H, F).abs(), "win_k": r(B, HKV, window - 1, D),
              "win_v": r(B, HKV, window - 1, D), "win_valid": win_valid}
-    options = {"window": window, "scale": D**-0.5, "sinks": r(H, M) if M else None, "alpha": r(H), "beta": beta,
-               "normalize": normalize, "shared": shared}
+    options = GlaWindowOptions(window=window, scale=D**-0.5, sinks=r(H, M) if M else None, alpha=r(H), beta=beta,
+                               normalize=normalize, shared=shared)
     inputs = (r(B, H, 1, F).softmax(-1), r(B, H, 1, F).softmax(-1), log_g, r(B, H, 1, D), r(B, HKV, 1, D),
               r(B, HKV, 1, D), valid, state)
     return inputs, options
@@ -48,16 +49,14 @@ def errors(device, in_place=False, low=None, **case) -> dict:
 
     inputs, options = make_case(device, **case)
     given = inputs[-1]
-    kernel_inputs, kernel_options = list(inputs), dict(options)
+    kernel_inputs, kernel_options = list(inputs), options
     if low is not None:
         kernel_inputs[3:6] = (t.to(low) for t in inputs[3:6])
-        kernel_options |= {name: None if options[name] is None else options[name].to(low) for name in ("sinks", "alpha")}
+        kernel_options = options.head_scalars_in(low)
         inputs = [t.float() if i in (3, 4, 5) else t for i, t in enumerate(kernel_inputs)]
-        options |= {name: None if kernel_options[name] is None else kernel_options[name].float()
-                    for name in ("sinks", "alpha")}
-    y_ref, state_ref = gla_window_step(*inputs, **options)
-    y, state = lizard_decode_step(*kernel_inputs, **kernel_options, in_place=in_place,
-                                  out_dtype=low or torch.float32)
+        options = kernel_options.head_scalars_in(torch.float32)
+    y_ref, state_ref = gla_window_recurrent_step(*inputs, options)
+    y, state = lizard_decode_step(*kernel_inputs, kernel_options, in_place=in_place, out_dtype=low or torch.float32)
     assert all((state[name] is given[name]) == in_place for name in given)
     assert y.dtype == (low or torch.float32)
     out = {"y": (y.float() - y_ref.to(y.dtype).float()).abs().max().item()}

@@ -121,7 +121,7 @@ def test_gemma_head_dim_256_is_left_to_the_reference(monkeypatch):
     kernel): the dispatch says so and the PyTorch reference answers, with the same features."""
     pytest.importorskip("triton")
     from linearize.ops import backend
-    from linearize.ops.features import features_without_grad, lizard_features
+    from linearize.ops.features import lizard_features
     from linearize.ops.features.naive import lizard_features_naive
     from linearize.ops.features.triton import features_unsupported
 
@@ -130,8 +130,10 @@ def test_gemma_head_dim_256_is_left_to_the_reference(monkeypatch):
     assert "head dim 256 x feature dim 128" in features_unsupported(q, k, w)
     assert features_unsupported(q[..., :128], k[..., :128], w[:, :128]) is None
     monkeypatch.setattr(backend, "use_kernels", lambda: True)
-    assert features_without_grad(q, k, w, w, None, torch.float32) is None
-    for got, expected in zip(lizard_features(q, k, w, w), lizard_features_naive(q, k, w, w, None), strict=True):
+    with backend.recording() as ran:
+        out = lizard_features(q, k, w, w)
+    assert ran == [("lizard_features", "torch")]
+    for got, expected in zip(out, lizard_features_naive(q, k, w, w, None), strict=True):
         torch.testing.assert_close(got, expected)
 
 

@@ -174,11 +174,11 @@ import sys
 sys.modules["triton"] = None  # any `import triton` now fails
 import torch
 from linearize.ops.backend import kernels_available
-from linearize.ops.gla_window import lizard_attention
+from linearize.ops.gla_window import GlaWindowOptions, chunk_gla_window
 assert not kernels_available()
 fq = torch.rand(1, 2, 5, 4)
-y = lizard_attention(fq, fq, torch.zeros(1, 2, 5, 1), *torch.randn(3, 1, 2, 5, 8), window=2, scale=0.3,
-                     sinks=None, alpha=torch.ones(2))
+y, _ = chunk_gla_window(fq, fq, torch.zeros(1, 2, 5, 1), *torch.randn(3, 1, 2, 5, 8),
+                        GlaWindowOptions(window=2, scale=0.3, alpha=torch.ones(2)))
 assert y.shape == (1, 2, 5, 8) and torch.isfinite(y).all()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)

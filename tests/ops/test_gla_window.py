@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from linearize.ops.gla_window import GlaWindowOptions
 from linearize.ops.gla_window import naive as gla_window
 
 B, H, HKV, D, F = 2, 4, 2, 8, 6
@@ -21,9 +22,9 @@ def inputs(L, gate_dim, seed=0, pad=3):
     return tensors, valid
 
 
-def options(window, sinks, shared=False, normalize=True):
-    return {"window": window, "scale": D**-0.5, "sinks": sinks, "alpha": torch.linspace(0.5, 1.5, H, dtype=torch.float64),
-                "beta": 1.0, "normalize": normalize, "shared": shared}
+def options(window, sinks, shared=False, normalize=True, beta=1.0):
+    return GlaWindowOptions(window=window, scale=D**-0.5, sinks=sinks, alpha=torch.linspace(0.5, 1.5, H, dtype=torch.float64),
+                            beta=beta, normalize=normalize, shared=shared)
 
 
 def empty_state(window):
@@ -35,7 +36,7 @@ def run_recurrent(tensors, valid, window, opts):
     state, outputs = empty_state(window), []
     for t in range(valid.shape[1]):
         step = [x[:, :, t : t + 1] for x in tensors]
-        y, state = gla_window.gla_window_step(*step, valid[:, t : t + 1], state, **opts)
+        y, state = gla_window.gla_window_recurrent_step(*step, valid[:, t : t + 1], state, opts)
         outputs.append(y)
     return torch.cat(outputs, 2), state
 
@@ -57,7 +58,7 @@ def test_parallel_equals_recurrent(L, gate_dim, variant):
     sinks = torch.randn(H, 3, dtype=torch.float64) if variant != "liger" else None
     opts = options(window, sinks, shared=variant == "shared", normalize=variant != "liger")
     tensors, valid = inputs(L, gate_dim)
-    y_par, state_par = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **opts)
+    y_par, state_par = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), opts)
     y_rec, state_rec = run_recurrent(tensors, valid, window, opts)
     check_pair(y_par, y_rec, tensors)
     for name in state_par:
@@ -68,10 +69,10 @@ def test_parallel_continues_from_a_state():
     window, L = 4, 13
     opts = options(window, torch.randn(H, 2, dtype=torch.float64))
     tensors, valid = inputs(L, 1)
-    full, _ = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **opts)
+    full, _ = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), opts)
     first, state = gla_window.gla_window_parallel(*[x[:, :, :6] for x in tensors], valid[:, :6], empty_state(window),
-                                                  **opts)
-    second, _ = gla_window.gla_window_parallel(*[x[:, :, 6:] for x in tensors], valid[:, 6:], state, **opts)
+                                                  opts)
+    second, _ = gla_window.gla_window_parallel(*[x[:, :, 6:] for x in tensors], valid[:, 6:], state, opts)
     torch.testing.assert_close(torch.cat([first, second], 2), full, atol=1e-10, rtol=1e-9)
 
 
@@ -80,13 +81,12 @@ def test_window_sees_exactly_the_last_w_tokens():
     window, L = 3, 7
     tensors, valid = inputs(L, 1, pad=0)
     fq, fk, log_g, qw, kw, v = tensors
-    opts = options(window, None)
-    opts["beta"] = 0.0
-    y, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, empty_state(window), **opts)
+    opts = options(window, None, beta=0.0)
+    y, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, empty_state(window), opts)
     i = 5
     scores = (qw[:, :, i : i + 1] @ kw.repeat_interleave(2, 1)[:, :, i - window + 1 : i + 1].transpose(-1, -2)) * D**-0.5
     expected = torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)[:, :, i - window + 1 : i + 1]
-    alpha = opts["alpha"][None, :, None, None]
+    alpha = opts.alpha[None, :, None, None]
     torch.testing.assert_close(y[:, :, i : i + 1], alpha * expected)
 
 
@@ -98,7 +98,7 @@ def test_state_after_equals_the_state_of_the_parallel_form(L, gate_dim, padded):
     if not padded:
         valid = torch.ones(B, L, dtype=torch.bool)
     window = 5
-    _, expected = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **options(window, None))
+    _, expected = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), options(window, None))
     _, fk, log_g, _, kw, v = tensors
     state = gla_window.state_after(fk, log_g, kw, v, window, valid if padded else None)
     assert state.keys() == expected.keys()

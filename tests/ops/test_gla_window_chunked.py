@@ -16,8 +16,8 @@ def test_chunked_equals_naive(L, gate_dim, window, chunk, variant):
     sinks = torch.randn(H, 2, dtype=torch.float64) if variant != "liger" else None
     opts = options(window, sinks, shared=variant == "shared", normalize=variant != "liger")
     tensors, valid = inputs(L, gate_dim)
-    y_ref, s_ref = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), **opts)
-    y, s = gla_window_chunked(*tensors, valid, empty_state(window), chunk=chunk, **opts)
+    y_ref, s_ref = gla_window.gla_window_parallel(*tensors, valid, empty_state(window), opts)
+    y, s = gla_window_chunked(*tensors, valid, empty_state(window), opts.replace(chunk=chunk))
     check_pair(y, y_ref, tensors)
     for name in s_ref:
         torch.testing.assert_close(s[name], s_ref[name], atol=1e-10, rtol=1e-9)
@@ -28,10 +28,10 @@ def test_chunked_continues_from_a_state():
     opts = options(window, torch.randn(H, 2, dtype=torch.float64))
     tensors, valid = inputs(21, 1)
     _, state = gla_window.gla_window_parallel(*[x[:, :, :9] for x in tensors], valid[:, :9], empty_state(window),
-                                              **opts)
+                                              opts)
     rest = [x[:, :, 9:] for x in tensors]
-    y_ref, _ = gla_window.gla_window_parallel(*rest, valid[:, 9:], state, **opts)
-    y, _ = gla_window_chunked(*rest, valid[:, 9:], state, chunk=5, **opts)
+    y_ref, _ = gla_window.gla_window_parallel(*rest, valid[:, 9:], state, opts)
+    y, _ = gla_window_chunked(*rest, valid[:, 9:], state, opts.replace(chunk=5))
     torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-9)
 
 
@@ -41,5 +41,5 @@ def test_strong_decay_does_not_overflow():
     tensors, valid = inputs(L, 1)
     with torch.no_grad():
         tensors[2].fill_(-30.0)  # gamma = e^-30 per token; over 40 tokens e^-1200 underflows an absolute form
-    y, _ = gla_window_chunked(*tensors, valid, empty_state(window), chunk=16, **options(window, None))
+    y, _ = gla_window_chunked(*tensors, valid, empty_state(window), options(window, None).replace(chunk=16))
     assert torch.isfinite(y).all()

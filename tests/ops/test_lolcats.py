@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from linearize.feature_maps import HedgehogFeatureMap
+from linearize.ops.lolcats import LolcatsOptions
 from linearize.ops.lolcats import naive as lolcats
 
 B, H, HKV, D, F = 2, 4, 2, 8, 3
@@ -31,11 +32,11 @@ def state0(window):
 def test_parallel_equals_recurrent(L, window):
     (q, k, v), valid, phi_q, phi_k = setup(L)
     opts = {"window": window, "scale": D**-0.5, "factor": torch.tensor([0.2, 0.5, 0.7, 0.9], dtype=torch.float64)}
-    y_par, s_par = lolcats.lolcats_parallel(q, k, v, valid, state0(window), phi_q, phi_k, **opts)
+    y_par, s_par = lolcats.lolcats_parallel(q, k, v, valid, state0(window), phi_q, phi_k, LolcatsOptions(**opts))
     state, ys = state0(window), []
     for t in range(L):
         y, state = lolcats.lolcats_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], valid[:, t : t + 1],
-                                        state, phi_q, phi_k, **opts)
+                                        state, phi_q, phi_k, LolcatsOptions(**opts))
         ys.append(y)
     y_rec = torch.cat(ys, 2)
     torch.testing.assert_close(y_par, y_rec, atol=1e-10, rtol=1e-9)
@@ -52,7 +53,7 @@ def test_factor_one_is_pure_sliding_window_softmax():
     (q, k, v), valid, phi_q, phi_k = setup(10)
     valid[:] = True
     opts = {"window": 3, "scale": D**-0.5, "factor": torch.ones(H, dtype=torch.float64), "eps": 0.0}
-    y, _ = lolcats.lolcats_parallel(q, k, v, valid, state0(3), phi_q, phi_k, **opts)
+    y, _ = lolcats.lolcats_parallel(q, k, v, valid, state0(3), phi_q, phi_k, LolcatsOptions(**opts))
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     i = 7
     expected = torch.softmax(q[:, :, i : i + 1] @ kr[:, :, i - 2 : i + 1].transpose(-1, -2) * D**-0.5, -1) @ vr[:, :, i - 2 : i + 1]

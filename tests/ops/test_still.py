@@ -9,6 +9,7 @@ import torch
 from linearize.config import ConfigError, StillConfig, make_method_config
 from linearize.feature_maps import NormPreservingFeatureMap
 from linearize.ops.common import exp_weights, repeat_kv
+from linearize.ops.still import StillOptions
 from linearize.ops.still import naive as still
 from linearize.ops.still import routing as still_routing
 
@@ -35,7 +36,7 @@ def run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget):
     for t in range(q.shape[2]):
         sl = slice(t, t + 1)
         y, state = still.still_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl],
-                                    None if gate is None else gate[:, :, sl], state, phi_q, phi_k, **opts)
+                                    None if gate is None else gate[:, :, sl], state, phi_q, phi_k, options=StillOptions(**opts))
         ys.append(y)
         soft_sizes.append(state["sal_used"].sum(-1) + state["win_valid"][:, None, :].sum(-1) + 1)
     return torch.cat(ys, 2), state, torch.stack(soft_sizes)
@@ -57,13 +58,13 @@ def _fast_parallel_case(L, routing, window, chunk, budget, max_chunks, fresh) ->
 def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks, fresh):
     (q, k, v, gate), valid, phi_q, phi_k = setup(L)
     opts = {"window": window, "chunk": chunk, "per_chunk": (budget - window) // max_chunks, "routing": routing, "scale": D**-0.5}
-    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0, **opts,
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0, options=StillOptions(**opts),
                                         fresh=fresh)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, window, budget)
     torch.testing.assert_close(y_par, y_rec, atol=1e-9, rtol=1e-8)
     # A pass that fills no cache skips the state: the same output, exactly.
     y_alone, no_state = still.still_parallel(q, k, v, valid, gate, state0(window, budget), phi_q, phi_k, start=0,
-                                             **opts, fresh=fresh, keep_state=False)
+                                             options=StillOptions(**opts), fresh=fresh, keep_state=False)
     assert no_state is None
     torch.testing.assert_close(y_alone, y_par, atol=0, rtol=0)
     for name in s_par:
@@ -79,12 +80,12 @@ def test_parallel_equals_recurrent(L, routing, window, chunk, budget, max_chunks
 def test_parallel_continues_from_a_state(routing):
     (q, k, v, gate), valid, phi_q, phi_k = setup(23)
     opts = {"window": 4, "chunk": 2, "per_chunk": 2, "routing": routing, "scale": D**-0.5}
-    full, _ = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, **opts)
+    full, _ = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, options=StillOptions(**opts))
     cut = lambda x, s: None if x is None else x[:, :, s]
     a, state = still.still_parallel(cut(q, slice(0, 9)), cut(k, slice(0, 9)), cut(v, slice(0, 9)), valid[:, :9],
-                                    cut(gate, slice(0, 9)), state0(4, 9), phi_q, phi_k, start=0, **opts)
+                                    cut(gate, slice(0, 9)), state0(4, 9), phi_q, phi_k, start=0, options=StillOptions(**opts))
     b, _ = still.still_parallel(cut(q, slice(9, None)), cut(k, slice(9, None)), cut(v, slice(9, None)), valid[:, 9:],
-                                cut(gate, slice(9, None)), state, phi_q, phi_k, start=9, **opts)
+                                cut(gate, slice(9, None)), state, phi_q, phi_k, start=9, options=StillOptions(**opts))
     torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-9, rtol=1e-8)
 
 
@@ -236,7 +237,7 @@ def route(routing, k, window=4, chunk=4, per_chunk=1, slots=2):
     opts = {"window": window, "chunk": chunk, "per_chunk": per_chunk, "routing": routing, "scale": D**-0.5}
     with torch.no_grad():
         _, state = still.still_parallel(q, k, k, torch.ones(1, L, dtype=torch.bool), None, state, phi, phi, start=0,
-                                        **opts)
+                                        options=StillOptions(**opts))
     assert state["sal_used"].all()
     return state["sal_pos"][0].sort(-1).values.tolist()
 
@@ -270,9 +271,9 @@ def test_fresh_routing_gives_the_parallel_forms_state(routing):
     opts = {"window": 4, "chunk": 4, "per_chunk": 3, "routing": routing, "scale": D**-0.5, "eps": 1e-6}
     with torch.no_grad():
         _, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 10), phi_q, phi_k, start=0, fresh=True,
-                                        **opts)
+                                        options=StillOptions(**opts))
         fk = phi_k(repeat_kv(k, H // HKV))
-        fold, s_fresh = still_routing.fresh_routing(q, k, v, valid, state0(4, 10), start=0, fk=fk, **opts)
+        fold, s_fresh = still_routing.fresh_routing(q, k, v, valid, state0(4, 10), start=0, fk=fk, options=StillOptions(**opts))
     for name in s_par:
         torch.testing.assert_close(s_fresh[name], s_par[name], atol=1e-12, rtol=1e-10, msg=name)
     folded = repeat_kv((fold != still_routing.NEVER) & valid[:, None, :], H // HKV)  # start 0: NEVER stays visible
@@ -284,10 +285,10 @@ def test_an_unknown_routing_is_refused_naming_the_choices():
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "keynorm", "scale": D**-0.5}
     choices = "saliency, diagonal, dot, key_norm, uniform, random, recency, got 'keynorm'"
     with pytest.raises(ValueError, match=f"^routing must be one of {choices}$"):
-        still.still_parallel(q, k, v, valid, gate, state0(4, 10), phi_q, phi_k, start=0, **opts)
+        still.still_parallel(q, k, v, valid, gate, state0(4, 10), phi_q, phi_k, start=0, options=StillOptions(**opts))
     with pytest.raises(ValueError, match=f"^routing must be one of {choices}$"):
         still.still_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], valid[:, :1], gate[:, :, :1], state0(4, 10), phi_q,
-                         phi_k, **opts)
+                         phi_k, options=StillOptions(**opts))
     with pytest.raises(ConfigError, match=f"^routing must be one of {choices}$"):
         make_method_config("still", routing="keynorm")
     assert get_args(get_type_hints(StillConfig)["routing"]) == still_routing.ROUTINGS
@@ -317,7 +318,7 @@ def test_routing_without_eviction_takes_the_vectorized_path(monkeypatch):
     calls = []
     real = still_routing.route_departure
     monkeypatch.setattr(still_routing, "route_departure", lambda *a: calls.append(1) or real(*a))
-    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 16), phi_q, phi_k, start=0, **opts)
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 16), phi_q, phi_k, start=0, options=StillOptions(**opts))
     assert not calls and s_par["sal_used"].any()
     monkeypatch.setattr(still_routing, "route_departure", real)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 16)
@@ -347,9 +348,9 @@ def test_fresh_pass_that_may_overflow_replays_without_a_host_check(monkeypatch):
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
     calls = count_eviction_replays(monkeypatch)
     forbid_host_reads(monkeypatch)
-    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
+    y_par, s_par = still.still_parallel(q, k, v, valid, gate, state0(4, 9), phi_q, phi_k, start=0, fresh=True, options=StillOptions(**opts))
     # The kernels' routing.
-    fold, _ = still_routing.fresh_routing(q, k, v, valid, state0(4, 9), start=0, eps=1e-6, **opts)
+    fold, _ = still_routing.fresh_routing(q, k, v, valid, state0(4, 9), start=0, options=StillOptions(**opts, eps=1e-6))
     monkeypatch.undo()
     assert len(calls) == 2 and fold.shape == (B, HKV, 12)
     y_rec, s_rec, _ = run_steps(q, k, v, gate, valid, phi_q, phi_k, opts, 4, 9)
@@ -364,11 +365,11 @@ def test_continued_call_while_capturing_replays_without_a_host_check(monkeypatch
     (q, k, v, gate), valid, phi_q, phi_k = setup(16)
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
     _, state = still.still_parallel(q[:, :, :8], k[:, :, :8], v[:, :, :8], valid[:, :8], gate[:, :, :8],
-                                    state0(4, 16), phi_q, phi_k, start=0, **opts)
+                                    state0(4, 16), phi_q, phi_k, start=0, options=StillOptions(**opts))
 
     def second_half():
         return still.still_parallel(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], valid[:, 8:], gate[:, :, 8:], state,
-                                    phi_q, phi_k, start=8, fresh=False, **opts)
+                                    phi_q, phi_k, start=8, fresh=False, options=StillOptions(**opts))
 
     y_checked, s_checked = second_half()
     calls = count_eviction_replays(monkeypatch)
@@ -388,9 +389,9 @@ def test_continued_call_stores_positions_by_the_states_clock_not_the_python_star
     (q, k, v, gate), valid, phi_q, phi_k = setup(24)
     opts = {"window": 4, "chunk": 4, "per_chunk": 2, "routing": "saliency", "scale": D**-0.5}
     _, state = still.still_parallel(q[:, :, :8], k[:, :, :8], v[:, :, :8], valid[:, :8], gate[:, :, :8],
-                                    state0(4, 9), phi_q, phi_k, start=0, **opts)
+                                    state0(4, 9), phi_q, phi_k, start=0, options=StillOptions(**opts))
     runs = [still.still_parallel(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], valid[:, 8:], gate[:, :, 8:], state,
-                                 phi_q, phi_k, start=start, fresh=False, **opts) for start in (8, 40)]
+                                 phi_q, phi_k, start=start, fresh=False, options=StillOptions(**opts)) for start in (8, 40)]
     (y, after), (y_frozen, after_frozen) = runs
     assert after["sal_used"].any() and after["sal_pos"].max() >= 8  # slots were taken in the call
     torch.testing.assert_close(y_frozen, y, atol=0, rtol=0)
@@ -464,7 +465,7 @@ def test_folds_within_says_when_the_linear_state_gets_tokens():
         opts = {"window": window, "chunk": chunk, "per_chunk": cfg.per_chunk, "routing": "saliency", "scale": D**-0.5}
         with torch.no_grad():
             _, state = still.still_parallel(q, k, v, torch.ones(B, L, dtype=torch.bool), None, state0(window, budget),
-                                            phi_q, phi_k, start=0, **opts)
+                                            phi_q, phi_k, start=0, options=StillOptions(**opts))
         folded = bool(state["S"].ne(0).any())
         assert folded or not (L > budget or (cfg.per_chunk < chunk and L >= window + chunk)), (cfg, L)
         assert cfg.folds_within(L) or not folded, (cfg, L)
@@ -486,8 +487,8 @@ def test_inductor_compiled_step_equals_the_eager_one_as_slots_overflow(routing):
     with torch.no_grad():
         for t in range(L):
             step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], valid[:, t : t + 1], gate[:, :, t : t + 1])
-            y, eager_state = still.still_step(*step, eager_state, phi_q, phi_k, **opts)
-            y_c, compiled_state = compiled(*step, compiled_state, phi_q, phi_k, **opts)
+            y, eager_state = still.still_step(*step, eager_state, phi_q, phi_k, options=StillOptions(**opts))
+            y_c, compiled_state = compiled(*step, compiled_state, phi_q, phi_k, options=StillOptions(**opts))
             torch.testing.assert_close(y_c, y, atol=1e-10, rtol=1e-9)
             for name in eager_state:
                 torch.testing.assert_close(compiled_state[name], eager_state[name], atol=1e-10, rtol=1e-9)
@@ -525,12 +526,12 @@ def test_continued_routing_in_combined_indices_gives_the_parallel_form(routing, 
     cut = slice(0, 17), slice(17, None)
     part = [(q[:, :, s], k[:, :, s], v[:, :, s], valid[:, s], None if g is None else g[:, :, s]) for s in cut]
     with torch.no_grad():
-        _, state = still.still_parallel(*part[0], state0(4, 9), phi_q, phi_k, start=0, fresh=True, **opts)
+        _, state = still.still_parallel(*part[0], state0(4, 9), phi_q, phi_k, start=0, fresh=True, options=StillOptions(**opts))
         assert state["sal_used"].all()  # full: the next call evicts
-        y_ref, s_ref = still.still_parallel(*part[1], state, phi_q, phi_k, start=17, **opts)
+        y_ref, s_ref = still.still_parallel(*part[1], state, phi_q, phi_k, start=17, options=StillOptions(**opts))
         qn, kn, vn, valid_n, gn = part[1]
         keys, values, key_valid, fold, fk, s_new = still_routing.continued_routing(qn, kn, vn, valid_n, state, phi_k,
-                                                                                   start=17, **opts)
+                                                                                   start=17, options=StillOptions(**opts))
         P, L = keys.shape[2] - qn.shape[2], qn.shape[2]
         assert P == 5 + 3 and fold.shape == key_valid.shape == (B, HKV, P + L)
         fq = phi_q(qn)

@@ -1,30 +1,42 @@
-"""Gated linear attention plus a sliding softmax window (Lizard, Liger): the one dispatch point.
+"""Gated linear attention plus a sliding softmax window (Lizard, Liger), in three forms.
 
     y_i = beta * phi_q_i^T S_i / (phi_q_i^T z_i + eps) + alpha_h * softmax window over (i - w, i] with sinks
 
-Forms, each tested against `naive` in values and gradients:
-  naive.py        `gla_window_parallel` / `gla_window_step`: the obviously-correct reference, O(L^2)
+The forms (what the attention modules call; the method's options in one `GlaWindowOptions`):
+  chunk_gla_window     a multi-token pass from an empty state, differentiable (training, a first prefill)
+  continue_gla_window  a multi-token pass continuing a carried state, or filling a cache (inference)
+  gla_window_step      one token after a state (decoding)
+
+Each form lists its implementations in order of preference (`linearize.ops.backend.Implementation`);
+the backend runs the first it allows that takes the call, the PyTorch one where no kernel does:
+  naive.py        `gla_window_parallel` / `gla_window_recurrent_step`: the obviously-correct reference, O(L^2)
   chunk.py        `gla_window_chunked`: the same in chunks, O(L * chunk) memory
   triton.py       the fused Triton forward and backward over a fresh pass (docs/kernels.md)
   continued.py    the fused kernel continuing a carried state (prefill after prefill)
   step_triton.py  one decode step in two kernels
-
-`gla_window` is what the attention modules call: it picks the Triton kernels where the backend
-(`linearize.ops.backend`) allows them and they take the inputs, and the PyTorch forms otherwise.
-`lizard_attention` is the same op from scratch (no state, no padding), for benchmarks and tests.
+each tested against `naive` in values and gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 
 from .. import backend
+from ..backend import Form, Implementation
 from .chunk import gla_window_chunked
-from .naive import gla_window_step, init_state, state_after
+from .naive import gla_window_recurrent_step, init_state, state_after
+from .options import GlaWindowOptions
+
+__all__ = ["FORMS", "GlaWindowOptions", "chunk_gla_window", "continue_gla_window", "gla_window_step", "init_state",
+           "unsupported_reason"]
 
 
 def unsupported_reason(fq, fk, log_g, qw, kw, v, *, window, sinks, dtype=None) -> str | None:
-    """None when the fused kernel takes these inputs (cast to `dtype` where given), else why not."""
+    """None when the fused kernels take these inputs (cast to `dtype` where given), else why not."""
     if not backend.use_kernels():
         return "the backend is torch" if backend.get_backend() == "torch" else "triton or a CUDA device missing"
     from .triton import supports
@@ -32,135 +44,224 @@ def unsupported_reason(fq, fk, log_g, qw, kw, v, *, window, sinks, dtype=None) -
     return supports(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks, dtype=dtype)
 
 
-def lizard_attention(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                     shared=False):
-    """The op from scratch (no carried state, no padding, beta = 1), y [B, H, L, d] in the inputs' dtype.
+def chunk_gla_window(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, valid=None, dtype=None,
+                     output_final_state=False):
+    """The op over L tokens from an empty state: (y [B, H, L, d], the state after them or None).
 
-    With normalize=False the linear part is phi_q_i^T S_i alone (Liger's form; scale fq for its beta);
-    with shared=True both branches share one normaliser (alpha unused). fq, fk [B,H,L,F]; log_g
-    [B,H,L,1] or [B,H,L,F]; qw [B,H,L,d]; kw, v [B,H_kv,L,d]; sinks [H, M] or None; alpha [H].
-    Differentiable in all tensors.
+    fq, fk [B,H,L,F]; log_g [B,H,L,1] or [B,H,L,F]; qw [B,H,L,d]; kw, v [B,H_kv,L,d]. `valid` [B, L]
+    (False for padding; None: every token valid, known without reading it back from the device);
+    `dtype` the kernels' operand dtype (the projections': bf16 under autocast; default qw's);
+    `output_final_state` whether the state after the pass is wanted. Differentiable in all tensors.
+    The kernels take passes whose rows are each one run of tokens (left or right padding); the
+    PyTorch form computes in float32.
     """
-    options = {"window": window, "scale": scale, "sinks": sinks, "alpha": alpha, "eps": eps, "normalize": normalize,
-               "shared": shared}
-    if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks) is None:
-        from .triton import lizard_attention_triton
-
-        return lizard_attention_triton(fq, fk, log_g, qw, kw, v, **options)
-    return _chunked_from_scratch(fq, fk, log_g, qw, kw, v, **options)
+    return CHUNK(_Pass(fq, fk, log_g, qw, kw, v, options, valid=valid, dtype=dtype,
+                                    output_final_state=output_final_state))
 
 
-def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, **options):
-    """`lizard_attention` continuing `state` through the kernel: (y, new state); see `continued.py`."""
-    from .continued import lizard_attention_continued as continued
+def continue_gla_window(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, state=None, valid=None, dtype=None):
+    """The op over L tokens continuing `state` (None: an empty one, for a first prefill that fills a
+    cache): (y, the state after them). For inference: the kernel continues only unpadded passes
+    without gradients, normalised (Lizard's; Liger's go through the PyTorch form). Arguments as
+    `chunk_gla_window`'s."""
+    return CONTINUE(_Pass(fq, fk, log_g, qw, kw, v, options, state=state, valid=valid, dtype=dtype,
+                                       output_final_state=True))
 
-    return continued(fq, fk, log_g, qw, kw, v, state, **options)
+
+def gla_window_step(fq, fk, log_g, qw, kw, v, state, options: GlaWindowOptions, *, valid=None, dtype=None,
+                    in_place=False):
+    """One token after `state`: (y [B, H, 1, d], the new state). Through the step kernels without
+    gradients (y in `dtype`, default qw's; `in_place`: the new state written into `state`'s tensors),
+    else the PyTorch recurrence in float32."""
+    return STEP(_Pass(fq, fk, log_g, qw, kw, v, options, state=state, valid=valid, dtype=dtype,
+                                   in_place=in_place))
 
 
-@torch.no_grad()
-def lizard_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                shared=False, in_place=False, out_dtype=torch.float32):
-    """`gla_window_step` (beta = 1) through the decode-step kernels: (y in `out_dtype`, new state), or
-    None where they do not apply (where the fused kernels would not, or the features, gate or state
-    not float32, or window < 2). `in_place`: the new state is written into `state`'s tensors."""
+@dataclass(frozen=True, eq=False)
+class _Pass:
+    """One call of a form, as its implementations read it."""
+
+    fq: torch.Tensor
+    fk: torch.Tensor
+    log_g: torch.Tensor
+    qw: torch.Tensor
+    kw: torch.Tensor
+    v: torch.Tensor
+    options: GlaWindowOptions
+    state: dict | None = None
+    valid: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
+    output_final_state: bool = False
+    in_place: bool = False
+
+    @property
+    def operand_dtype(self) -> torch.dtype:
+        return self.dtype or self.qw.dtype
+
+    @property
+    def length(self) -> int:
+        return self.fq.shape[2]
+
+    def valid_mask(self) -> torch.Tensor:
+        if self.valid is not None:
+            return self.valid
+        return torch.ones(self.fq.shape[0], self.length, dtype=torch.bool, device=self.fq.device)
+
+    @cached_property
+    def layout(self) -> tuple[bool, bool, torch.Tensor | None]:
+        """`row_layout` of the validity, read back from the device once a call (never without padding)."""
+        return (True, True, None) if self.valid is None else row_layout(self.valid)
+
+    def scaled_fq(self) -> torch.Tensor:
+        """fq with beta folded in (the kernels take beta = 1; only where the linear part is unnormalised)."""
+        beta = self.options.beta
+        return self.fq if beta == 1.0 else self.fq * beta
+
+    def kernel_options(self) -> GlaWindowOptions:
+        """The options as the multi-token kernels take them: float32 sinks and alpha, beta folded into fq."""
+        return self.options.head_scalars_in(torch.float32).replace(beta=1.0)
+
+    def kernel_operands(self) -> tuple[torch.Tensor, ...]:
+        dtype = self.operand_dtype
+        return (self.scaled_fq().to(dtype), self.fk.to(dtype), self.log_g, self.qw.to(dtype), self.kw.to(dtype),
+                self.v.to(dtype))
+
+    def float32(self) -> tuple[tuple[torch.Tensor, ...], GlaWindowOptions]:
+        """Operands and options in float32, as the PyTorch forms take them."""
+        return tuple(t.float() for t in (self.fq, self.fk, self.log_g, self.qw, self.kw, self.v)), \
+            self.options.head_scalars_in(torch.float32)
+
+    def empty_state(self) -> dict:
+        (B, H, _, F), HKV, D = self.fq.shape, self.kw.shape[1], self.qw.shape[-1]
+        return init_state(B, H, HKV, F, D, self.options.window, device=self.fq.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What each implementation takes
+
+
+def _multi_token_kernels(call: _Pass) -> str | None:
+    """Why the multi-token kernels cannot take the call, checked for the operands as they will be cast
+    (the PyTorch feature maps give float32 beside bf16 values) before any cast: a pass the kernels do
+    not take copies nothing."""
+    if call.length == 1:
+        return "one token: the PyTorch form"
+    if call.options.beta != 1.0 and call.options.normalize:
+        return "beta scales an unnormalised linear part only (folded into the queries)"
+    from .triton import supports
+
+    return supports(call.fq, call.fk, call.log_g, call.qw, call.kw, call.v, window=call.options.window,
+                    sinks=call.options.sinks, dtype=call.operand_dtype)
+
+
+def _fresh_kernel_supports(call: _Pass) -> str | None:
+    if call.state is not None:
+        return "a carried state: the fresh kernel starts from an empty one"
+    reason = _multi_token_kernels(call)
+    if reason is None and not call.layout[0]:
+        return "a row whose valid tokens are not one run"
+    return reason
+
+
+def _continued_kernel_supports(call: _Pass) -> str | None:
+    if torch.is_grad_enabled():
+        return "gradients wanted: the continued kernel has no backward"
+    if not call.options.normalize:
+        return "the continued kernel has no unnormalised form"
+    reason = _multi_token_kernels(call)
+    if reason is None and not call.layout[1]:
+        return "padding: the continued kernel takes every token valid"
+    return reason
+
+
+def _step_kernel_supports(call: _Pass) -> str | None:
+    if torch.is_grad_enabled():
+        return "gradients wanted: the step kernels have no backward"
+    if call.options.beta != 1.0 and call.options.normalize:
+        return "beta scales an unnormalised linear part only (folded into the queries)"
+    if call.state is None:
+        return "no carried state"
+    from .step_triton import step_unsupported
+    from .triton import supports
+
     # The step kernels convert qw, kw and v as they load them: checked as the float32 they become.
-    if unsupported_reason(fq, fk, log_g, qw, kw, v, window=window, sinks=sinks, dtype=torch.float32):
-        return None
-    from .step_triton import lizard_decode_step, step_unsupported
-
-    if step_unsupported(fq, log_g, state, window=window):
-        return None
-    return lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, window=window, scale=scale, sinks=sinks,
-                              alpha=alpha, normalize=normalize, shared=shared, eps=eps, in_place=in_place,
-                              out_dtype=out_dtype)
+    return (supports(call.fq, call.fk, call.log_g, call.qw, call.kw, call.v, window=call.options.window,
+                     sinks=call.options.sinks, dtype=torch.float32)
+            or step_unsupported(call.fq, call.log_g, call.state, window=call.options.window))
 
 
-def gla_window(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta=1.0, normalize=True,
-               shared=False, eps=1e-6, chunk=64, start=0, caching=False, dtype=None, can_continue=True,
-               unpadded=False, in_place=False):
-    """One call of the op in the form that fits it: (y, new state or None).
-
-    `state` is the carried state or None (an empty one); `start` how many tokens came before this
-    call; `caching` whether the state after the call is wanted. The kernels take multi-token passes
-    from an empty state whose rows are each one run of tokens (left or right padding), with
-    `can_continue` and no gradient needed also unpadded passes continuing `state` or filling a cache,
-    and single-token steps without gradients. Their operands go in `dtype` (the projections': bf16
-    under autocast). `unpadded`: every token is valid (the call had no attention mask), so `valid` is
-    not read back from the device. `in_place`: a step may write its new state into `state`'s tensors.
-    Elsewhere the PyTorch forms run in float32: the recurrent step for a single token after a state,
-    the chunked form otherwise.
-    """
-    options = {"window": window, "scale": scale, "sinks": sinks, "alpha": alpha, "eps": eps}
-    out = _through_kernels(fq, fk, log_g, qw, kw, v, valid, state, start=start, caching=caching,
-                           dtype=dtype or qw.dtype, can_continue=can_continue, query_scale=beta, normalize=normalize,
-                           shared=shared, unpadded=unpadded, in_place=in_place, **options)
-    if out is not None:
-        return out
-    options |= float32_head_scalars(options)
-    operands = [t.float() for t in (fq, fk, log_g, qw, kw, v)]
-    options |= {"beta": beta, "normalize": normalize, "shared": shared}
-    if state is None:
-        B, H, _, F = fq.shape
-        state = init_state(B, H, kw.shape[1], F, v.shape[-1], window, device=fq.device)
-    elif fq.shape[2] == 1:
-        return gla_window_step(*operands, valid, state, **options)
-    return gla_window_chunked(*operands, valid, state, **options, chunk=chunk)
+# ----------------------------------------------------------------------------------------------------
+# The implementations
 
 
-def _through_kernels(fq, fk, log_g, qw, kw, v, valid, state, *, start, caching, dtype, can_continue, query_scale,
-                     shared, unpadded, in_place, **options):
-    """(y in `dtype`, new state or None) through the kernels, or None where they do not apply."""
-    if not backend.use_kernels():
-        return None
-    if query_scale != 1.0 and options.get("normalize", True):
-        return None  # beta scales an unnormalised linear part only: folded into the queries below
-    if fq.shape[2] == 1:
-        if state is None or torch.is_grad_enabled():
-            return None
-        return lizard_step(fq if query_scale == 1.0 else fq * query_scale, fk, log_g, qw, kw, v, valid, state,
-                           shared=shared, in_place=in_place, out_dtype=dtype, **options)
-    options |= float32_head_scalars(options)
-    if start > 0 and (not can_continue or torch.is_grad_enabled()):
-        return None
-    # Checked for the operands as they will be cast (the PyTorch feature maps give float32 beside bf16
-    # values), before any cast: a pass the kernel does not take copies nothing.
-    if unsupported_reason(fq, fk, log_g, qw, kw, v, window=options["window"], sinks=options["sinks"], dtype=dtype):
-        return None
-    one_run, all_valid, lead = (True, True, None) if unpadded else row_layout(valid)
-    if not (all_valid if start > 0 else one_run):
-        return None
-    operands = ((fq if query_scale == 1.0 else fq * query_scale).to(dtype), fk.to(dtype), log_g, qw.to(dtype),
-                kw.to(dtype), v.to(dtype))
-    # An unpadded first prefill that fills a cache continues an empty state: the kernel then returns
-    # the new state too, instead of `state_after` computing it again over the call.
-    fills_cache = caching and all_valid and can_continue and not torch.is_grad_enabled()
-    if start > 0 or fills_cache:
-        if not options.pop("normalize", True):
-            return None  # the continued kernel has no unnormalised form (Liger's passes never continue)
-        if start == 0:
-            (B, H, _, F), HKV, D = fq.shape, kw.shape[1], qw.shape[-1]
-            state = init_state(B, H, HKV, F, D, options["window"], device=fq.device)
-        return lizard_attention_continued(*operands, state, shared=shared, **options)
-    # Leading padding is rotated to the end of its row: every real token then sees only real tokens
-    # before it (padding after them never reaches them), and the outputs are rotated back.
+def _fresh_kernel(call: _Pass):
+    """The fused kernels over a fresh pass, and the state after it where wanted. Leading padding is
+    rotated to the end of its row: every real token then sees only real tokens before it (padding
+    after them never reaches them), and the outputs are rotated back."""
+    from .triton import lizard_attention_triton
+
+    operands, options = call.kernel_operands(), call.kernel_options()
+    lead = call.layout[2]
     if lead is None:
-        y = lizard_attention(*operands, shared=shared, **options)
+        y = lizard_attention_triton(*operands, options)
     else:
-        L = valid.shape[1]
-        shift = torch.remainder(torch.arange(L, device=valid.device) + lead[:, None], L)
-        y = lizard_attention(*(rotate_rows(t, shift) for t in operands), shared=shared, **options)
+        L = call.length
+        shift = torch.remainder(torch.arange(L, device=lead.device) + lead[:, None], L)
+        y = lizard_attention_triton(*(rotate_rows(t, shift) for t in operands), options)
         y = rotate_rows(y, torch.argsort(shift, dim=1))
     new_state = None
-    if caching:
-        new_state = state_after(fk.float(), log_g, kw.float(), v.float(), options["window"], valid)
+    if call.output_final_state:
+        new_state = state_after(call.fk.float(), call.log_g, call.kw.float(), call.v.float(), call.options.window,
+                                call.valid)
     return y, new_state
 
 
-def float32_head_scalars(options: dict) -> dict:
-    """`options`' sinks and alpha in float32 (what the multi-token kernels and the PyTorch forms take; a
-    bf16 model keeps them in bf16, and only its decode steps take them as they are)."""
-    sinks = options["sinks"]
-    return {"sinks": None if sinks is None else sinks.float(), "alpha": options["alpha"].float()}
+def _continued_kernel(call: _Pass):
+    """The fused kernel continuing the carried state (an empty one for a first prefill: the kernel then
+    returns the new state too, instead of `state_after` computing it again over the call)."""
+    from .continued import lizard_attention_continued
+
+    state = call.state if call.state is not None else call.empty_state()
+    return lizard_attention_continued(*call.kernel_operands(), state, call.kernel_options())
+
+
+def _step_kernel(call: _Pass):
+    from .step_triton import lizard_decode_step
+
+    fq, (fk, log_g, qw, kw, v) = call.scaled_fq(), (call.fk, call.log_g, call.qw, call.kw, call.v)
+    with torch.no_grad():
+        return lizard_decode_step(fq, fk, log_g, qw, kw, v, call.valid_mask(), call.state,
+                                  call.options.replace(beta=1.0), in_place=call.in_place,
+                                  out_dtype=call.operand_dtype)
+
+
+def _chunked(call: _Pass):
+    """The chunked PyTorch form in float32, from the carried state or an empty one."""
+    operands, options = call.float32()
+    state = call.state if call.state is not None else call.empty_state()
+    y, new_state = gla_window_chunked(*operands, call.valid_mask(), state, options)
+    return y, new_state if call.output_final_state else None
+
+
+def _recurrent(call: _Pass):
+    """The PyTorch recurrence for one token in float32 (the chunked form from an empty state)."""
+    if call.state is None or call.length != 1:
+        return _chunked(dataclasses.replace(call, output_final_state=True))
+    operands, options = call.float32()
+    return gla_window_recurrent_step(*operands, call.valid_mask(), call.state, options)
+
+
+CHUNK = Form("chunk_gla_window", (
+    Implementation("triton", _fresh_kernel_supports, _fresh_kernel),
+    Implementation("torch", backend.always, _chunked, kernels=False)))
+CONTINUE = Form("continue_gla_window", (
+    Implementation("triton-continued", _continued_kernel_supports, _continued_kernel),
+    Implementation("triton-fresh", _fresh_kernel_supports, _fresh_kernel),
+    Implementation("torch", backend.always, _chunked, kernels=False)))
+STEP = Form("gla_window_step", (
+    Implementation("triton", _step_kernel_supports, _step_kernel),
+    Implementation("torch", backend.always, _recurrent, kernels=False)))
+FORMS = {form.name: form for form in (CHUNK, CONTINUE, STEP)}
 
 
 def row_layout(valid: torch.Tensor) -> tuple[bool, bool, torch.Tensor | None]:
@@ -175,15 +276,3 @@ def row_layout(valid: torch.Tensor) -> tuple[bool, bool, torch.Tensor | None]:
 def rotate_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B, H, L, ...] with each row's positions taken in the order `index` [B, L] gives."""
     return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
-
-
-def _chunked_from_scratch(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps, normalize, shared):
-    # The chunked form mixes its float32 state with the inputs: compute in at least float32.
-    dtype = torch.promote_types(qw.dtype, torch.float32)
-    B, H, L, F = fq.shape
-    state = init_state(B, H, kw.shape[1], F, qw.shape[-1], window, device=fq.device, dtype=dtype)
-    valid = torch.ones(B, L, dtype=torch.bool, device=fq.device)
-    y, _ = gla_window_chunked(*(t.to(dtype) for t in (fq, fk, log_g, qw, kw, v)), valid, state, window=window,
-                              scale=scale, sinks=None if sinks is None else sinks.to(dtype), alpha=alpha.to(dtype),
-                              beta=1.0, normalize=normalize, shared=shared, eps=eps)
-    return y.to(qw.dtype)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..common import carried_window, exp_weights, extend_window, repeat_kv
 from .naive import _combine
+from .options import GlaWindowOptions
 
 
 def _gla_chunks_scalar(fq, fk, log_g, v, S, z, chunk):
@@ -110,21 +111,19 @@ def window_blocks(qw, keys, values, key_valid, window, scale, sinks):
     return num, den.flatten(2, 3)[:, :, :L]
 
 
-def gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta,
-                       normalize=True, shared=False, eps=1e-6, chunk=64):
+def gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions):
     """Same contract and results as `gla_window_parallel`, in O(L * (chunk + w)) memory."""
     n_rep = fq.shape[1] // kw.shape[1]
     keep = valid[:, None, :, None].to(fq.dtype)
     gla_num, gla_den, S, z = _gla_chunks(fq, fk * keep, log_g * keep, repeat_kv(v, n_rep), state["S"], state["z"],
-                                         chunk)
+                                         options.chunk)
     keys, values, key_valid = extend_window(state, kw, v, valid)
-    win_num, win_den = window_blocks(qw, keys, values, key_valid, window, scale, sinks)
-    y = _combine(gla_num, gla_den, win_num, win_den, alpha=alpha, beta=beta, normalize=normalize, shared=shared,
-                 eps=eps)
+    win_num, win_den = window_blocks(qw, keys, values, key_valid, options.window, options.scale, options.sinks)
+    y = _combine(gla_num, gla_den, win_num, win_den, options)
     new_state = {
         "S": S,
         "z": z,
-        **carried_window(keys, values, key_valid, window),
+        **carried_window(keys, values, key_valid, options.window),
     }
     return y, new_state
 

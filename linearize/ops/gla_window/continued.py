@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 
 from ..common import carried_window, extend_window, repeat_kv
+from .options import GlaWindowOptions
 from .triton import lizard_attention_head
 
 
 @torch.no_grad()
-def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale, sinks, alpha, eps=1e-6,
-                               shared=False):
-    """`lizard_attention` continuing from a carried state (a prefill after earlier ones): (y, new state).
+def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, options: GlaWindowOptions):
+    """The fused kernel continuing from a carried state (a prefill after earlier ones, or one that
+    fills a cache): (y, new state); `linearize.ops.continue_gla_window`'s Triton implementation.
 
     The kernel's linear part starts from the carried S_0, z_0 (its state pass does) and returns the
     state after the call. The kernel mixes the branches of every row as a fresh pass would; the carried
@@ -24,13 +25,14 @@ def lizard_attention_continued(fq, fk, log_g, qw, kw, v, state, *, window, scale
     `gla_window_parallel` with all new tokens valid, beta = 1, normalize=True; no gradients (prefill
     only). The kernel must apply to the inputs.
     """
+    window = options.window
     P = min(fq.shape[2], window - 1)
-    y, (y_win, den, lse, m), (S, z) = lizard_attention_head(
-        fq, fk, log_g, qw, kw, v, window=window, scale=scale, sinks=sinks, alpha=alpha, eps=eps, shared=shared,
-        head=P, carried=(state["S"], state["z"]))
+    y, (y_win, den, lse, m), (S, z) = lizard_attention_head(fq, fk, log_g, qw, kw, v, options, head=P,
+                                                            carried=(state["S"], state["z"]))
     if P > 0:
         y[:, :, :P] = _with_carried_keys(y[:, :, :P].float(), y_win.float(), den, lse, m, qw[:, :, :P].float(),
-                                         state, window=window, scale=scale, alpha=alpha, shared=shared).to(y.dtype)
+                                         state, window=window, scale=options.scale, alpha=options.alpha,
+                                         shared=options.shared).to(y.dtype)
 
     # Only the call's last w - 1 tokens can stay in the window: the rest is neither cast nor copied.
     start = kw.shape[2] - min(window - 1, kw.shape[2])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..common import carried_window, cumsum_over_tokens, exp_weights, extend_window, repeat_kv, safe_divide
+from .options import GlaWindowOptions
 
 
 def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, window, *, device, dtype=torch.float32):
@@ -62,16 +63,16 @@ def _window_terms(qw, keys, values, key_mask, scale, sinks):
     return num, den
 
 
-def _combine(gla_num, gla_den, win_num, win_den, *, alpha, beta, normalize, shared, eps):
-    if shared:
-        return (win_num + gla_num) / (win_den + gla_den + eps)[..., None]
-    y_gla = gla_num / (gla_den + eps)[..., None] if normalize else gla_num
-    return beta * y_gla + alpha[None, :, None, None] * safe_divide(win_num, win_den[..., None])
+def _combine(gla_num, gla_den, win_num, win_den, options: GlaWindowOptions):
+    if options.shared:
+        return (win_num + gla_num) / (win_den + gla_den + options.eps)[..., None]
+    y_gla = gla_num / (gla_den + options.eps)[..., None] if options.normalize else gla_num
+    return options.beta * y_gla + options.alpha[None, :, None, None] * safe_divide(win_num, win_den[..., None])
 
 
-def gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta,
-                        normalize=True, shared=False, eps=1e-6):
+def gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions):
     """Naive parallel form over L new tokens continuing from `state`. Returns (y [B,H,L,d], new state)."""
+    window = options.window
     L = fq.shape[2]
     n_rep = fq.shape[1] // kw.shape[1]
     keep = valid[:, None, :, None].to(fq.dtype)
@@ -97,10 +98,9 @@ def gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale
     k_pos = torch.arange(keys.shape[2], device=fq.device)[None, :]
     band = (k_pos <= q_pos) & (k_pos > q_pos - window)
     key_mask = band[None, None] & key_valid[:, None, None, :]
-    win_num, win_den = _window_terms(qw, keys, values, key_mask, scale, sinks)
+    win_num, win_den = _window_terms(qw, keys, values, key_mask, options.scale, options.sinks)
 
-    y = _combine(gla_num, gla_den, win_num, win_den, alpha=alpha, beta=beta, normalize=normalize, shared=shared,
-                 eps=eps)
+    y = _combine(gla_num, gla_den, win_num, win_den, options)
 
     to_end = (A[:, :, -1:, :] - A).exp()  # decay from each token to the end of this call
     total = A[:, :, -1, :].exp()  # decay of the carried state over the whole call
@@ -112,8 +112,7 @@ def gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale
     return y, new_state
 
 
-def gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta,
-                    normalize=True, shared=False, eps=1e-6):
+def gla_window_recurrent_step(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions):
     """Recurrent form for one token (L = 1): update S, z and the window, then read out."""
     n_rep = fq.shape[1] // kw.shape[1]
     keep = valid[:, None, :, None].to(fq.dtype)
@@ -127,10 +126,9 @@ def gla_window_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, si
     gla_den = (phi_q * z).sum(-1)[:, :, None]
 
     keys, values, key_valid = extend_window(state, kw, v, valid)
-    win_num, win_den = _window_terms(qw, keys, values, key_valid[:, None, None, :], scale, sinks)
+    win_num, win_den = _window_terms(qw, keys, values, key_valid[:, None, None, :], options.scale, options.sinks)
 
-    y = _combine(gla_num, gla_den, win_num, win_den, alpha=alpha, beta=beta, normalize=normalize, shared=shared,
-                 eps=eps)
+    y = _combine(gla_num, gla_den, win_num, win_den, options)
     new_state = {
         "S": S,
         "z": z,

@@ -1,4 +1,4 @@
-"""One decode step of Lizard-family attention in two Triton kernels (`gla_window_step` is the reference).
+"""One decode step of Lizard-family attention in two Triton kernels (`naive.gla_window_recurrent_step` is the reference).
 
 A step in PyTorch is dozens of small kernels per layer (state update, window concatenation, scores,
 softmax with sinks, combine); under a CUDA graph their launches, not their arithmetic, set the step
@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .options import GlaWindowOptions
 from .triton import INTERPRET
 
 if INTERPRET:
@@ -119,10 +120,11 @@ def step_unsupported(fq, log_g, state, *, window) -> str | None:
     return None
 
 
-def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale, sinks, alpha, beta=1.0,
-                       normalize=True, shared=False, eps=1e-6, in_place=False, out_dtype=torch.float32):
-    """`gla_window_step` in two kernels: (y [B, H, 1, d] in `out_dtype`, new state): new tensors, or
-    with `in_place` the state's own (where contiguous), written over."""
+def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions, *, in_place=False,
+                       out_dtype=torch.float32):
+    """`gla_window_recurrent_step` in two kernels: (y [B, H, 1, d] in `out_dtype`, new state): new
+    tensors, or with `in_place` the state's own (where contiguous), written over."""
+    window, sinks, alpha = options.window, options.sinks, options.alpha
     B, H, _, F = fq.shape
     HKV, D = kw.shape[1], qw.shape[-1]
     W1 = window - 1
@@ -143,8 +145,8 @@ def lizard_decode_step(fq, fk, log_g, qw, kw, v, valid, state, *, window, scale,
     _step_kernel[(B * H,)](
         fq, fk, log_g, qw, kw, v, valid, S, z, win_k, win_v, win_valid,
         no_sinks if sinks is None else sinks.contiguous(), alpha.contiguous(), y, S_out, z_out,
-        scale, float(beta), eps, H=H, N_REP=H // HKV, F=F, D=D, W1=W1, BW=triton.next_power_of_2(W1 + 1), M=M,
-        BM=triton.next_power_of_2(max(M, 1)), VEC=log_g.shape[-1] != 1, NORM=normalize, SHARED=shared,
+        options.scale, float(options.beta), options.eps, H=H, N_REP=H // HKV, F=F, D=D, W1=W1, BW=triton.next_power_of_2(W1 + 1), M=M,
+        BM=triton.next_power_of_2(max(M, 1)), VEC=log_g.shape[-1] != 1, NORM=options.normalize, SHARED=options.shared,
         num_warps=4)
     _shift_window_kernel[(B * HKV,)](
         kw, v, valid, win_k, win_v, win_valid, k_out, v_out, valid_out,

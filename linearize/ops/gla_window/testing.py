@@ -12,7 +12,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from . import lizard_attention, naive, unsupported_reason
+from . import chunk_gla_window, naive, unsupported_reason
+from .options import GlaWindowOptions
 
 NAMES = ("y", "fq", "fk", "log_g", "qw", "kw", "v", "sinks", "alpha")
 FROZEN = ("qw", "kw", "v")  # stage 1: RoPE of frozen projections, and a frozen projection
@@ -69,8 +70,8 @@ def make_inputs(case: Case, device, seed=0):
 def _output(case, leaves, dtype):
     """y through the kernel (dtype None; the case's Config overrides applied) or the reference op in `dtype`."""
     fq, fk, log_g, qw, kw, v, sinks, alpha = leaves
-    opts = {"window": case.window, "scale": case.D**-0.5, "sinks": sinks if case.sinks else None, "alpha": alpha,
-            "normalize": case.normalize, "shared": case.shared}
+    opts = GlaWindowOptions(window=case.window, scale=case.D**-0.5, sinks=sinks if case.sinks else None, alpha=alpha,
+                            normalize=case.normalize, shared=case.shared)
     overrides = {"split": case.split} if case.split is not None else {}
     for name in ("state_block_k", "state_block_v", "dstate_block_k", "dv_block_v", "window_dq_block",
                  "window_dkv_block", "chunks_first", "fused_backward", "tma"):
@@ -80,12 +81,12 @@ def _output(case, leaves, dtype):
         from .triton import Config, lizard_attention_triton
 
         config = dataclasses.replace(Config.default(fq.dtype), **overrides)
-        return lizard_attention_triton(fq, fk, log_g, qw, kw, v, **opts, config=config)
+        return lizard_attention_triton(fq, fk, log_g, qw, kw, v, opts, config=config)
     if dtype is None:
-        return lizard_attention(fq, fk, log_g, qw, kw, v, **opts)
+        return chunk_gla_window(fq, fk, log_g, qw, kw, v, opts)[0]
     state = naive.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, device=fq.device, dtype=dtype)
     valid = torch.ones(case.B, case.L, dtype=torch.bool, device=fq.device)
-    return naive.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, beta=1.0, **opts)[0]
+    return naive.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, opts)[0]
 
 
 def _run(case, tensors, dy, dtype):

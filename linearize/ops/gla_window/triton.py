@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .options import GlaWindowOptions
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     from .. import _interpreter
@@ -1294,29 +1296,31 @@ def shared_split_reference(dy, y_gla, y_win, den, lse, row_max):
     return (1 - c)[..., None] * dyf, c[..., None] * dyf, g, -g, -g / den
 
 
-def lizard_attention_triton(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, eps=1e-6, normalize=True,
-                            shared=False, config=None):
-    """The kernel path of `linearize.ops.gla_window.lizard_attention` (inputs already checked by `supports`)."""
-    if shared and not normalize:
+def lizard_attention_triton(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, config=None):
+    """The fused kernels over a fresh pass (`linearize.ops.chunk_gla_window`'s Triton implementation;
+    inputs already checked by `supports`, beta folded into fq)."""
+    if options.shared and not options.normalize:
         raise ValueError("shared=True needs normalize=True (one normaliser for both branches)")
-    tensors = (fq, fk, log_g, qw, kw, v, sinks, alpha)
+    if options.beta != 1.0:
+        raise ValueError("the kernels take beta = 1 (scale fq instead)")
+    tensors = (fq, fk, log_g, qw, kw, v, options.sinks, options.alpha)
     # Keep what the backward needs only when there will be one (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    options = (int(window), float(scale), float(eps), bool(normalize), config or Config.default(fq.dtype), save,
-               bool(shared))
+    scalars = (int(options.window), float(options.scale), float(options.eps), bool(options.normalize),
+               config or Config.default(fq.dtype), save, bool(options.shared))
     if not save:  # no backward: skip the autograd Function's bookkeeping, host time before the first launch
-        return _forward(*tensors, *options)[1]
-    return LizardAttentionFunction.apply(*tensors, *options)
+        return _forward(*tensors, *scalars)[1]
+    return LizardAttentionFunction.apply(*tensors, *scalars)
 
 
 @torch.no_grad()
-def lizard_attention_head(fq, fk, log_g, qw, kw, v, *, window, scale, sinks, alpha, head, eps=1e-6, shared=False,
-                          carried=None, config=None):
+def lizard_attention_head(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, head, carried=None, config=None):
     """The forward's output y [B, H, L, d] (a view of [B, L, H, d] memory) and, for its first `head` rows
     (at most L), the branches' parts before they were mixed: y_win [B, H, head, d] (inputs' dtype), the
     linear part's denominator (eps included), the window's log-sum-exp and its row max (sinks included),
     float32 [B, H, head]. Given `carried` (S, z of earlier tokens), the linear part continues that
-    state, and the state after the last token follows."""
-    _, y, parts, _, end = _forward(fq, fk, log_g, qw, kw, v, sinks, alpha, int(window), float(scale), float(eps),
-                                   True, config or Config.default(fq.dtype), False, shared, carried, int(head))
+    state, and the state after the last token follows. Normalised, beta = 1."""
+    _, y, parts, _, end = _forward(fq, fk, log_g, qw, kw, v, options.sinks, options.alpha, int(options.window),
+                                   float(options.scale), float(options.eps), True, config or Config.default(fq.dtype),
+                                   False, bool(options.shared), carried, int(head))
     return (y, parts) + ((end,) if carried is not None else ())

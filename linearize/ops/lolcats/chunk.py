@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from ..common import carried_window, extend_window, repeat_kv
 from ..gla_window.chunk import window_blocks
 from .naive import _mix
+from .options import LolcatsOptions
 
 
-def lolcats_chunked(q, k, v, valid, state, phi_q, phi_k, *, window, scale, factor, eps=1e-6):
+def lolcats_chunked(q, k, v, valid, state, phi_q, phi_k, options: LolcatsOptions):
     """Same contract and results as `lolcats_parallel`."""
+    window, scale, factor, eps = options.window, options.scale, options.factor, options.eps
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
     keys, values, key_valid = extend_window(state, k, v, valid)

@@ -14,6 +14,7 @@ import torch
 
 from ..common import carried_window, exp_weights, extend_window, repeat_kv
 from ..gla_window.naive import init_state  # same layout: linear state plus a w-1 window
+from .options import LolcatsOptions
 
 __all__ = ["init_state", "lolcats_parallel", "lolcats_step"]
 
@@ -23,8 +24,9 @@ def _mix(win_num, win_den, lin_num, lin_den, factor, eps):
     return (f[..., None] * win_num + (1 - f[..., None]) * lin_num) / (f * win_den + (1 - f) * lin_den + eps)[..., None]
 
 
-def lolcats_parallel(q, k, v, valid, state, phi_q, phi_k, *, window, scale, factor, eps=1e-6):
+def lolcats_parallel(q, k, v, valid, state, phi_q, phi_k, options: LolcatsOptions):
     """Naive parallel form over L new tokens continuing from `state`. Returns (y, new state)."""
+    window, scale, factor, eps = options.window, options.scale, options.factor, options.eps
     L = q.shape[2]
     n_rep = q.shape[1] // k.shape[1]
     keys, values, key_valid = extend_window(state, k, v, valid)
@@ -56,8 +58,9 @@ def lolcats_parallel(q, k, v, valid, state, phi_q, phi_k, *, window, scale, fact
     return y, new_state
 
 
-def lolcats_step(q, k, v, valid, state, phi_q, phi_k, *, window, scale, factor, eps=1e-6):
+def lolcats_step(q, k, v, valid, state, phi_q, phi_k, options: LolcatsOptions):
     """Recurrent form for one token: attend to the window and the state, then fold the oldest key."""
+    scale, factor, eps = options.scale, options.factor, options.eps
     n_rep = q.shape[1] // k.shape[1]
     keys, values, key_valid = extend_window(state, k, v, valid)
     keys_rep, values_rep = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)

@@ -1,29 +1,36 @@
-"""STILL: Self-Saliency routing into a fixed softmax budget plus an NP-Map gated linear state: the one
-dispatch point.
+"""STILL: Self-Saliency routing into a fixed softmax budget plus an NP-Map gated linear state, in three forms.
 
-Forms, each tested against `naive.still_parallel` in values (and gradients where they have any):
+The forms (what the attention module calls; the method's options in one `StillOptions`):
+  chunk_still     L tokens from an empty state (`init_state`'s), differentiable (training, a first prefill)
+  continue_still  L tokens continuing a carried state (inference)
+  still_step      one token after a state (decoding; `linearize.decode` may swap in a compiled one)
+
+Each multi-token form lists its implementations in order of preference
+(`linearize.ops.backend.Implementation`): where the backend allows the kernels and they take the
+inputs, the kernels in blocks of KERNEL_BLOCK tokens without gradients (the first block fresh when the
+call is, each next one continuing from the state the previous left, so a prefill's cost grows linearly
+with its length), or a fresh pass in one differentiable call when gradients are wanted; the naive form
+in blocks of MAX_PARALLEL tokens otherwise (which includes a continued call that needs gradients).
   routing.py  the routing every form shares (which keys take the softmax slots, and when each folds
               into the linear state); `fresh_routing` and `continued_routing` (the fold times of a
               fresh or a continued call, and the state after it) for the kernels
   naive.py    `still_parallel` (the reference), `still_step` (one decode step)
   triton.py   the attention over a sequence given each key's fold time, in fused kernels: a fresh
               pass (differentiable), or the forward's parts for a continued call (inference only)
-
-`still` is what the attention module calls: the step for one token after a state; where the backend
-(`linearize.ops.backend`) allows the kernels and they take the inputs, the kernels in blocks of
-KERNEL_BLOCK tokens (the first one fresh when the call is, each next one continuing from the state
-the previous left, so a prefill's cost grows linearly with its length), or a fresh pass in one
-differentiable call when gradients are wanted; the naive form in blocks of MAX_PARALLEL tokens
-otherwise (which includes a continued call that needs gradients).
+each tested against `naive.still_parallel` in values (and gradients where they have any).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import backend
+from ..backend import Form, Implementation
 from ..common import repeat_kv
 from .naive import init_state, still_parallel, still_step
+from .options import StillOptions
 from .routing import continued_routing, fresh_routing
 
 MAX_PARALLEL = 2048  # tokens per call of the parallel form: it holds [L, K + W + L] scores per head
@@ -31,7 +38,8 @@ MAX_PARALLEL = 2048  # tokens per call of the parallel form: it holds [L, K + W 
 # (slots, window and new tokens), so long inputs go in blocks, each carrying the state on.
 KERNEL_BLOCK = 8192
 
-__all__ = ["KERNEL_BLOCK", "MAX_PARALLEL", "init_state", "still", "still_step", "unsupported_reason"]
+__all__ = ["FORMS", "KERNEL_BLOCK", "MAX_PARALLEL", "StillOptions", "chunk_still", "continue_still", "init_state",
+           "still_step", "unsupported_reason"]
 
 
 def unsupported_reason(q, k, features: int, dtype: torch.dtype | None = None) -> str | None:
@@ -44,37 +52,96 @@ def unsupported_reason(q, k, features: int, dtype: torch.dtype | None = None) ->
     return supports(q, k, features, dtype)
 
 
-def still(q, k, v, valid, gate, state, phi_q, phi_k, *, fresh, start, caching, dtype=None, step=still_step,
-          **options):
-    """(y, new state) over L new tokens continuing `state` (`init_state`'s when `fresh`).
+def chunk_still(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOptions, *, dtype=None,
+                output_final_state=False):
+    """(y, the state after the call or None) over the first L tokens of a sequence; `state` is
+    `init_state`'s. q [B,H,L,d] and k [B,H_kv,L,d] carry RoPE; gate [B,H,L,d] or None; phi_q, phi_k the
+    feature maps; `dtype` the kernels' operand dtype (the projections'; default q's);
+    `output_final_state` whether the state after the call is wanted. Differentiable."""
+    return CHUNK(_Call(q, k, v, valid, gate, state, phi_q, phi_k, options, start=0, fresh=True,
+                                    caching=output_final_state, dtype=dtype))
 
-    q [B,H,L,d] and k [B,H_kv,L,d] carry RoPE; gate [B,H,L,d] or None; phi_q, phi_k the feature maps.
-    `options` are the forms' (window, chunk, per_chunk, routing, scale, eps); `caching` whether the
-    state after the call is wanted; `dtype` the kernels' operand dtype (the projections'); `step`
-    the one-token form (the decoder may swap in a compiled one).
-    """
-    L = q.shape[2]
-    if not fresh and L == 1:
-        return step(q, k, v, valid, gate, state, phi_q, phi_k, **options)
-    dtype = dtype or q.dtype
-    if unsupported_reason(q, k, phi_q.out_dim, dtype) is None:
-        if not _wants_gradients(q, k, v, gate, phi_q, phi_k):
-            def through_kernels(*block, start, fresh, keep):
-                run = _fresh_pass_through_kernels if fresh else _continued_through_kernels
-                return run(*block, phi_q, phi_k, start=start, caching=keep, dtype=dtype, **options)
 
-            return _in_blocks(KERNEL_BLOCK, through_kernels, q, k, v, valid, gate, state, start=start, fresh=fresh,
-                              caching=caching)
-        if fresh:
-            # Training: one differentiable pass (the continued calls' kernels have no backward).
-            return _fresh_pass_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, start=start,
-                                               caching=caching, dtype=dtype, **options)
+def continue_still(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOptions, *, start, caching=True,
+                   dtype=None):
+    """(y, the state after the call or None) over L tokens continuing `state`, the first at absolute
+    position `start`; `caching` whether the state after the call is wanted. Arguments as `chunk_still`'s."""
+    return CONTINUE(_Call(q, k, v, valid, gate, state, phi_q, phi_k, options, start=start, fresh=False,
+                                       caching=caching, dtype=dtype))
 
-    # Long inputs go through the parallel form in blocks too (the same results, bounded memory).
+
+@dataclass(frozen=True, eq=False)
+class _Call:
+    """One call of a multi-token form, as its implementations read it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    gate: torch.Tensor | None
+    state: dict
+    phi_q: object
+    phi_k: object
+    options: StillOptions
+    start: int
+    fresh: bool
+    caching: bool
+    dtype: torch.dtype | None
+
+    @property
+    def operand_dtype(self) -> torch.dtype:
+        return self.dtype or self.q.dtype
+
+    def tensors(self) -> tuple:
+        return self.q, self.k, self.v, self.valid, self.gate, self.state
+
+
+def _kernels_supported(call: _Call) -> str | None:
+    from .triton import supports
+
+    return supports(call.q, call.k, call.phi_q.out_dim, call.operand_dtype)
+
+
+def _kernels_without_gradients(call: _Call) -> str | None:
+    if _wants_gradients(call.q, call.k, call.v, call.gate, call.phi_q, call.phi_k):
+        return "gradients wanted: only the fresh pass's kernels have a backward"
+    return _kernels_supported(call)
+
+
+def _kernel_blocks(call: _Call):
+    """The kernels in blocks of KERNEL_BLOCK tokens (no gradients)."""
+    def through_kernels(*block, start, fresh, keep):
+        run = _fresh_pass_through_kernels if fresh else _continued_through_kernels
+        return run(*block, call.phi_q, call.phi_k, call.options, start=start, caching=keep, dtype=call.operand_dtype)
+
+    return _in_blocks(KERNEL_BLOCK, through_kernels, *call.tensors(), start=call.start, fresh=call.fresh,
+                      caching=call.caching)
+
+
+def _fresh_pass(call: _Call):
+    """Training: one differentiable pass (the continued calls' kernels have no backward)."""
+    return _fresh_pass_through_kernels(*call.tensors(), call.phi_q, call.phi_k, call.options, start=call.start,
+                                       caching=call.caching, dtype=call.operand_dtype)
+
+
+def _parallel_blocks(call: _Call):
+    """The naive form; long inputs in blocks too (the same results, bounded memory)."""
     def parallel(*block, start, fresh, keep):
-        return still_parallel(*block, phi_q, phi_k, **options, start=start, fresh=fresh, keep_state=keep)
+        return still_parallel(*block, call.phi_q, call.phi_k, call.options, start=start, fresh=fresh,
+                              keep_state=keep)
 
-    return _in_blocks(MAX_PARALLEL, parallel, q, k, v, valid, gate, state, start=start, fresh=fresh, caching=caching)
+    return _in_blocks(MAX_PARALLEL, parallel, *call.tensors(), start=call.start, fresh=call.fresh,
+                      caching=call.caching)
+
+
+CHUNK = Form("chunk_still", (
+    Implementation("triton", _kernels_without_gradients, _kernel_blocks),
+    Implementation("triton-differentiable", _kernels_supported, _fresh_pass),
+    Implementation("torch", backend.always, _parallel_blocks, kernels=False)))
+CONTINUE = Form("continue_still", (
+    Implementation("triton", _kernels_without_gradients, _kernel_blocks),
+    Implementation("torch", backend.always, _parallel_blocks, kernels=False)))
+FORMS = {form.name: form for form in (CHUNK, CONTINUE)}
 
 
 def _in_blocks(size, run, q, k, v, valid, gate, state, *, start, fresh, caching):
@@ -101,7 +168,7 @@ def _wants_gradients(q, k, v, gate, phi_q, phi_k) -> bool:
     return any(p.requires_grad for phi in (phi_q, phi_k) if isinstance(phi, torch.nn.Module) for p in phi.parameters())
 
 
-def _continued_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, start, caching, dtype, **options):
+def _continued_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, options, *, start, caching, dtype):
     """A call continuing `state` (inference only): the routing in PyTorch (`continued_routing`), the
     attention over the combined sequence (slots, window, new tokens) in the fresh pass's forward
     kernel, with zero queries for the P keys before the new tokens (their rows are dropped); the keys
@@ -116,8 +183,8 @@ def _continued_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, sta
     B, H, L, _ = q.shape
     n_rep = H // k.shape[1]
     with torch.no_grad():
-        keys, values, key_valid, fold, fk, next_state = continued_routing(q, k, v, valid, state, phi_k, start=start,
-                                                                          keep_state=caching, **options)
+        keys, values, key_valid, fold, fk, next_state = continued_routing(q, k, v, valid, state, phi_k, options,
+                                                                          start=start, keep_state=caching)
         fq = phi_q(q)
         P = keys.shape[2] - L
         # Unused slots are invalid in one KV head and maybe not in another, where the kernel reads
@@ -131,7 +198,7 @@ def _continued_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, sta
         y_soft, y_lin, den = still_attention_parts(
             prefixed(q.to(dtype)), keys.to(dtype).reshape(rows, 1, *keys.shape[2:]),
             values.to(dtype).reshape(rows, 1, *values.shape[2:]), prefixed(fq), fk.reshape(rows, n_rep, *fk.shape[2:]),
-            fold.reshape(rows, 1, -1), key_valid.reshape(rows, -1), scale=options["scale"], eps=options["eps"])
+            fold.reshape(rows, 1, -1), key_valid.reshape(rows, -1), scale=options.scale, eps=options.eps)
         y_soft, y_lin = (t.view(B, H, -1, t.shape[-1])[:, :, P:] for t in (y_soft, y_lin))
         den = den.view(B, H, -1)[:, :, P:, None]
         fq = fq.float()
@@ -142,7 +209,7 @@ def _continued_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, sta
     return y.to(dtype), next_state
 
 
-def _fresh_pass_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, start, caching, dtype, **options):
+def _fresh_pass_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, options, *, start, caching, dtype):
     """The routing in PyTorch (`fresh_routing`), the attention in one fused pass over the whole input,
     its GEMMs in `dtype`; and the state after it when caching (a prompt's prefill: no [L, L] scores,
     so no blocks of MAX_PARALLEL tokens either)."""
@@ -151,8 +218,8 @@ def _fresh_pass_through_kernels(q, k, v, valid, gate, state, phi_q, phi_k, *, st
     fq = phi_q(q)
     fk = phi_k(repeat_kv(k, q.shape[1] // k.shape[1]))
     with torch.no_grad():
-        fold, next_state = fresh_routing(q, k, v, valid, state, start=start, **options,
+        fold, next_state = fresh_routing(q, k, v, valid, state, options, start=start,
                                          fk=fk.detach() if caching else None)
     y = still_attention_triton(q.to(dtype), k.to(dtype), v.to(dtype), fq, fk, gate, fold, valid,
-                               scale=options["scale"], eps=options["eps"])
+                               scale=options.scale, eps=options.eps)
     return y, next_state

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..common import exp_weights, repeat_kv
+from .options import StillOptions
 from .routing import NEVER, _next_state, _route, _scored_window, _select_if_complete, route_departure
 
 
@@ -63,8 +64,8 @@ def _output(q, fq, gate, soft_keys, soft_values, soft_mask, lin_num, lin_den, sc
     return (num + lin_num) / (weights.sum(-1) + lin_den + eps)[..., None]
 
 
-def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, chunk, per_chunk, routing,
-                   scale, eps=1e-6, fresh=False, keep_state=True):
+def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOptions, *, start, fresh=False,
+                   keep_state=True):
     """Naive parallel form over L new tokens at absolute positions start.. continuing from `state`.
 
     q [B,H,L,d] and k [B,H_kv,L,d] already carry RoPE; gate [B,H,L,d] or None. Returns (y, new state).
@@ -75,10 +76,10 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
     """
     H, L = q.shape[1], q.shape[2]
     n_rep = H // k.shape[1]
-    W1 = window - 1
+    W1 = options.window - 1
+    scale, eps = options.scale, options.eps
     keys, values, key_valid, scores, chosen, positions, fold_time, slot_ids, slots = _route(
-        q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk, routing=routing,
-        scale=scale, eps=eps, fresh=fresh, keep_state=keep_state)
+        q, k, v, valid, state, options, start=start, fresh=fresh, keep_state=keep_state)
     K = state["sal_used"].shape[-1]
 
     all_keys = torch.cat([state["sal_k"], keys], dim=2)
@@ -111,10 +112,12 @@ def still_parallel(q, k, v, valid, gate, state, phi_q, phi_k, *, start, window, 
                           fk_folded, values_rep, valid, W1)
 
 
-def still_step(q, k, v, valid, gate, state, phi_q, phi_k, *, window, chunk, per_chunk, routing, scale, eps=1e-6):
+def still_step(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOptions):
     """Recurrent form for the next token (at absolute position `state["next_pos"]`): score, select, attend,
     route. Nothing in it reads the device back or depends on the position as a Python number, so a
     CUDA graph can replay it."""
+    window, chunk, per_chunk, routing = options.window, options.chunk, options.per_chunk, options.routing
+    scale, eps = options.scale, options.eps
     n_rep = q.shape[1] // k.shape[1]
     keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
                                                                         eps)

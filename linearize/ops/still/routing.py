@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..common import exp_weights, extend_window, keep_last, repeat_kv
+from .options import StillOptions
 
 NEVER = torch.iinfo(torch.long).max
 
@@ -399,10 +400,11 @@ def _kth_ranked_above(rank, K):
     return torch.where(above >= K, seq.gather(-1, bounds[..., 0, :].clamp_max(N - 1)), N)
 
 
-def _route(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps, fresh, keep_state):
+def _route(q, k, v, valid, state, options: StillOptions, *, start, fresh, keep_state):
     """Scores, chunk selections and fold times of a parallel call: the combined sequence (keys,
     values, validity, scores, selections), its positions, and `_replay_routing`'s outputs."""
-    W1 = window - 1
+    W1, routing, chunk, per_chunk = options.window - 1, options.routing, options.chunk, options.per_chunk
+    scale, eps = options.scale, options.eps
     keys, values, key_valid, scores, chosen, completes = _scored_window(q, k, v, valid, state, routing, chunk, scale,
                                                                         eps)
     positions = torch.arange(start - W1, start + q.shape[2], device=q.device)
@@ -419,15 +421,15 @@ def _route(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, s
     return keys, values, key_valid, scores, chosen, positions, fold_time, slot_ids, slots
 
 
-def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, routing, scale, eps, fk=None):
+def fresh_routing(q, k, v, valid, state, options: StillOptions, *, start, fk=None):
     """The routing of a fresh pass over L tokens, for the kernels (`linearize.ops.still.triton`)
     to take: when each token folds into the linear state, relative to the pass (query i at time i;
     [B, H_kv, L], NEVER - start for the tokens softmax-visible to its end), and, given `fk` (the
     feature map of each query head's keys, [B, H, L, F]), the state after the pass (else None).
     `state` is `naive.init_state`'s; the routing is `naive.still_parallel(fresh=True)`'s."""
+    window = options.window
     keys, values, key_valid, scores, chosen, _, fold_time, slot_ids, slots = _route(
-        q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk, routing=routing,
-        scale=scale, eps=eps, fresh=True, keep_state=fk is not None)
+        q, k, v, valid, state, options, start=start, fresh=True, keep_state=fk is not None)
     new = fold_time[..., state["sal_used"].shape[-1] + window - 1:]
     if fk is None:
         return new - start, None
@@ -439,8 +441,7 @@ def fresh_routing(q, k, v, valid, state, *, start, window, chunk, per_chunk, rou
     return new - start, next_state
 
 
-def continued_routing(q, k, v, valid, state, phi_k, *, start, window, chunk, per_chunk, routing, scale, eps,
-                      keep_state=True):
+def continued_routing(q, k, v, valid, state, phi_k, options: StillOptions, *, start, keep_state=True):
     """The routing of a call over L tokens continuing `state`, for the kernels to run the attention
     over the combined sequence: the K salient slots, the W - 1 window keys, then the L new tokens
     (P = K + W - 1 keys before the new ones, so the call's query i sits at combined index P + i).
@@ -451,9 +452,9 @@ def continued_routing(q, k, v, valid, state, phi_k, *, start, window, chunk, per
     query head's keys [B, H, P + L, F], and the state after the call (None without `keep_state`).
     The routing and the state are `naive.still_parallel(fresh=False)`'s; the keys folded before the call
     are in `state["S"]` and `state["z"]`, which the caller adds."""
+    window = options.window
     keys, values, key_valid, scores, chosen, _, fold_time, slot_ids, slots = _route(
-        q, k, v, valid, state, start=start, window=window, chunk=chunk, per_chunk=per_chunk, routing=routing,
-        scale=scale, eps=eps, fresh=False, keep_state=keep_state)
+        q, k, v, valid, state, options, start=start, fresh=False, keep_state=keep_state)
     n_rep = q.shape[1] // k.shape[1]
     all_keys = torch.cat([state["sal_k"], keys], dim=2)
     all_values = torch.cat([state["sal_v"], values], dim=2)

@@ -21,6 +21,7 @@ from .. import still as dispatch
 from ..gla_window.testing import _rel
 from . import naive as still
 from . import unsupported_reason
+from .options import StillOptions
 from .routing import fresh_routing
 
 NAMES = ("y", "q", "k", "v", "fq", "fk", "gate")
@@ -59,9 +60,9 @@ def make_inputs(case: StillCase, device, seed=0):
     return tensors, valid, rand(B, H, L, case.D).to(case.dtype)
 
 
-def _options(case: StillCase) -> dict:
-    return {"window": case.window, "chunk": case.chunk, "per_chunk": case.per_chunk, "routing": case.routing,
-            "scale": case.D**-0.5, "eps": 1e-6}
+def _options(case: StillCase) -> StillOptions:
+    return StillOptions(window=case.window, chunk=case.chunk, per_chunk=case.per_chunk, routing=case.routing,
+                        scale=case.D**-0.5, eps=1e-6)
 
 
 def _run(case, tensors, valid, dy, dtype):
@@ -74,12 +75,12 @@ def _run(case, tensors, valid, dy, dtype):
     if dtype is None:
         with torch.no_grad():
             # Routing in float32, as the model runs it (its q, k come rotated in float32).
-            fold, _ = fresh_routing(q.float(), k.float(), v.float(), valid, state, start=0, **options)
+            fold, _ = fresh_routing(q.float(), k.float(), v.float(), valid, state, options, start=0)
         from .triton import still_attention_triton
 
-        y = still_attention_triton(q, k, v, fq, fk, gate, fold, valid, scale=options["scale"], eps=options["eps"])
+        y = still_attention_triton(q, k, v, fq, fk, gate, fold, valid, scale=options.scale, eps=options.eps)
     else:
-        y, _ = still.still_parallel(q, k, v, valid, gate, state, lambda _: fq, lambda _: fk, start=0, **options,
+        y, _ = still.still_parallel(q, k, v, valid, gate, state, lambda _: fq, lambda _: fk, options, start=0,
                                     fresh=True, keep_state=False)
     trained = [t for t in leaves if t is not None]
     grads = iter(torch.autograd.grad(y, trained, dy.to(y.dtype)))
@@ -140,9 +141,9 @@ def counting_parts(calls: list):
 
 def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False):
     """A fresh call over `case.prefix` tokens fills a state (the reference's); a call over the next
-    `case.L` continues it, through `still` (the kernels, operands in `case.dtype`) and through
+    `case.L` continues it, through `continue_still` (the kernels, operands in `case.dtype`) and through
     `still_parallel(fresh=False)` in float32. Relative error of y, the state's errors, the path, and
-    how many kernel calls ran. `requires_grad`: q needs a gradient in the call through `still` (which
+    how many kernel calls ran. `requires_grad`: q needs a gradient in the call through `continue_still` (which
     then takes the reference, the kernels' continued form having no backward)."""
     case_all = dataclasses.replace(case, L=case.prefix + case.L, dtype=torch.float32)
     (q, k, v, _, _, gate), valid, _ = make_inputs(case_all, device, seed)
@@ -156,13 +157,13 @@ def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False
     state = naive_init(case, device)
     calls = []
     with torch.no_grad():
-        _, state = still.still_parallel(*part(first), state, phi_q, phi_k, start=0, **options, fresh=True)
-        ref_y, ref_state = still.still_parallel(*part(rest), state, phi_q, phi_k, start=case.prefix, **options)
+        _, state = still.still_parallel(*part(first), state, phi_q, phi_k, options, start=0, fresh=True)
+        ref_y, ref_state = still.still_parallel(*part(rest), state, phi_q, phi_k, options, start=case.prefix)
         inputs = part(rest)
         with counting_parts(calls), torch.set_grad_enabled(requires_grad):
             inputs = (inputs[0].clone().requires_grad_(requires_grad), *inputs[1:])
-            y, new_state = dispatch.still(*inputs, state, phi_q, phi_k, fresh=False, start=case.prefix,
-                                          caching=True, dtype=case.dtype, **options)
+            y, new_state = dispatch.continue_still(*inputs, state, phi_q, phi_k, options, start=case.prefix,
+                                                   caching=True, dtype=case.dtype)
     reason = unsupported_reason(q, k, case.F, case.dtype)
     return {"path": reason or "kernel", "calls": len(calls), "y": _rel(y.detach(), ref_y), "dtype": str(y.dtype),
             "differentiable": y.requires_grad,
@@ -170,7 +171,7 @@ def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False
 
 
 def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
-    """A fresh call over `case.L` tokens through `still` with KERNEL_BLOCK = `block`, against one
+    """A fresh call over `case.L` tokens through `chunk_still` with KERNEL_BLOCK = `block`, against one
     `still_parallel` fresh pass and against the one-call kernel pass: relative errors of y and of the
     state after, how many fresh and continued kernel calls the caching call ran, and a scoring call's
     y (caching off) and whether it returned a state."""
@@ -184,18 +185,17 @@ def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
     one_call = kernels.still_attention_triton
     kept = dispatch.KERNEL_BLOCK
     with torch.no_grad():
-        ref_y, ref_state = still.still_parallel(*inputs, start=0, **options, fresh=True)
-        old_y, old_state = dispatch._fresh_pass_through_kernels(*inputs, start=0, caching=True, dtype=case.dtype,
-                                                                **options)
+        ref_y, ref_state = still.still_parallel(*inputs, options, start=0, fresh=True)
+        old_y, old_state = dispatch._fresh_pass_through_kernels(*inputs, options, start=0, caching=True,
+                                                                dtype=case.dtype)
         kernels.still_attention_triton = lambda *a, **k: fresh_calls.append(1) or one_call(*a, **k)
         dispatch.KERNEL_BLOCK = block
         try:
             with counting_parts(calls):
-                y, new_state = dispatch.still(*inputs, fresh=True, start=0, caching=True, dtype=case.dtype, **options)
+                y, new_state = dispatch.chunk_still(*inputs, options, dtype=case.dtype, output_final_state=True)
             fresh_count = len(fresh_calls)
             # A scoring pass: no state kept after the last block.
-            y_scored, no_state = dispatch.still(*inputs, fresh=True, start=0, caching=False, dtype=case.dtype,
-                                                **options)
+            y_scored, no_state = dispatch.chunk_still(*inputs, options, dtype=case.dtype)
         finally:
             dispatch.KERNEL_BLOCK = kept
             kernels.still_attention_triton = one_call

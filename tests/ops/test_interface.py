@@ -1,0 +1,64 @@
+"""The ops' public interface stays small: every public function takes at most 12 parameters (the
+method's options travel as one object), and every form lists its PyTorch implementation last."""
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import linearize.ops
+from linearize.ops import backend, features, gla_window, lolcats, still
+
+MAX_PARAMETERS = 12
+
+
+def op_modules():
+    """Every module of `linearize.ops` but the test helpers (`testing`) and the interpreter patch; the
+    Triton modules where triton is installed."""
+    for info in pkgutil.walk_packages(linearize.ops.__path__, "linearize.ops."):
+        leaf = info.name.rsplit(".", 1)[-1]
+        if leaf in ("testing", "_interpreter"):
+            continue
+        try:
+            yield importlib.import_module(info.name)
+        except ImportError as e:
+            if "triton" not in str(e):
+                raise
+
+
+def public_functions(module):
+    exported = set(getattr(module, "__all__", ()))
+    for name, value in vars(module).items():
+        if not inspect.isfunction(value):
+            continue
+        if name in exported or (not name.startswith("_") and value.__module__ == module.__name__):
+            yield name, value
+
+
+def test_no_public_op_function_takes_more_than_12_parameters():
+    checked, too_many = 0, []
+    for module in op_modules():
+        for name, function in public_functions(module):
+            checked += 1
+            count = len(inspect.signature(function).parameters)
+            if count > MAX_PARAMETERS:
+                too_many.append(f"{module.__name__}.{name}: {count}")
+    assert checked > 40  # the walk found the ops
+    assert not too_many, too_many
+
+
+@pytest.mark.parametrize("package", [gla_window, still, features])
+def test_each_form_ends_with_an_implementation_that_takes_every_call(package):
+    assert package.FORMS
+    for name, form in package.FORMS.items():
+        assert form.name == name and name in package.__all__ + ["lizard_features"]
+        *kernels, last = form.implementations
+        assert kernels and all(impl.kernels for impl in kernels)
+        assert last.name == "torch" and not last.kernels and last.supports is backend.always
+
+
+def test_the_forms_are_public_in_each_package():
+    assert {"chunk_gla_window", "continue_gla_window", "gla_window_step", "GlaWindowOptions"} <= set(gla_window.__all__)
+    assert {"chunk_still", "continue_still", "still_step", "StillOptions"} <= set(still.__all__)
+    assert {"chunk_lolcats", "continue_lolcats", "lolcats_step", "LolcatsOptions"} <= set(lolcats.__all__)
