@@ -329,7 +329,7 @@ def test_table_keeps_the_columns_asked_for_beside_the_row(tmp_path, capsys):
     page = tmp_path / "page.md"
     assert main(["recipe", "table", str(run_dir), "--columns", "mmlu,passkey 1K", "--into", str(page)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'mmlu' matches none of these rows' columns: row, recipe" in err
+    assert err.count("\n") == 1 and "'mmlu' matches none of these rows' columns: row, GPU, recipe" in err
     assert not page.exists()
     assert main(["recipe", "table", str(run_dir), "--columns", "passkey 1K,"]) == 2
     assert "an empty name" in capsys.readouterr().err
@@ -417,3 +417,19 @@ def test_smoke_runs_a_shipped_recipe_cpu_sized(teacher, tmp_path, workspace_text
     assert {(r["stage"], r["step"]) for r in steps if "loss" in r} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     results = json.loads((out / "eval.json").read_text())
     assert [row["length"] for row in results["tasks"]["ppl"]["by_length"]] == [1024]
+
+
+def test_table_names_each_rows_gpu_where_the_rows_ran_on_different_gpus(tmp_path):
+    def run(name, device):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "run.json").write_text(json.dumps({"recipe": {"name": name, "row": name.upper()}}))
+        tasks = {"ppl": {"by_length": [{"length": 512, "ppl": 9.0}]}}
+        (run_dir / "eval.json").write_text(json.dumps({"provenance": {"device": device}, "tasks": tasks}))
+        return run_dir
+
+    h200, h100 = run("a", "cuda:0 (NVIDIA H200)"), run("b", "cuda:0 (NVIDIA H100 80GB HBM3)")
+    assert "GPU" not in table([h200], ["ppl 512"]).splitlines()[0]  # one GPU: the page's title names it
+    lines = table([h200, h100], ["ppl 512"]).splitlines()
+    assert lines[0] == "| row | GPU | ppl 512 |"
+    assert lines[2:] == ["| A | H200 | 9.0 |", "| B | H100 80GB HBM3 | 9.0 |"]

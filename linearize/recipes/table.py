@@ -40,7 +40,15 @@ def _layer_ranges(layers: list[int]) -> str:
     return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
 
 
-LEAD_COLUMNS = ("row", "recipe", "train tokens", "train min", "softmax layers")
+LEAD_COLUMNS = ("row", "GPU", "recipe", "train tokens", "train min", "softmax layers")
+
+
+def _gpu(device: str | None) -> str:
+    """The evaluation's device as a reader names it: "cuda:0 (NVIDIA H200)" -> "H200"."""
+    if not device:
+        return "–"
+    name = re.fullmatch(r"cuda(?::\d+)? \((.*)\)", device)
+    return name[1].removeprefix("NVIDIA ") if name else device
 
 
 def _row_cells(run_dir: Path) -> dict[str, str]:
@@ -56,7 +64,7 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
     results = json.loads((run_dir / "eval.json").read_text())
     tasks = results["tasks"]
     recipe = record["recipe"]
-    cells = {"row": recipe["row"], "recipe": _command_cell(record)}
+    cells = {"row": recipe["row"], "GPU": _gpu(results["provenance"].get("device")), "recipe": _command_cell(record)}
     tokens = record.get("training_tokens")
     cells["train tokens"] = "–" if tokens is None else f"{tokens / 1e6:g}M" if tokens >= 100_000 else f"{tokens:,}"
     wall = record.get("distill_wall_s")
@@ -100,20 +108,26 @@ def _row_cells(run_dir: Path) -> dict[str, str]:
 
 def table(run_dirs: list[Path], keep: list[str] | None = None) -> str:
     """A Markdown table with a row per run directory and the union of their columns, in first-seen order;
-    with `keep` (shell-style patterns such as "BABILong *"), the row column and those matching one."""
+    with `keep` (shell-style patterns such as "BABILong *"), the row column and those matching one. The GPU
+    column shows where the rows ran on different GPUs (or where `keep` asks for it): a table of one GPU
+    names it in its title."""
     rows = [_row_cells(d) for d in run_dirs]
     if not rows:
         raise RecipeError("no finished runs (directories with run.json and eval.json) to tabulate")
     columns: list[str] = []
     for cells in rows:
         columns += [c for c in cells if c not in columns]
+    if keep is None and len({cells["GPU"] for cells in rows}) == 1:
+        columns.remove("GPU")
     # What a row is leads, whichever row brings it: a hybrid's softmax layers sit by its training.
     columns.sort(key=lambda c: LEAD_COLUMNS.index(c) if c in LEAD_COLUMNS else len(LEAD_COLUMNS))
     if keep is not None:
         for pattern in keep:
             if not any(fnmatch.fnmatchcase(c, pattern) for c in columns):
                 raise RecipeError(f"--columns: {pattern!r} matches none of these rows' columns: {', '.join(columns)}")
-        columns = ["row", *(c for c in columns if c != "row" and any(fnmatch.fnmatchcase(c, k) for k in keep))]
+        mixed = len({cells["GPU"] for cells in rows}) > 1  # rows from two GPUs say so whatever was kept
+        columns = ["row", *(c for c in columns if c != "row" and (any(fnmatch.fnmatchcase(c, k) for k in keep)
+                                                                  or (c == "GPU" and mixed)))]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cells.get(c, "–") for c in columns) + " |" for cells in rows]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,206 @@
+"""Tables of figures for the docs where no `linearize` command prints one, each from files under docs/results/.
+
+    python -m experiments.docs.tables fsdp docs/results/h200/fsdp/fsdp.json
+    python -m experiments.docs.tables train-ratios 'LABEL=DIR' ...
+    python -m experiments.docs.tables prefill DIR ...
+    python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
+    python -m experiments.docs.tables eval-times DIR
+
+Each prints a Markdown table whose every figure is read or computed from the named files, with the GPU
+it ran on; the pages hold them between `<!-- generated: COMMAND -->` markers (experiments.docs.generated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+# The decode target's reference: the teacher's best decode rate at 32K at the 8B shape (docs/benchmarks.md).
+TEACHER_BEST_DECODE = 70
+
+
+def _load(path: Path, name: str) -> dict:
+    """`name`.json in a directory, or the file itself."""
+    return json.loads((path / f"{name}.json" if path.is_dir() else path).read_text(encoding="utf-8"))
+
+
+def gpu(device: str) -> str:
+    """"NVIDIA H200" or "cuda:0 (NVIDIA H100 80GB HBM3)" -> "H200", "H100 80GB HBM3"."""
+    inner = re.fullmatch(r"cuda(?::\d+)? \((.*)\)", device)
+    return (inner[1] if inner else device).removeprefix("NVIDIA ")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def _link(path: Path, name: str) -> str:
+    """A link to a run's Markdown from a page under docs/ (README links through docs/)."""
+    folder = path if path.is_dir() else path.parent
+    return f"[run]({folder.relative_to('docs').as_posix()}/{name}.md)" if (folder / f"{name}.md").exists() else ""
+
+
+def fsdp(path: Path) -> str:
+    """experiments/gpu/fsdp_check.py's record: each stage's loss agreement and rates on 1 and 2 GPUs."""
+    record = _load(path, "fsdp")
+    rows = []
+    for stage, r in record["stages"].items():
+        kind = "replicas + one all-reduce" if stage == "1" else "FSDP2"
+        rows.append([f"{stage} ({kind})", f"{r['max_relative_loss_difference']:.1e}", f"{r['tokens_per_s_1gpu']:,.0f}",
+                     f"{r['tokens_per_s_2gpu']:,.0f}", f"{r['speedup']:.2f}x"])
+        if "tokens_per_s_no_reshard" in r:
+            rows.append([f"{stage} (FSDP2, `--no-fsdp-reshard`)", "–", f"{r['tokens_per_s_1gpu']:,.0f}",
+                         f"{r['tokens_per_s_no_reshard']:,.0f}", f"{r['speedup_no_reshard']:.2f}x"])
+    header = ["stage", f"largest relative loss difference, {record['steps']} steps", "1 GPU tokens/s",
+              f"{record['gpus']} GPUs tokens/s", "speed-up"]
+    return _table(header, rows)
+
+
+def _train_rates(results: dict) -> dict[str, float]:
+    return {r["mode"].split(" (")[0]: r["tokens_per_s"] for r in results["rows"] if r.get("tokens_per_s")}
+
+
+def train_ratios(runs: list[tuple[str, Path]]) -> str:
+    """Each `bench train` run's stage 1 and stage 2 against its teacher's full fine-tune."""
+    rows = []
+    for label, path in runs:
+        results = _load(path, "train")
+        rate = _train_rates(results)
+        options = " ".join(f"`--set {k}={v}`" for k, v in results["settings"].get("options", {}).items())
+        if results["settings"].get("method", "lizard") != "lizard":
+            options = " ".join(filter(None, [f"`--method {results['settings']['method']}`", options]))
+        rows.append([label, gpu(results["environment"]["device"]), f"{rate['full fine-tune']:,.0f}",
+                     f"{rate['stage 1']:,.0f} ({rate['stage 1'] / rate['full fine-tune']:.2f}x)",
+                     f"{rate['stage 2']:,.0f} ({rate['stage 2'] / rate['full fine-tune']:.2f}x)", options, _link(path, "train")])
+    header = ["student", "GPU", "full fine-tune tokens/s", "stage 1 tokens/s (x the full fine-tune)",
+              "stage 2 tokens/s (x)", "options", ""]
+    return _table(header, rows)
+
+
+def _points(results: dict, model: str, **where) -> list[dict]:
+    return [p for p in results["points"] if p["model"] == model and p["status"] == "ok"
+            and all(p.get(k) == v for k, v in where.items())]
+
+
+def _prefill(results: dict, context: int) -> dict[str, float]:
+    """Model name -> batch-1 prefill seconds at `context` (the linear method, softmax, the GEMM floor)."""
+    return {p["model"]: p["prefill_ms"] / 1000 for p in results["points"] if p.get("context") == context
+            and p.get("batch") == 1 and p.get("prefill_ms") is not None and p["status"] == "ok"}
+
+
+def prefill(paths: list[Path], context: int = 131072) -> str:
+    """Batch-1 prefill at `context` of each `bench model` run: the method, SDPA, the GEMM floor, the ratios."""
+    rows = []
+    for path in paths:
+        results = _load(path, "model")
+        seconds = _prefill(results, context)
+        method = next(m for m in seconds if m not in ("softmax (sdpa)", "GEMM floor"))
+        ours, sdpa, floor = seconds[method], seconds.get("softmax (sdpa)"), seconds.get("GEMM floor")
+        rows.append([gpu(results["environment"]["device"]), method, f"{ours:.2f} s",
+                     f"{sdpa:.2f} s" if sdpa else "–", f"{sdpa / ours:.2f}x" if sdpa else "–",
+                     f"{floor:.2f} s" if floor else "–", f"{ours / floor:.2f}x" if floor else "–",
+                     results["started_at"][:10], _link(path, "model")])
+    header = ["GPU", "method", "prefill", "SDPA", "faster than SDPA", "GEMM floor", "x the floor", "run on", ""]
+    return _table(header, rows)
+
+
+def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: Path) -> str:
+    """The README's speed figures, each from the run named."""
+    from linearize.bench.kernels import TARGETS
+
+    rows = []
+    t = _load(train, "train")
+    rate = _train_rates(t)
+    rows.append(["distillation, SmolLM2, batch 8 x 2048, CUDA graph (Lizard recipe)", gpu(t["environment"]["device"]),
+                 (f"stage 1 {rate['stage 1']:,.0f} tokens/s ({rate['stage 1'] / rate['full fine-tune']:.2f}x the teacher's "
+                 f"full fine-tune, {rate['full fine-tune']:,.0f}); stage 2 {rate['stage 2']:,.0f} "
+                 f"({rate['stage 2'] / rate['full fine-tune']:.2f}x)")])
+    k = _load(kernels, "kernels")
+    ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in k["rows"] if r["status"] == "ok"}
+    shapes = list(dict.fromkeys((r["B"], r["L"]) for r in k["rows"]))
+    parts = []
+    for mode, other, _target in TARGETS:
+        ratios = [ms[("lizard (triton)", mode, *s)] / ms[(other, mode, *s)] for s in shapes
+                  if ("lizard (triton)", mode, *s) in ms and (other, mode, *s) in ms]
+        if ratios:
+            parts.append(f"{mode} {min(ratios):.2f}-{max(ratios):.2f}x {other}")
+    rows.append(["Lizard attention kernel at the Lizard paper's Table 3 shapes", gpu(k["environment"]["device"]),
+                 "; ".join(parts)])
+    d = _load(decode, "model")
+    method = d["settings"]["methods"][0]
+    one = [p["decode_ms"] for p in _points(d, method, batch=1)]
+    rows.append([f"decode, {d['settings']['shape']} shape, batch 1, compiled step", gpu(d["environment"]["device"]),
+                 f"{min(one):.2f}-{max(one):.2f} ms a token"])
+    wide = max(_points(d, method, sweep="batch"), key=lambda p: p["batch"])
+    rows.append([f"decode, {d['settings']['shape']} shape, batch {wide['batch']}, {wide['context'] // 1024}K context",
+                 gpu(d["environment"]["device"]),
+                 (f"{wide['decode_tokens_per_s']:,.0f} tokens/s ({wide['decode_tokens_per_s'] / TEACHER_BEST_DECODE:.0f}x "
+                 f"the teacher's best, {TEACHER_BEST_DECODE})")])
+    p = _load(prefill_run, "model")
+    seconds = _prefill(p, 131072)
+    method = next(m for m in seconds if m not in ("softmax (sdpa)", "GEMM floor"))
+    rows.append([f"prefill of 128K tokens, {p['settings']['shape']} shape, batch 1", gpu(p["environment"]["device"]),
+                 (f"{seconds[method]:.2f} s against SDPA's {seconds['softmax (sdpa)']:.2f} s "
+                 f"({seconds['softmax (sdpa)'] / seconds[method]:.2f}x)")])
+    m = _load(memory, "model")
+    method = m["settings"]["methods"][0]
+    by_context = sorted(_points(m, method, sweep="context", batch=1), key=lambda p: p["context"])
+    low, high = by_context[0], by_context[-1]
+    rows.append([(f"decode memory, {m['settings']['shape']} shape, {low['context'] // 1024}K to "
+                 f"{high['context'] // 1048576}M context"), gpu(m["environment"]["device"]),
+                 (f"{low['decode_peak_bytes'] / 1e6:,.0f} MB to {high['decode_peak_bytes'] / 1e6:,.0f} MB "
+                 f"({100 * (high['decode_peak_bytes'] / low['decode_peak_bytes'] - 1):+.2f}%)")])
+    return _table(["what", "GPU", "measured"], rows)
+
+
+ZEROSHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
+
+
+def eval_times(path: Path) -> str:
+    """An eval.json's seconds per task, the five zero-shot tasks together first."""
+    results = _load(path, "eval")
+    tasks = results["tasks"]
+    device = gpu(results["provenance"].get("device", "–"))
+    rows = [["the five zero-shot tasks", device, f"{sum(tasks[t]['wall_time_s'] for t in ZEROSHOT):.0f} s"]]
+    rows += [[f"`{name}`", device, f"{r['wall_time_s']:.1f} s"] for name, r in tasks.items() if name not in ZEROSHOT]
+    return _table(["tasks", "GPU", "seconds"], rows)
+
+
+def _labelled(text: str) -> tuple[str, Path]:
+    label, _, path = text.rpartition("=")
+    if not label:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=DIR")
+    return label, Path(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.docs.tables", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="table", required=True)
+    sub.add_parser("fsdp").add_argument("path", type=Path)
+    sub.add_parser("train-ratios").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
+    sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
+    s = sub.add_parser("speed")
+    for name in ("train", "kernels", "decode", "prefill", "memory"):
+        s.add_argument(f"--{name}", type=Path, required=True)
+    sub.add_parser("eval-times").add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+    if args.table == "fsdp":
+        text = fsdp(args.path)
+    elif args.table == "train-ratios":
+        text = train_ratios(args.runs)
+    elif args.table == "prefill":
+        text = prefill(args.runs)
+    elif args.table == "speed":
+        text = speed(args.train, args.kernels, args.decode, args.prefill, args.memory)
+    else:
+        text = eval_times(args.path)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
