@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from linearize.eval import command, evaluate, generative, harness, local_tasks, write_report
+from linearize.eval.config import EvalSettingError
 from linearize.eval.generation import greedy_generate
 from linearize.eval.generative import (
     CHOICE_TASKS,
@@ -464,8 +465,10 @@ def test_chat_template_wraps_the_generative_prompts_alone(writer, tokenizer, gen
 def test_chat_template_needs_one_and_a_bool(writer, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="no chat template"):
         evaluate(writer, tokenizer, "zeroshot_gen", limit=1, chat_template=True)
-    with pytest.raises(TypeError, match="true or false"):
+    # Every bad setting of an evaluation is an EvalSettingError naming it, whatever its parser raised.
+    with pytest.raises(EvalSettingError, match="true or false") as refused:
         evaluate(writer, tokenizer, "zeroshot_gen", limit=1, chat_template="yes")
+    assert refused.value.setting == "chat_template" and isinstance(refused.value.__cause__, TypeError)
 
 
 def test_resuming_keeps_generative_results_only_under_the_same_chat_template():
