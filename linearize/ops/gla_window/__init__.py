@@ -56,7 +56,7 @@ def chunk_gla_window(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, val
     PyTorch form computes in float32.
     """
     return CHUNK(_Pass(fq, fk, log_g, qw, kw, v, options, valid=valid, dtype=dtype,
-                                    output_final_state=output_final_state))
+                       output_final_state=output_final_state))
 
 
 def continue_gla_window(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, state=None, valid=None, dtype=None):
@@ -65,7 +65,7 @@ def continue_gla_window(fq, fk, log_g, qw, kw, v, options: GlaWindowOptions, *, 
     without gradients, normalised (Lizard's; Liger's go through the PyTorch form). Arguments as
     `chunk_gla_window`'s."""
     return CONTINUE(_Pass(fq, fk, log_g, qw, kw, v, options, state=state, valid=valid, dtype=dtype,
-                                       output_final_state=True))
+                          output_final_state=True))
 
 
 def gla_window_step(fq, fk, log_g, qw, kw, v, state, options: GlaWindowOptions, *, valid=None, dtype=None,
@@ -73,8 +73,7 @@ def gla_window_step(fq, fk, log_g, qw, kw, v, state, options: GlaWindowOptions, 
     """One token after `state`: (y [B, H, 1, d], the new state). Through the step kernels without
     gradients (y in `dtype`, default qw's; `in_place`: the new state written into `state`'s tensors),
     else the PyTorch recurrence in float32."""
-    return STEP(_Pass(fq, fk, log_g, qw, kw, v, options, state=state, valid=valid, dtype=dtype,
-                                   in_place=in_place))
+    return STEP(_Pass(fq, fk, log_g, qw, kw, v, options, state=state, valid=valid, dtype=dtype, in_place=in_place))
 
 
 @dataclass(frozen=True, eq=False)

@@ -59,7 +59,7 @@ def chunk_still(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOptions
     feature maps; `dtype` the kernels' operand dtype (the projections'; default q's);
     `output_final_state` whether the state after the call is wanted. Differentiable."""
     return CHUNK(_Call(q, k, v, valid, gate, state, phi_q, phi_k, options, start=0, fresh=True,
-                                    caching=output_final_state, dtype=dtype))
+                       caching=output_final_state, dtype=dtype))
 
 
 def continue_still(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOptions, *, start, caching=True,
@@ -67,7 +67,7 @@ def continue_still(q, k, v, valid, gate, state, phi_q, phi_k, options: StillOpti
     """(y, the state after the call or None) over L tokens continuing `state`, the first at absolute
     position `start`; `caching` whether the state after the call is wanted. Arguments as `chunk_still`'s."""
     return CONTINUE(_Call(q, k, v, valid, gate, state, phi_q, phi_k, options, start=start, fresh=False,
-                                       caching=caching, dtype=dtype))
+                          caching=caching, dtype=dtype))
 
 
 @dataclass(frozen=True, eq=False)
