@@ -66,7 +66,8 @@ def test_auto_classes_find_linearized_checkpoints_in_either_import_order(imports
     assert python(imports + FROM_PRETRAINED).strip().splitlines()[-1] == "LinearizedLlamaForCausalLM"
 
 
-def test_module_entry_point_still_works():
-    done = subprocess.run([sys.executable, "-m", "linearize.cli", "--help"], check=False, cwd=ROOT, capture_output=True,
+@pytest.mark.parametrize("module", ["linearize", "linearize.cli"])
+def test_module_entry_points_work(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], check=False, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "convert" in done.stdout
