@@ -128,6 +128,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from linearize.figures import save_png
+
     fig, axes = plt.subplots(len(cases), 2, figsize=(10, 3.2 * len(cases)), squeeze=False)
     for row, case in zip(axes, cases):
         for ax, stage in zip(row, (1, 2)):
@@ -139,7 +141,7 @@ def main() -> None:
             ax.set_ylabel("loss")
             ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "fsdp.png", dpi=120)
+    save_png(fig, out / "fsdp.png", dpi=120)
     for case in cases:
         print(case, " ".join(f"stage {stage}: {s['speedup']:.2f}x"
                              for stage, s in result["cases"][case]["stages"].items()), flush=True)

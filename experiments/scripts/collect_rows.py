@@ -1,5 +1,5 @@
-"""Results rows back from the GPU into docs/results/<device>/runs/<row>/: each row's eval.json, run.json and
-layer record (stage1_layer_errors.json and its figure), with its report drawn again.
+"""Results rows back from the GPU into docs/results/<device>/runs/<row>/: each row's eval.json (and its
+per-sample records, eval.samples.jsonl.gz), run.json and layer record (stage1_layer_errors.json and its figure), with its report drawn again.
 
     python experiments/scripts/collect_rows.py /work/.device/N [--device h100] [--rows still-kl-25,lizard-gen]
 
@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 from linearize.eval.report import write_report
+from linearize.eval.results_file import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
-KEPT = {"eval.json": "eval.json", "run.json": "run.json", "model/stage1_layer_errors.json": "stage1_layer_errors.json",
+KEPT = {"eval.json": "eval.json", "eval.samples.jsonl.gz": "eval.samples.jsonl.gz", "run.json": "run.json", "model/stage1_layer_errors.json": "stage1_layer_errors.json",
         "model/stage1_layer_errors.png": "stage1_layer_errors.png"}
 
 
@@ -68,7 +69,8 @@ def collect(folder: Path, out_root: Path, rows: set[str] | None = None) -> list[
                 shutil.copyfile(source, target / name)
             state = "no evaluation"
             if "eval.json" in present:
-                results = json.loads((target / "eval.json").read_text())
+                # Written again, records and all: an eval.json that carries them inline comes out split.
+                results = read_results(target / "eval.json")
                 write_report(results, target / "eval.json")
                 state = "partial evaluation" if results["provenance"].get("partial") else "evaluated"
             lines.append(f"{row}: {state}; {', '.join(sorted(present))} -> {target}")

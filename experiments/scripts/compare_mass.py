@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from experiments.routing import MASS_SHARES
 from linearize.eval.report import length_label
+from linearize.figures import save_png
 
 
 def load(pairs: list[str]) -> dict[str, dict]:
@@ -65,7 +66,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share at the question")
     axes[1].legend(fontsize=7)
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""niah_single by variant, length and depth for results rows, from their committed eval.json files.
+"""niah_single by variant, length and depth for results rows, from their committed eval.json files
+(the per-sample records in eval.samples.jsonl.gz beside each).
 
     python experiments/scripts/niah_variants.py docs/results/h200/runs/teacher docs/results/h200/runs/still ...
                                     [--max-length 4096]
@@ -12,9 +13,10 @@ depths of the whole copies.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
+
+from linearize.eval.results_file import read_results
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -27,7 +29,7 @@ def common_prefix(a: str, b: str) -> int:
 
 
 def row_lines(row: Path, max_length: int) -> list[str]:
-    samples = json.loads((row / "eval.json").read_text())["tasks"]["niah_single"]["samples"]
+    samples = read_results(row / "eval.json")["tasks"]["niah_single"]["samples"]
     lines = []
     for length in sorted({s["length"] for s in samples if s["length"] <= max_length}):
         at = [s for s in samples if s["length"] == length]

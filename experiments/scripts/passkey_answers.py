@@ -11,11 +11,11 @@ one answer without a number per row, the first by length and depth.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from linearize.eval.report import length_label
+from linearize.eval.results_file import read_results
 
 NUMBER = re.compile(r"\d{3,}")
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rows", nargs="+", type=Path)
     args = parser.parse_args()
-    rows = {row.name: json.loads((row / "eval.json").read_text())["tasks"]["passkey"]["samples"] for row in args.rows}
+    rows = {row.name: read_results(row / "eval.json")["tasks"]["passkey"]["samples"] for row in args.rows}
     lengths = sorted({s["length"] for samples in rows.values() for s in samples})
     print("Per length: predictions holding a number / predictions that are the key, of the prompts.\n")
     print("| row | " + " | ".join(length_label(n) for n in lengths) + " |")

@@ -31,6 +31,7 @@ from experiments.routing import EVICTED, LEFT_WINDOW, MASS_SHARES, VISIBLE, need
 from linearize.config import StillConfig
 from linearize.eval.api import parse_depths, parse_lengths
 from linearize.eval.report import length_label
+from linearize.figures import save_png
 from linearize.loading import load_model, load_tokenizer
 
 VARIANTS = {
@@ -96,7 +97,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set(xlabel="length", ylabel="layer", title=name)
         ax.title.set_fontsize(8)
     fig.colorbar(image, ax=axes[1:], label="reachable share of KV heads")
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 # The key's shares first, then the linear terms'.
@@ -132,7 +133,7 @@ def mass_plot(result: dict, path: Path) -> None:
         ax.set(xlabel="length", ylabel="layer", title=MASS_SERIES[name])
         ax.title.set_fontsize(8)
     fig.colorbar(image, ax=axes[1:], label="share")
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def main() -> None:

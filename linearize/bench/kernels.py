@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
+from ..figures import save_png
 from ..ops import gla_window
 from ..ops.gla_window import GlaWindowOptions
 from ..ops.gla_window.chunk import gla_window_chunked
@@ -306,7 +307,7 @@ def plots(results: dict, out: Path) -> list[Path]:
             ax.legend(fontsize=7)
     fig.suptitle(results["title"])
     path = out / "kernels.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return [path]
 
 

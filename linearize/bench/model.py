@@ -31,6 +31,7 @@ from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with A
 from ..cache import cache_nbytes, compact_softmax_layers
 from ..convert import convert
 from ..decode import StaticDecoder, fully_linearized
+from ..figures import save_png
 from ..fused_projections import FusedProjection, fusable, fuse_projections
 from .common import (
     GIB,
@@ -355,7 +356,7 @@ def plot(results: dict, out: Path, name: str, sweep: str, curves, ylabel: str, l
         ax.text(0.5, 0.5, "nothing measured here (memory is only measured on CUDA)", ha="center",
                 transform=ax.transAxes)
     path = out / f"model.{name}.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return path
 
 

@@ -304,6 +304,8 @@ def batching(point: dict) -> str:
 def plots(results: dict, out: Path) -> list[Path]:
     from matplotlib.figure import Figure
 
+    from ..figures import save_png
+
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     for model in [m["name"] for m in results["models"]]:
@@ -319,5 +321,5 @@ def plots(results: dict, out: Path) -> list[Path]:
     if ax.lines:  # none where every point was cut, skipped or failed
         ax.legend(fontsize=7)
     path = out / "serve.tokens_per_s.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_png(fig, path, dpi=120, bbox_inches="tight")
     return [path]

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
+from ..figures import save_png
 from ..train.config import DistillConfig
 from ..train.losses import stage_loss
 from ..train.runtime import Runtime
@@ -434,5 +435,5 @@ def plots(results: dict, out: Path) -> list[Path]:
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
     path = out / "train.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return [path]

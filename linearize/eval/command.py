@@ -150,14 +150,17 @@ def check_out(out: str, *, resume: bool, overwrite: bool) -> None:
 def read_previous(out: str) -> dict:
     """The results an earlier run wrote to `out`, for --resume."""
     from linearize.eval import api
+    from linearize.eval.results_file import read_results
 
     path = Path(out)
     if not path.is_file():
         raise ValueError(f"--resume: {out} does not exist (nothing to resume; run without --resume).")
     try:
-        previous = json.loads(path.read_text())
+        previous = read_results(path)
     except json.JSONDecodeError as e:
         raise ValueError(f"--resume: {out} is not a results JSON ({e}).") from e
+    except (OSError, ValueError) as e:  # the per-sample records it names: missing or not gzipped JSON lines
+        raise ValueError(f"--resume: {out}: its per-sample records cannot be read ({e}).") from e
     if not isinstance(previous, dict) or previous.get("format") != api.FORMAT:
         raise ValueError(f"--resume: {out} is not a results file of `linearize eval` (format {api.FORMAT}).")
     return previous

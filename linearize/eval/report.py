@@ -8,31 +8,33 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
-from linearize.cli_args import read_json_files, write_text_atomic
+from linearize.cli_args import read_json_files
 from linearize.eval.api import task_settings
 from linearize.eval.babilong import BABILONG_TASKS
 from linearize.eval.generative import CHOICE_TASKS
 from linearize.eval.generative import TASKS as GENERATIVE_TASKS
 from linearize.eval.harness import AVERAGE_METRIC
+from linearize.eval.results_file import samples_path, write_results
 from linearize.eval.ruler import MISSING as RULER_MISSING
 from linearize.eval.ruler import RULER_TASKS
+from linearize.figures import save_png
 
 # Task families reported together, a table and a task x length heatmap each: (title, plot name, tasks).
 FAMILIES = (("RULER", "ruler", RULER_TASKS), ("BABILong", "babilong", BABILONG_TASKS))
 
 
 def write_json(results: dict, out: str | Path) -> Path:
-    """The results as JSON at `out`, replaced atomically (a partial file is never half written)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomic(out, json.dumps(results, indent=2, default=str) + "\n")
+    """The results at `out` (the scores as JSON, the per-sample records in FILE.samples.jsonl.gz beside
+    it: `linearize.eval.results_file`), each replaced atomically (a partial file is never half written)."""
+    return write_results(results, out)
 
 
 def write_report(results: dict, out: str | Path) -> list[Path]:
-    """Write the JSON, the Markdown summary and the plots; returns the paths written."""
+    """Write the JSON (and its per-sample records), the Markdown summary and the plots; returns the paths written."""
     out = write_json(results, out)
     md, plots = write_summary(results, out)
-    return [out, md, *plots.values()]
+    records = samples_path(out)
+    return [out, *([records] if records.exists() else []), md, *plots.values()]
 
 
 def write_summary(results: dict, out: Path) -> tuple[Path, dict[str, Path]]:
@@ -74,7 +76,7 @@ def plot_ppl(result: dict, path: Path) -> Path:
     ax.set_xticks([r["length"] for r in rows], [length_label(r["length"]) for r in rows])
     ax.set(xlabel="context length (tokens)", ylabel="perplexity", title=f"Perplexity on {Path(result['text']).name}")
     ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return path
 
 
@@ -91,7 +93,7 @@ def plot_positions(result: dict, path: Path) -> Path:
         title=f"Loss vs position ({curve['windows']} windows of {length_label(curve['length'])})",
     )
     ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return path
 
 
@@ -110,7 +112,7 @@ def plot_heatmap(name: str, result: dict, path: Path) -> Path:
     ylabel = "seed group (no needle depth)" if result.get("depth_free") else "needle depth"
     ax.set(xlabel="context length (tokens)", ylabel=ylabel, title=f"{name}: score {result['score']:.3f}")
     fig.colorbar(image, ax=ax, label="score")
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return path
 
 
@@ -255,7 +257,7 @@ def plot_family(title: str, rows: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_yticks(range(len(labels)), labels)
     ax.set(xlabel="context length (tokens)", title=f"{title}: score by task and length")
     fig.colorbar(image, ax=ax, label="score")
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return path
 
 

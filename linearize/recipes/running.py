@@ -42,6 +42,7 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
     from ..cli_args import default_device
     from ..eval.api import evaluate
     from ..eval.report import write_json, write_report
+    from ..eval.results_file import read_results
     from ..loading import load_model, load_tokenizer
     from ..train import ensure_distilled
     from ..train.run_dir import check_saved_run
@@ -79,7 +80,7 @@ def _run_in(out: Path, recipe: Recipe, *, model, device, progress, evaluate_mode
         return out
 
     eval_path = out / "eval.json"
-    previous = json.loads(eval_path.read_text()) if eval_path.exists() else None
+    previous = read_results(eval_path) if eval_path.exists() else None
     if previous is not None and not previous["provenance"].get("partial") and record.get("evaluated") == recipe.eval:
         return out
     device = default_device(device)

@@ -189,7 +189,9 @@ def plot_rows(run_dirs: list[Path], path: Path) -> Path:
     handles = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=ncols, fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from ..figures import save_png
+
+    save_png(fig, path, dpi=110)
     return path
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: Figure.savefig renders with Agg, no display needed
 
 from ..cli_args import read_json_files
+from ..figures import save_png
 
 PICKED, OTHER = "tab:red", "tab:gray"
 
@@ -68,7 +69,7 @@ def write_layer_figure(record: dict, path: str | Path) -> Path:
     """The figure as a PNG at `path`, replaced whole: an interrupted write leaves the last one."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
-    layer_figure(record).savefig(partial, dpi=120, format="png")
+    save_png(layer_figure(record), partial, dpi=120)
     os.replace(partial, path)
     return path
 

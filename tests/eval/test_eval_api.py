@@ -8,6 +8,7 @@ import pytest
 
 from linearize.eval import api, command, evaluate, longcontext, report, ruler, write_report
 from linearize.eval.harness import ZEROSHOT
+from linearize.eval.results_file import read_results
 
 LONG_TASKS = api.SHORTHANDS["longcontext"]  # the six synthetic tasks (RULER's and BABILong's: their own tests)
 
@@ -254,12 +255,12 @@ def test_write_report(results, tmp_path):
     paths = write_report(results, out)
     names = {p.name for p in paths}
     expected_plots = {f"eval.{t}.png" for t in LONG_TASKS} | {"eval.ppl_by_length.png", "eval.loss_by_position.png"}
-    assert names == {"eval.json", "eval.md"} | expected_plots
+    assert names == {"eval.json", "eval.samples.jsonl.gz", "eval.md"} | expected_plots
     for path in paths:
         assert path.is_file() and path.stat().st_size > 0
     for plot in expected_plots:
         assert (out.parent / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert read_results(out) == json.loads(json.dumps(results))
     md = (out.parent / "eval.md").read_text()
     assert "# Evaluation of tiny-llama" in md
     assert "| piqa |" in md and "| passkey |" in md and "Zero-shot average" in md
@@ -324,7 +325,7 @@ def test_cli_writes_results(fake_loading, tmp_path, essay_file, capsys):
     ])
     assert args.func(args) == 0
     assert fake_loading == [("smollm2", "float32", "cpu")]
-    results = json.loads(out.read_text())
+    results = read_results(out)
     assert results["provenance"]["model"] == "smollm2" and results["provenance"]["seed"] == 5
     assert len(results["tasks"]["passkey"]["samples"]) == 2
     assert [r["length"] for r in results["tasks"]["niah_multikey"]["by_length"]] == [2048]
@@ -339,13 +340,13 @@ def test_cli_resume_keeps_the_finished_tasks(fake_loading, tmp_path, essay_file,
               "--batch", "2", "--device", "cpu", "--dtype", "float32", "--essay", str(essay_file)]
     args = parser().parse_args(["eval", "--tasks", "passkey", *common])
     assert args.func(args) == 0
-    first = json.loads(out.read_text())["tasks"]["passkey"]
+    first = read_results(out)["tasks"]["passkey"]
     ran = []
     real = longcontext.run_longcontext
     monkeypatch.setattr(longcontext, "run_longcontext", lambda name, *a, **kw: ran.append(name) or real(name, *a, **kw))
     args = parser().parse_args(["eval", "--tasks", "passkey,niah_multikey", "--resume", *common])
     assert args.func(args) == 0
-    results = json.loads(out.read_text())
+    results = read_results(out)
     assert ran == ["niah_multikey"] and results["tasks"]["passkey"] == first
     assert "partial" not in results["provenance"]
 

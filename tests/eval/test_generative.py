@@ -23,6 +23,7 @@ from linearize.eval.generative import (
     squad_prompt,
     squad_scores,
 )
+from linearize.eval.results_file import read_results
 
 # --- prompts: one fixed document a task, rendered by hand
 
@@ -293,7 +294,7 @@ def cli_results(monkeypatch, writer, tokenizer, gen_olmo, tmp_path):
 
 
 def test_cli_scores_what_the_model_generated(cli_results, writer, tokenizer, gen_olmo):
-    results = json.loads(cli_results.read_text())
+    results = read_results(cli_results)
     assert list(results["tasks"]) == [*ZEROSHOT_GEN, "squad_gen"]
     answered = right = 0
     for name in ZEROSHOT_GEN:

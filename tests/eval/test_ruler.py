@@ -14,6 +14,7 @@ import pytest
 from linearize.eval import api, command, ruler
 from linearize.eval import longcontext as lc
 from linearize.eval.haystack import Sample, count_tokens
+from linearize.eval.results_file import read_results
 from linearize.eval.texts import essay_sentences
 
 RULER = ruler.RULER_TASKS
@@ -305,7 +306,7 @@ def test_babilong_and_ruler_run_end_to_end_with_their_report(cli, tmp_path, essa
     out = tmp_path / "eval.json"
     assert cli("--tasks", "babilong,ruler", "--out", str(out), "--lengths", "2k,3k", "--depths", "50",
                "--samples", "1", "--batch", "4", "--device", "cpu", "--essay", str(essay_path)) == 0
-    results = json.loads(out.read_text())
+    results = read_results(out)
     assert list(results["tasks"]) == [*api.SHORTHANDS["babilong"], *RULER]
     for name, result in results["tasks"].items():
         assert [b["length"] for b in result["by_length"]] == [2048, 3072], name
