@@ -233,15 +233,18 @@ class RecallGenerator:
         # Which needles are asked, in which order: a single needle twice (two phrasings are not needed: the
         # second asks after the first answer, one more distance), several of the others, shuffled.
         asked = [0, 0] if single else rng.permutation(count)[: int(rng.integers(2, count + 1))].tolist()
-        # Drop needles (and their questions) from the end until the document fits with some filler.
+        # Drop needles (and their questions) from the end until they take at most half the document: the rest is
+        # filler, the distance to retrieve across.
         while facts:
             cost = sum(map(len, statements)) + sum(len(questions[i]) + len(answers[i]) for i in asked)
-            if cost + min(8, target // 4) <= target:
+            if cost <= target // 2:
                 break
-            facts, statements = facts[:-1], statements[:-1]
-            asked = [i for i in asked if i < len(facts)]
-            if not asked and facts:
+            if len(facts) == 1 and len(asked) > 1:
                 asked = [0]
+                continue
+            facts, statements = facts[:-1], statements[:-1]
+            kept = [i for i in asked if i < len(facts)]
+            asked = [0, 0] if len(facts) == 1 else kept if len(kept) >= 2 else [0, 1]
         if not facts:
             return RecallDocument(family, [], [])
         filler = self.filler(rng, target - cost, real_text=real_text)
