@@ -230,8 +230,8 @@ class RecallGenerator:
         statements = self.encode([" " + text for text, _, _ in facts])
         questions = self.encode(["\n" + question for _, question, _ in facts])
         answers = self.encode([" " + value for _, _, value in facts])
-        # Which needles are asked, in which order: a single needle twice (two phrasings are not needed: the
-        # second asks after the first answer, one more distance), several of the others, shuffled.
+        # Which needles are asked, in which order: a lone needle twice (the second time across the first
+        # answer), else two or more of them, shuffled.
         asked = [0, 0] if single else rng.permutation(count)[: int(rng.integers(2, count + 1))].tolist()
         # Drop needles (and their questions) from the end until they take at most half the document: the rest is
         # filler, the distance to retrieve across.
