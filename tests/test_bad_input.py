@@ -105,6 +105,12 @@ def test_softmax_layers_that_leave_no_linear_layer_are_refused(work, capsys):
             *TRAIN, "--softmax-layers", "1", "--softmax-by", "error:1", names="--softmax-by error:1")
 
 
+@pytest.mark.parametrize("value", ["-0.1", "1", "1.5", "nan", "a fifth", ""])
+def test_a_recall_share_outside_zero_to_one_is_refused_by_its_flag(work, capsys, value):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--recall-share", value, names="--recall-share")
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_a_negative_or_non_finite_temperature_is_refused(work, capsys, value):
     refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", "--temperature", value,

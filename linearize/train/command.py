@@ -27,6 +27,18 @@ def _softmax_by(text: str) -> str:
     return f"{rule}:{count}"
 
 
+def _recall_share(text: str) -> float:
+    from .config import check_recall_share
+
+    try:
+        share = float(text)
+        check_recall_share(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share of the training tokens, at least 0 and below 1 "
+                                         f"(e.g. 0.2), got {text!r}") from None
+    return share
+
+
 def register(subparsers) -> None:
     from ..cli_args import StoreGiven, add_method_arguments, non_negative_int, parse_int_list, positive_int, seed
     from ..config import LAYER_CHOICES, LAYERS_HELP, PRESETS
@@ -35,6 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True, help="teacher: smollm2 or gemma3 (aliases), a .gguf file, a HF folder or a hub id")
     add_method_arguments(p, ["lizard", "still", "lolcats", "liger"], PRESETS)
     p.add_argument("--data", default="default", help="default, a HF dataset name, .jsonl/.txt files or folders")
+    p.add_argument("--recall-share", type=_recall_share, default=0.0, metavar="SHARE",
+                   help="share of each stage's training tokens given to seeded synthetic recall documents "
+                        "(key-value lists, passkeys, multi-key needles in filler and in the data's own text, "
+                        "each question followed by its answer), e.g. 0.2 (default 0: the data alone)")
     p.add_argument("--out", required=True, help="run directory; ends up holding the distilled model")
     p.add_argument("--stage", default="both", choices=["1", "2", "both"],
                    help="1: attention transfer (the new attention's parameters learn the teacher's outputs), "
@@ -102,7 +118,8 @@ def config_from_args(args):
             lrs["lr_stage1"] = first
             if second is not None:
                 lrs["lr_stage2"] = second
-    return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, stage=args.stage,
+    return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, recall_share=args.recall_share,
+                         stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,
                          softmax_layers=args.softmax_layers, softmax_by=args.softmax_by,

@@ -29,6 +29,13 @@ def parse_softmax_by(text) -> tuple[str, int]:
     return rule, int(count)
 
 
+def check_recall_share(share) -> None:
+    """A share of the training tokens for recall documents: a number in [0, 1) (ValueError naming it)."""
+    if isinstance(share, bool) or not isinstance(share, int | float) or not math.isfinite(share) or not 0 <= share < 1:
+        raise ValueError(f"recall_share (--recall-share) must be a share of the training tokens, at least 0 and "
+                         f"below 1 (e.g. 0.2), got {share!r}")
+
+
 def check_trainable_length(method: str, options: dict, seq_len: int, stages: list[int]) -> None:
     """Refuse (ValueError naming seq_len and the method's option) a training length on which the run would
     learn nothing: one token (every attention, softmax or linear, returns that token's value, so every loss
@@ -52,6 +59,9 @@ class DistillConfig:
     method: str
     out: str
     data: str = "default"
+    # The share of each stage's training tokens given to seeded synthetic recall documents (key-value lists,
+    # passkeys and multi-key needles, each question followed by its answer: `linearize.data.recall`); 0: none.
+    recall_share: float = 0.0
     stage: str = "both"  # "1", "2" or "both"; Liger's published recipe is stage 2 alone
     max_tokens: int = 20_000_000  # training tokens per stage
     seq_len: int = 2048
@@ -116,6 +126,7 @@ class DistillConfig:
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value) or value <= 0:  # NaN passes `<= 0`
                 raise ValueError(f"{name} must be > 0, got {value}")
+        check_recall_share(self.recall_share)
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.batch % self.grad_accum:

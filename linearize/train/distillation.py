@@ -91,6 +91,11 @@ class Run:
             raise ValueError(f"{cfg.model}: its tokenizer has no EOS token, which packing needs between documents")
         self.train_blocks, self.val_blocks = build_token_blocks(cfg.data, self.tokenizer, cfg.seq_len,
                                                                 max_tokens=cfg.max_tokens, seed=cfg.seed)
+        if cfg.recall_share:
+            from ..data.recall import with_recall
+
+            # Validation stays the data alone, so its loss compares with runs without recall documents.
+            self.train_blocks = with_recall(self.train_blocks, self.tokenizer, cfg.recall_share, seed=cfg.seed)
         checks = [("training", self.train_blocks, cfg.seq_len, "--seq-len"),
                   ("validation", self.val_blocks, cfg.seq_len, "--seq-len")]
         # KL-guided selection's own validation sequences at kl_seq_len: packed (and checked) before any work.

@@ -86,6 +86,25 @@ def test_interrupted_then_resumed_equals_uninterrupted(workspace, tmp_path, monk
     assert {(s, k): v for s, k, v in losses(resumed)} == {(s, k): v for s, k, v in losses(straight)}
 
 
+def test_a_run_with_recall_documents_resumes_to_the_same_model(workspace, tmp_path, monkeypatch):
+    """The recall blocks are generated when read: an interrupted run resumed reads the batches the straight
+    one read (stage 2, where they meet the next-token loss)."""
+    settings = {"stage": "2", "recall_share": 0.25}
+    straight = distill(config(workspace, tmp_path / "straight", **settings), progress=False)
+    real_loss = stage_loop.stage_loss
+    monkeypatch.setattr(stage_loop, "stage_loss", interrupting_stage_loss(5))
+    with pytest.raises(KeyboardInterrupt):
+        distill(config(workspace, tmp_path / "resumed", **settings), progress=False)
+    monkeypatch.setattr(stage_loop, "stage_loss", real_loss)
+    resumed = distill(config(workspace, tmp_path / "resumed", **settings), resume=True, progress=False)
+    for (name, p), (_, q) in zip(load_model(straight).named_parameters(), load_model(resumed).named_parameters()):
+        assert torch.equal(p, q), name
+    losses = lambda out: {(r["step"], r["loss"]) for r in log(out) if "loss" in r}
+    assert losses(resumed) == losses(straight)
+    plain = distill(config(workspace, tmp_path / "plain", stage="2"), progress=False)
+    assert losses(plain) != losses(straight)  # the recall blocks were trained on
+
+
 def recording_dtypes(monkeypatch) -> dict:
     """`stage_loop.stage_loss`, noting at each stage's first call the model the trainer built: the dtypes of
     its trained, stage-1 (new) and other frozen parameters and of its buffers, and stage 1's tensors' values."""
@@ -215,6 +234,25 @@ def test_bad_settings_are_rejected():
         DistillConfig(model="m", method="still", out="o", seq_len=1024, options={"budget": 1536})
     DistillConfig(model="m", method="still", out="o", seq_len=2048, options={"budget": 1536})
     DistillConfig(model="m", method="still", out="o", seq_len=1024, stage="2", options={"budget": 1536})
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, float("nan"), "0.2", True])
+def test_a_recall_share_outside_zero_to_one_is_rejected(share):
+    with pytest.raises(ValueError, match="recall_share"):
+        DistillConfig(model="m", method="lizard", out="o", recall_share=share)
+
+
+def test_the_recall_share_replaces_that_share_of_the_training_blocks(workspace, tmp_path):
+    from linearize.data import TokenBlocks
+    from linearize.data.recall import MixedBlocks
+
+    plain = distill_module.Run(config(workspace, tmp_path / "plain"), resume=False, progress=False)
+    mixed = distill_module.Run(config(workspace, tmp_path / "mixed", recall_share=0.25), resume=False, progress=False)
+    assert isinstance(plain.train_blocks, TokenBlocks)  # share 0: the packed data, as without the option
+    assert isinstance(mixed.train_blocks, MixedBlocks)
+    assert len(mixed.train_blocks) == len(plain.train_blocks) == 32 and len(mixed.train_blocks.recall) == 8
+    assert all(torch.equal(a, b) for a, b in zip(mixed.val_blocks, plain.val_blocks))  # validation: the data alone
+    assert not (tmp_path / "plain").exists() and not (tmp_path / "mixed").exists()
 
 
 def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
