@@ -4,7 +4,7 @@
 
 A spec (YAML) holds the table's header, its rows' cells and where the figures come from:
 
-    runs: docs/results/h200/runs            # `run|COLUMN` operands name a run directory under it
+    runs: docs/results/h200/runs            # `run|COLUMN` operands name a run directory under it (or a list)
     files:                                  # `NAME#KEY.PATH` operands name one of these JSON files
       model: docs/results/h200/model/llama3-8b-rope-shared/model.json
     header: [target, measured, ""]
@@ -14,7 +14,7 @@ A spec (YAML) holds the table's header, its rows' cells and where the figures co
 Every `{{EXPR}}` or `{{EXPR ; FORMAT}}` in a cell is replaced by a figure. An operand is `run|COLUMN` (the cell
 `linearize recipe table` prints for that run and column) or `NAME#KEY.PATH` (a value of a listed JSON file;
 a list is indexed by number or by `[KEY=VALUE&KEY=VALUE]`, its first item that matches). `{{OPERAND}}` alone is
-the operand's text as its table prints it; in arithmetic, operands stand in angle brackets and are read as
+the operand's text as its table prints it (`run|niah_single 512..8K`: the cells from 512 to 8K, " / " between); in arithmetic, operands stand in angle brackets and are read as
 numbers, with + - * / ( ), numbers, min(), max() and abs(), and FORMAT is a Python format spec (default `g`).
 The table's title line names the GPUs its figures ran on.
 """
@@ -37,6 +37,8 @@ from experiments.docs.tables import gpu
 PLACEHOLDER = re.compile(r"\{\{(?P<expr>.+?)(?:\s;\s*(?P<format>[^}]*?))?\s*\}\}")
 OPERAND = re.compile(r"<(?P<operand>[^<>]+)>")
 FILTER = re.compile(r"^(?P<key>[^\[]*)\[(?P<where>[^\]]*)\]$")
+SERIES = re.compile(r"(?P<name>.+) (?P<first>\d+K?)\.\.(?P<last>\d+K?)")
+LENGTHS = ["512", "1K", "2K", "4K", "8K", "16K", "32K", "64K", "128K"]
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _FUNCTIONS = {"min": min, "max": max, "abs": abs}
 
@@ -49,7 +51,7 @@ class FigureError(Exception):
 class Figures:
     """Reads operands from the files a spec names, and remembers the GPUs they ran on."""
 
-    runs: Path | None
+    runs: list[Path]  # where `run|COLUMN` operands' runs are looked up, the first that has the run
     files: dict[str, Path]
     gpus: set[str] = field(default_factory=set)
     _cells: dict[Path, dict[str, str]] = field(default_factory=dict)
@@ -60,9 +62,14 @@ class Figures:
         if "#" in operand:
             return _number_text(self._value(operand))
         run, sep, column = operand.partition("|")
-        if not sep or self.runs is None:
+        if not sep or not self.runs:
             raise FigureError(f"{operand!r}: an operand is RUN|COLUMN (with `runs:` in the spec) or NAME#KEY.PATH")
-        cells = self._run_cells(self.runs / run.strip())
+        cells = self._run_cells(next((d / run.strip() for d in self.runs if (d / run.strip()).is_dir()),
+                                     self.runs[0] / run.strip()))
+        series = SERIES.fullmatch(column.strip())
+        if series:  # "niah_single 512..8K": the cells at each length from the first to the last, " / " between
+            first, last = LENGTHS.index(series["first"]), LENGTHS.index(series["last"]) + 1
+            return " / ".join(self.text(f"{run}|{series['name']} {length}") for length in LENGTHS[first:last])
         if column.strip() not in cells:
             raise FigureError(f"{operand!r}: the run has no column {column.strip()!r}")
         return cells[column.strip()]
@@ -169,7 +176,8 @@ def fill(cell: str, figures: Figures) -> str:
 def render(spec_path: Path, root: Path = Path(".")) -> str:
     """The spec's table, its title line naming the GPUs its figures ran on."""
     spec = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
-    figures = Figures(root / spec["runs"] if spec.get("runs") else None,
+    runs = spec.get("runs") or []
+    figures = Figures([root / d for d in ([runs] if isinstance(runs, str) else runs)],
                       {name: root / path for name, path in (spec.get("files") or {}).items()})
     header = spec["header"]
     rows = []

@@ -5,6 +5,7 @@
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
+    python -m experiments.docs.tables decode-memory --contexts 1k,128k 'LABEL=DIR[#MODEL]' ...
 
 Each prints a Markdown table whose every figure is read or computed from the named files, with the GPU
 it ran on; the pages hold them between `<!-- generated: COMMAND -->` markers (experiments.docs.generated).
@@ -157,6 +158,31 @@ def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: P
     return _table(["what", "GPU", "measured"], rows)
 
 
+def _context(text: str) -> int:
+    """"1k" -> 1024, "1m" -> 1048576, "512" -> 512."""
+    scale = {"k": 1024, "m": 1048576}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def decode_memory(runs: list[tuple[str, Path]], contexts: list[int]) -> str:
+    """Peak memory while decoding at batch 1 after a prompt of each context, from `bench model` runs; a run is
+    DIR (its linear method) or DIR#MODEL (e.g. `#softmax (sdpa)`, the teacher measured in the same run)."""
+    rows = []
+    for label, path in runs:
+        folder, _, model = str(path).partition("#")
+        results = _load(Path(folder), "model")
+        model = model or results["settings"]["methods"][0]
+        peak = {p["context"]: p["decode_peak_bytes"] for p in _points(results, model, sweep="context", batch=1)}
+        missing = [c for c in contexts if c not in peak]
+        if missing:
+            raise ValueError(f"{path}: {model} has no decode at batch 1 at context {missing[0]}")
+        gib = [peak[c] / 2**30 for c in contexts]
+        rows.append([label, gpu(results["environment"]["device"]), *(f"{g:.3g} GiB" for g in gib),
+                     f"{100 * (gib[-1] / gib[0] - 1):+.2g}%"])
+    labels = [f"{c // 1024}K" for c in contexts]
+    return _table(["", "GPU", *labels, f"{labels[0]} to {labels[-1]}"], rows)
+
+
 ZEROSHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 
 
@@ -187,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("train", "kernels", "decode", "prefill", "memory"):
         s.add_argument(f"--{name}", type=Path, required=True)
     sub.add_parser("eval-times").add_argument("path", type=Path)
+    m = sub.add_parser("decode-memory")
+    m.add_argument("--contexts", type=lambda t: [_context(c) for c in t.split(",")], required=True)
+    m.add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR[#MODEL]")
     args = parser.parse_args(argv)
     if args.table == "fsdp":
         text = fsdp(args.path)
@@ -196,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         text = prefill(args.runs)
     elif args.table == "speed":
         text = speed(args.train, args.kernels, args.decode, args.prefill, args.memory)
+    elif args.table == "decode-memory":
+        text = decode_memory(args.runs, args.contexts)
     else:
         text = eval_times(args.path)
     print(text, end="")
