@@ -2,6 +2,7 @@
 
     python -m experiments.docs.tables fsdp docs/results/h200/fsdp/fsdp.json
     python -m experiments.docs.tables train-ratios 'LABEL=DIR' ...
+    python -m experiments.docs.tables train-shapes 'LABEL=DIR' ...
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
@@ -79,6 +80,28 @@ def train_ratios(runs: list[tuple[str, Path]]) -> str:
                      f"{rate['stage 2']:,.0f} ({rate['stage 2'] / rate['full fine-tune']:.2f}x)", options, _link(path, "train")])
     header = ["student", "GPU", "full fine-tune tokens/s", "stage 1 tokens/s (x the full fine-tune)",
               "stage 2 tokens/s (x)", "options", ""]
+    return _table(header, rows)
+
+
+def train_shapes(runs: list[tuple[str, Path]]) -> str:
+    """`bench train --shape` runs: at each length, the teacher's LoRA fine-tune, stages 1 and 2 against it, the
+    peaks and the papers' recipe (`settings.recipe_tokens` a stage) in GPU-hours, checkpointing as each ran."""
+    rows = []
+    for label, path in runs:
+        results = _load(path, "train")
+        tokens = results["settings"]["recipe_tokens"]
+        by = {(r["key"], r["seq_len"]): r for r in results["rows"] if r["status"] == "ok"}
+        for length in results["settings"]["seq_lens"]:
+            lora, one, two = (by[(key, length)] for key in ("lora", "stage1", "stage2"))
+            hours = (tokens / one["tokens_per_s"] + tokens / two["tokens_per_s"]) / 3600
+            peaks = " / ".join(f"{r['peak_bytes'] / 2**30:.1f}" for r in (lora, one, two))
+            rows.append([label, gpu(results["environment"]["device"]), f"{length // 1024}K",
+                         f"{lora['tokens_per_s']:,.0f}",
+                         f"{one['tokens_per_s']:,.0f} ({one['tokens_per_s'] / lora['tokens_per_s']:.2f}x)",
+                         f"{two['tokens_per_s']:,.0f} ({two['tokens_per_s'] / lora['tokens_per_s']:.2f}x)",
+                         peaks, f"{hours:.1f}", _link(path, "train")])
+    header = ["shape", "GPU", "length", "LoRA fine-tune", "stage 1 (attention transfer)", "stage 2 (LoRA)",
+              "peak GiB (LoRA / stage 1 / stage 2)", "the recipe, GPU-hours", ""]
     return _table(header, rows)
 
 
@@ -208,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="table", required=True)
     sub.add_parser("fsdp").add_argument("path", type=Path)
     sub.add_parser("train-ratios").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
+    sub.add_parser("train-shapes").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
     s = sub.add_parser("speed")
     for name in ("train", "kernels", "decode", "prefill", "memory"):
@@ -221,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         text = fsdp(args.path)
     elif args.table == "train-ratios":
         text = train_ratios(args.runs)
+    elif args.table == "train-shapes":
+        text = train_shapes(args.runs)
     elif args.table == "prefill":
         text = prefill(args.runs)
     elif args.table == "speed":
