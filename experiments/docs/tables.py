@@ -3,6 +3,7 @@
     python -m experiments.docs.tables fsdp docs/results/h200/fsdp/fsdp.json
     python -m experiments.docs.tables train-ratios 'LABEL=DIR' ...
     python -m experiments.docs.tables train-shapes 'LABEL=DIR' ...
+    python -m experiments.docs.tables kernel-targets DIR ...
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
@@ -132,6 +133,43 @@ def prefill(paths: list[Path], context: int = 131072) -> str:
     return _table(header, rows)
 
 
+_PASSES = {"fwd": "forward", "fwd+bwd": "forward+backward"}
+
+
+def _kernel_ratios(results: dict, mode: str, other: str) -> list[float]:
+    """The Triton op's median ms over `other`'s at every shape both measured in one `bench kernels` run."""
+    ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in results["rows"] if r["status"] == "ok"}
+    shapes = dict.fromkeys((r["B"], r["L"]) for r in results["rows"])
+    return [ms[("lizard (triton)", mode, *s)] / ms[(other, mode, *s)] for s in shapes
+            if ("lizard (triton)", mode, *s) in ms and (other, mode, *s) in ms]
+
+
+def kernel_targets(paths: list[Path]) -> str:
+    """The kernel targets (`linearize.bench.kernels.TARGETS`) in each `bench kernels` run that timed both ops,
+    and each fla pass a run could not time, with fla's reason."""
+    from linearize.bench.kernels import TARGETS
+
+    runs = [(path, _load(path, "kernels")) for path in paths]
+    rows = []
+    for mode, other, limit in TARGETS:
+        found = [(path, results, _kernel_ratios(results, mode, other)) for path, results in runs]
+        found = [(path, results, ratios) for path, results, ratios in found if ratios]
+        measured = "; ".join(f"{min(r):.2f}-{max(r):.2f}x ({_link(path, 'kernels')})" for path, _, r in found)
+        verdict = "**met**" if found and all(max(r) <= limit for _, _, r in found) else "missed"
+        gpus = ", ".join(dict.fromkeys(gpu(results["environment"]["device"]) for _, results, _ in found))
+        rows.append([f"{_PASSES[mode]} at most {limit}x fla's `{other.removeprefix('fla ')}`", gpus or "–",
+                     measured or "not measured", verdict if found else "–"])
+    targeted = {(mode, other) for mode, other, _ in TARGETS}
+    for path, results in runs:
+        for r in results["rows"]:
+            if r["status"] == "error" and r["op"].startswith("fla ") and (r["mode"], r["op"]) not in targeted:
+                targeted.add((r["mode"], r["op"]))
+                rows.append([f"{_PASSES[r['mode']]} against `{r['op'].removeprefix('fla ')}`",
+                             gpu(results["environment"]["device"]),
+                             f"not measurable: {r['reason'].split('. ')[0]} ({_link(path, 'kernels')})", "–"])
+    return _table(["target", "GPU", "measured (the Triton op's time over fla's, over the run's shapes)", ""], rows)
+
+
 def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: Path) -> str:
     """The README's speed figures, each from the run named."""
     from linearize.bench.kernels import TARGETS
@@ -232,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("fsdp").add_argument("path", type=Path)
     sub.add_parser("train-ratios").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("train-shapes").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
+    sub.add_parser("kernel-targets").add_argument("runs", nargs="+", type=Path)
     sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
     s = sub.add_parser("speed")
     for name in ("train", "kernels", "decode", "prefill", "memory"):
@@ -247,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         text = train_ratios(args.runs)
     elif args.table == "train-shapes":
         text = train_shapes(args.runs)
+    elif args.table == "kernel-targets":
+        text = kernel_targets(args.runs)
     elif args.table == "prefill":
         text = prefill(args.runs)
     elif args.table == "speed":
