@@ -4,6 +4,7 @@
     python -m experiments.docs.tables train-ratios 'LABEL=DIR' ...
     python -m experiments.docs.tables train-shapes 'LABEL=DIR' ...
     python -m experiments.docs.tables kernel-targets DIR ...
+    python -m experiments.docs.tables serve-pacing DIR ...
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
@@ -170,6 +171,27 @@ def kernel_targets(paths: list[Path]) -> str:
     return _table(["target", "GPU", "measured (the Triton op's time over fla's, over the run's shapes)", ""], rows)
 
 
+def serve_pacing(paths: list[Path]) -> str:
+    """`bench serve` runs that differ in `--prefill-budget`: each model's rates, latencies and prefill calls."""
+    from linearize.bench.common import number
+
+    rows = []
+    for path in paths:
+        results = _load(path, "serve")
+        budget = f"{results['settings']['prefill_budget']:g}"
+        for p in results["points"]:
+            if p["status"] != "ok":
+                continue
+            rows.append([budget, p["model"], gpu(results["environment"]["device"]), number(p["output_tokens_per_s"]),
+                         f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])}",
+                         f"{number(p['itl_p50_ms'])} / {number(p['itl_p99_ms'])}",
+                         f"{p['itl_p99_ms'] / p['itl_p50_ms']:.1f}x",
+                         f"{p['prefill_calls']} ({number(p['prefilled_tokens'] / p['prefill_calls'])})", _link(path, "serve")])
+    header = ["`--prefill-budget`", "model", "device", "output tokens/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+              "ITL p99 / p50", "prefill calls (tokens each)", ""]
+    return _table(header, rows)
+
+
 def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: Path) -> str:
     """The README's speed figures, each from the run named."""
     from linearize.bench.kernels import TARGETS
@@ -271,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train-ratios").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("train-shapes").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("kernel-targets").add_argument("runs", nargs="+", type=Path)
+    sub.add_parser("serve-pacing").add_argument("runs", nargs="+", type=Path)
     sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
     s = sub.add_parser("speed")
     for name in ("train", "kernels", "decode", "prefill", "memory"):
@@ -288,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         text = train_shapes(args.runs)
     elif args.table == "kernel-targets":
         text = kernel_targets(args.runs)
+    elif args.table == "serve-pacing":
+        text = serve_pacing(args.runs)
     elif args.table == "prefill":
         text = prefill(args.runs)
     elif args.table == "speed":
