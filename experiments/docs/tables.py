@@ -5,6 +5,7 @@
     python -m experiments.docs.tables train-shapes 'LABEL=DIR' ...
     python -m experiments.docs.tables kernel-targets DIR ...
     python -m experiments.docs.tables serve-pacing DIR ...
+    python -m experiments.docs.tables default-mix docs/results/cpu/default-mix/stats.json
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
@@ -192,6 +193,20 @@ def serve_pacing(paths: list[Path]) -> str:
     return _table(header, rows)
 
 
+def default_mix(path: Path, seq_len: int = 1024) -> str:
+    """`python -m linearize.data.default_mix --stats --json` counts: each source, the total, and its blocks."""
+    import math
+
+    record = _load(path, "stats")
+    rows = [[r["source"], *(f"{r[k]:,}" for k in ("documents", "characters", "tokens"))] for r in record["sources"]]
+    total = record["sources"][-1]["tokens"]
+    blocks = total // seq_len
+    held_out = min(64, math.ceil(0.02 * blocks))  # build_token_blocks' defaults: val_size 2%, max_val_blocks 64
+    return (_table(["source", "documents", "characters", "tokens"], rows)
+            + f"\nAbout {total / 1e6:.1f}M tokens (with {record['tokenizer']}'s tokenizer, one `{record['eos']}` a document): "
+            f"{blocks:,} blocks of {seq_len:,} tokens, of which {held_out} are held out for validation by default.\n")
+
+
 def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: Path) -> str:
     """The README's speed figures, each from the run named."""
     from linearize.bench.kernels import TARGETS
@@ -294,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train-shapes").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("kernel-targets").add_argument("runs", nargs="+", type=Path)
     sub.add_parser("serve-pacing").add_argument("runs", nargs="+", type=Path)
+    sub.add_parser("default-mix").add_argument("path", type=Path)
     sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
     s = sub.add_parser("speed")
     for name in ("train", "kernels", "decode", "prefill", "memory"):
@@ -313,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         text = kernel_targets(args.runs)
     elif args.table == "serve-pacing":
         text = serve_pacing(args.runs)
+    elif args.table == "default-mix":
+        text = default_mix(args.path)
     elif args.table == "prefill":
         text = prefill(args.runs)
     elif args.table == "speed":
