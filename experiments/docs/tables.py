@@ -156,7 +156,8 @@ def kernel_targets(paths: list[Path]) -> str:
     for mode, other, limit in TARGETS:
         found = [(path, results, _kernel_ratios(results, mode, other)) for path, results in runs]
         found = [(path, results, ratios) for path, results, ratios in found if ratios]
-        measured = "; ".join(f"{min(r):.2f}-{max(r):.2f}x ({_link(path, 'kernels')})" for path, _, r in found)
+        measured = "; ".join(f"{min(r):.2f}-{max(r):.2f}x" + (f" ({_link(path, 'kernels')})" if _link(path, "kernels") else "")
+                             for path, _, r in found)
         verdict = "**met**" if found and all(max(r) <= limit for _, _, r in found) else "missed"
         gpus = ", ".join(dict.fromkeys(gpu(results["environment"]["device"]) for _, results, _ in found))
         rows.append([f"{_PASSES[mode]} at most {limit}x fla's `{other.removeprefix('fla ')}`", gpus or "–",
