@@ -116,3 +116,15 @@ def test_decode_memory_and_train_shapes_read_their_runs(monkeypatch):
 
     shapes = tables.train_shapes([("Llama", Path("docs/results/h100/train/llama3-8b-checkpointing"))])
     assert shapes.count("| Llama | H100 80GB HBM3 |") == 2  # 2K and 8K
+
+
+def test_an_indented_section_is_regenerated_as_indented(tmp_path):
+    # A table inside a list item: its markers and every line the command prints stand at the item's indent.
+    page = tmp_path / "page.md"
+    page.write_text("- an item:\n\n    <!-- generated: python -m experiments.docs.tables needle-mass "
+                    "teacher=docs/results/still-routing -->\n    <!-- end of generated -->\n")
+    (section,) = generated.sections(page, generated.ROOT)
+    assert section.stale and section.regenerated.startswith("    | model | key 1K |")
+    assert all(line.startswith("    |") for line in section.regenerated.splitlines())
+    generated.write(page, [section])
+    assert not any(s.stale for s in generated.sections(page, generated.ROOT))

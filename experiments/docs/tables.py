@@ -6,6 +6,7 @@
     python -m experiments.docs.tables kernel-targets DIR ...
     python -m experiments.docs.tables serve-pacing DIR ...
     python -m experiments.docs.tables default-mix docs/results/cpu/default-mix/stats.json
+    python -m experiments.docs.tables needle-mass 'LABEL=DIR' ...
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
@@ -208,6 +209,22 @@ def default_mix(path: Path, seq_len: int = 1024) -> str:
             f"{blocks:,} blocks of {seq_len:,} tokens, of which {held_out} are held out for validation by default.\n")
 
 
+def needle_mass(runs: list[tuple[str, Path]]) -> str:
+    """`needle_mass` records (experiments/scripts/still_routing.py's mass.json): at the last prompt token, the
+    key's share of the best head's normaliser and the linear terms' mean share, at each length; "–" where a
+    model has no linear terms."""
+    rows, lengths = [], None
+    for label, path in runs:
+        record = _load(path, "mass")
+        lengths = lengths or record["lengths"]
+        by_length = [record["results"][str(length)] for length in lengths]
+        linear = [r["linear"]["best"] for r in by_length]
+        rows.append([label, *(f"{r['needle']['best']:.2f}" for r in by_length),
+                     *(f"{v:.2f}" if any(linear) else "–" for v in linear)])
+    labels = [f"{length // 1024}K" if length >= 1024 else str(length) for length in lengths or []]
+    return _table(["model", *(f"key {x}" for x in labels), *(f"linear {x}" for x in labels)], rows)
+
+
 def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: Path) -> str:
     """The README's speed figures, each from the run named."""
     from linearize.bench.kernels import TARGETS
@@ -311,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("kernel-targets").add_argument("runs", nargs="+", type=Path)
     sub.add_parser("serve-pacing").add_argument("runs", nargs="+", type=Path)
     sub.add_parser("default-mix").add_argument("path", type=Path)
+    sub.add_parser("needle-mass").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
     s = sub.add_parser("speed")
     for name in ("train", "kernels", "decode", "prefill", "memory"):
@@ -332,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         text = serve_pacing(args.runs)
     elif args.table == "default-mix":
         text = default_mix(args.path)
+    elif args.table == "needle-mass":
+        text = needle_mass(args.runs)
     elif args.table == "prefill":
         text = prefill(args.runs)
     elif args.table == "speed":
