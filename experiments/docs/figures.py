@@ -14,8 +14,9 @@ A spec (YAML) holds the table's header, its rows' cells and where the figures co
 Every `{{EXPR}}` or `{{EXPR ; FORMAT}}` in a cell is replaced by a figure. An operand is `run|COLUMN` (the cell
 `linearize recipe table` prints for that run and column) or `NAME#KEY.PATH` (a value of a listed JSON file;
 a list is indexed by number or by `[KEY=VALUE&KEY=VALUE]`, its first item that matches). `{{OPERAND}}` alone is
-the operand's text as its table prints it (`run|niah_single 512..8K`: the cells from 512 to 8K, " / " between); in arithmetic, operands stand in angle brackets and are read as
-numbers, with + - * / ( ), numbers, min(), max() and abs(), and FORMAT is a Python format spec (default `g`).
+the operand's text as its table prints it (`run|niah_single 512..8K`: the cells from 512 to 8K, " / " between);
+in arithmetic, operands stand in angle brackets and are read as numbers, with + - * / ( ), numbers, min(),
+max() and abs(), and FORMAT is a Python format spec (default `g`).
 The table's title line names the GPUs its figures ran on.
 """
 
@@ -68,6 +69,8 @@ class Figures:
                                      self.runs[0] / run.strip()))
         series = SERIES.fullmatch(column.strip())
         if series:  # "niah_single 512..8K": the cells at each length from the first to the last, " / " between
+            if not {series["first"], series["last"]} <= set(LENGTHS):
+                raise FigureError(f"{operand!r}: a series runs between two of {', '.join(LENGTHS)}")
             first, last = LENGTHS.index(series["first"]), LENGTHS.index(series["last"]) + 1
             return " / ".join(self.text(f"{run}|{series['name']} {length}") for length in LENGTHS[first:last])
         if column.strip() not in cells:
