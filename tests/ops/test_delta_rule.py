@@ -181,7 +181,7 @@ def test_fla_kernels_match_the_reference(n_states, dtype):
         [t.detach().cuda().requires_grad_() for t in params[3:]]
     cuda_state = {"S": state["S"].detach().cuda()}
     tol = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 2e-3, "rtol": 2e-3}
-    with backend.recording() as ran:
+    with torch.no_grad(), backend.recording() as ran:
         y, s = delta_rule.continue_delta_rule(*cuda, cuda_state, options, valid=valid.cuda())
         y_step, s_step = delta_rule.delta_rule_step(*(t[:, :, :1] for t in cuda), cuda_state, options,
                                                     valid=valid[:, :1].cuda())
@@ -196,7 +196,10 @@ def test_fla_kernels_match_the_reference(n_states, dtype):
     y_ref, _ = delta_rule_recurrent(*params, valid, empty, options)
     w = torch.randn_like(y_ref)
     grads_ref = torch.autograd.grad((y_ref * w).sum(), params)
-    y, _ = delta_rule.chunk_delta_rule(*cuda, options, valid=valid.cuda())
+    with backend.recording() as ran:
+        y, _ = delta_rule.chunk_delta_rule(*cuda, options, valid=valid.cuda())
+    refused = delta_rule.fla_backward_refused()
+    assert ran == [("chunk_delta_rule", "torch" if refused else "fla")]
     grads = torch.autograd.grad((y.float() * w.cuda()).sum(), cuda)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g.float().cpu(), g_ref, atol=10 * tol["atol"], rtol=10 * tol["rtol"])

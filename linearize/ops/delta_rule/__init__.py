@@ -14,7 +14,8 @@ The forms (the options in one `DeltaRuleOptions`):
 
 Each lists its implementations in order of preference (`linearize.ops.backend`):
   fla      fla's `chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` (Triton; CUDA tensors,
-           fla installed: the `gpu` extra), with q, k normalised and padding made neutral before the call
+           fla installed: the `gpu` extra), with q, k normalised and padding made neutral before the call;
+           gradients only where fla's backward runs (`fla_backward_refused`)
   torch    `chunk.delta_rule_chunked` for passes, `naive.delta_rule_step_naive` for a token
 each tested against `naive.delta_rule_recurrent` in values and gradients (tests/ops/test_delta_rule.py).
 """
@@ -32,7 +33,8 @@ from .chunk import delta_rule_chunked
 from .naive import delta_rule_step_naive, init_state, l2_normalize
 from .options import DeltaRuleOptions
 
-__all__ = ["FORMS", "DeltaRuleOptions", "chunk_delta_rule", "continue_delta_rule", "delta_rule_step", "init_state"]
+__all__ = ["FORMS", "DeltaRuleOptions", "chunk_delta_rule", "continue_delta_rule", "delta_rule_step", "fla_backward_refused",
+           "fla_importable", "init_state"]
 
 
 def chunk_delta_rule(q, k, v, log_a, b, options: DeltaRuleOptions, *, valid=None, output_final_state=False):
@@ -95,6 +97,31 @@ def fla_importable() -> bool:
     return _fla_importable
 
 
+def fla_backward_refused() -> str | None:
+    """Why fla's chunked backward cannot run here, or None: fla 0.6.0 refuses its gated backward with
+    Triton >= 3.4, < 3.7.1 on Hopper GPUs (wrong results, its issue #640), read from fla's own flags."""
+    from fla.ops.common import chunk_o
+
+    flags = (getattr(chunk_o, name, default) for name, default in
+             (("IS_NVIDIA_HOPPER", False), ("TRITON_ABOVE_3_4_0", False), ("TRITON_ABOVE_3_7_1", True)))
+    hopper, above_3_4, above_3_7_1 = flags
+    if hopper and above_3_4 and not above_3_7_1:
+        return "gradients wanted: fla's gated backward refuses Triton < 3.7.1 on Hopper"
+    return None
+
+
+def _wants_gradients(call: _Call) -> bool:
+    tensors = (call.q, call.k, call.v, call.log_a, call.b) + (() if call.state is None else (call.state["S"],))
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _fla_chunk_supports(call: _Call) -> str | None:
+    reason = _fla_supports(call)
+    if reason is None and _wants_gradients(call):
+        return fla_backward_refused()
+    return reason
+
+
 def _fla_supports(call: _Call) -> str | None:
     if not call.q.is_cuda:
         return "fla's kernels take CUDA tensors"
@@ -152,7 +179,11 @@ def _fla_recurrent(call: _Call):
 
 
 def _fla_step_supports(call: _Call) -> str | None:
-    return "more than one token: the chunked kernel" if call.q.shape[2] != 1 else _fla_supports(call)
+    if call.q.shape[2] != 1:
+        return "more than one token: the chunked kernel"
+    if _wants_gradients(call):
+        return "gradients wanted: the decode step runs without"
+    return _fla_supports(call)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,10 +203,10 @@ def _step(call: _Call):
 
 
 CHUNK = Form("chunk_delta_rule", (
-    Implementation("fla", _fla_supports, _fla_chunk),
+    Implementation("fla", _fla_chunk_supports, _fla_chunk),
     Implementation("torch", backend.always, _chunked, kernels=False)))
 CONTINUE = Form("continue_delta_rule", (
-    Implementation("fla", _fla_supports, _fla_chunk),
+    Implementation("fla", _fla_chunk_supports, _fla_chunk),
     Implementation("torch", backend.always, _chunked, kernels=False)))
 STEP = Form("delta_rule_step", (
     Implementation("fla", _fla_step_supports, _fla_recurrent),
