@@ -41,6 +41,10 @@ class LizardConfig:
     alpha_init: float = 0.0
     chunk_size: int = 64  # of the chunked training/prefill form
     eps: float = 1e-6
+    # "delta" adds a gated delta-rule retrieval memory beside the linear state and the window
+    # (docs/methods.md): y = y_gla + alpha * y_win + mu_h * o_delta, mu starting at `memory_weight_init`.
+    memory: Literal["gla", "delta"] = "gla"
+    memory_weight_init: float = 0.0
 
 
 @dataclass
@@ -196,6 +200,8 @@ def _validate(cfg: MethodConfig) -> None:
             positive(field)
     if isinstance(cfg, LizardConfig) and cfg.num_sinks < 0:
         raise ConfigError(f"num_sinks must be >= 0, got {cfg.num_sinks}")
+    if isinstance(cfg, LizardConfig) and cfg.memory == "delta" and cfg.gate == "vector":
+        raise ConfigError("memory=delta decays by the scalar gate: use gate=scalar or gate=none")
     if isinstance(cfg, StillConfig):
         if cfg.window < cfg.chunk_size:
             raise ConfigError(f"window ({cfg.window}) must be >= chunk_size ({cfg.chunk_size})")

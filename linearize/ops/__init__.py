@@ -4,6 +4,7 @@
     features/     Lizard's Hedgehog feature maps and window RoPE in one pass
     still/        STILL's routed softmax budget + gated linear state
     lolcats/      LoLCATs' sliding window + linear attention
+    delta_rule/   a gated delta-rule retrieval memory (fla's kernels on CUDA)
 
 Each folder has `naive.py`, the obviously-correct reference (any length, an optional carried state),
 its faster implementations (`chunk.py` in PyTorch, `triton.py` kernels, a decode step), and in
@@ -13,6 +14,7 @@ frozen object:
     gla_window  chunk_gla_window, continue_gla_window, gla_window_step   (GlaWindowOptions)
     still       chunk_still, continue_still, still_step                  (StillOptions)
     lolcats     chunk_lolcats, continue_lolcats, lolcats_step            (LolcatsOptions)
+    delta_rule  chunk_delta_rule, continue_delta_rule, delta_rule_step   (DeltaRuleOptions)
     features    lizard_features
 
 `chunk_*` is a multi-token pass from an empty state (differentiable), `continue_*` one continuing a

@@ -8,7 +8,7 @@ import pkgutil
 import pytest
 
 import linearize.ops
-from linearize.ops import backend, features, gla_window, lolcats, still
+from linearize.ops import backend, delta_rule, features, gla_window, lolcats, still
 
 MAX_PARAMETERS = 12
 
@@ -48,7 +48,7 @@ def test_no_public_op_function_takes_more_than_12_parameters():
     assert not too_many, too_many
 
 
-@pytest.mark.parametrize("package", [gla_window, still, features])
+@pytest.mark.parametrize("package", [gla_window, still, features, delta_rule])
 def test_each_form_ends_with_an_implementation_that_takes_every_call(package):
     assert package.FORMS
     for name, form in package.FORMS.items():
@@ -62,3 +62,4 @@ def test_the_forms_are_public_in_each_package():
     assert {"chunk_gla_window", "continue_gla_window", "gla_window_step", "GlaWindowOptions"} <= set(gla_window.__all__)
     assert {"chunk_still", "continue_still", "still_step", "StillOptions"} <= set(still.__all__)
     assert {"chunk_lolcats", "continue_lolcats", "lolcats_step", "LolcatsOptions"} <= set(lolcats.__all__)
+    assert {"chunk_delta_rule", "continue_delta_rule", "delta_rule_step", "DeltaRuleOptions"} <= set(delta_rule.__all__)
