@@ -11,6 +11,7 @@
     python -m experiments.docs.tables speed --train DIR --kernels DIR --decode DIR --prefill DIR --memory DIR
     python -m experiments.docs.tables eval-times DIR
     python -m experiments.docs.tables decode-memory --contexts 1k,128k 'LABEL=DIR[#MODEL]' ...
+    python -m experiments.docs.tables stage1-ablations docs/results/cpu/stage1-ablations/seq256.json
 
 Each prints a Markdown table whose every figure is read or computed from the named files, with the GPU
 it ran on; the pages hold them between `<!-- generated: COMMAND -->` markers (experiments.docs.generated).
@@ -312,6 +313,14 @@ def eval_times(path: Path) -> str:
     return _table(["tasks", "GPU", "seconds"], rows)
 
 
+def stage1_ablations(path: Path) -> str:
+    """experiments/scripts/stage1_ablations.py's record (`--json`): each variant's validation MSE at the start
+    of stage 1 and after its steps, on the CPU."""
+    record = json.loads(path.read_text(encoding="utf-8"))
+    rows = [[name, f"{r['val_mse'][0]:.3f}", f"{r['val_mse'][-1]:.3f}"] for name, r in record["variants"].items()]
+    return _table(["variant (CPU)", "val MSE at start", f"after {record['steps']} steps"], rows)
+
+
 def _labelled(text: str) -> tuple[str, Path]:
     label, _, path = text.rpartition("=")
     if not label:
@@ -337,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("decode-memory")
     m.add_argument("--contexts", type=lambda t: [_context(c) for c in t.split(",")], required=True)
     m.add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR[#MODEL]")
+    sub.add_parser("stage1-ablations").add_argument("path", type=Path)
     args = parser.parse_args(argv)
     if args.table == "fsdp":
         text = fsdp(args.path)
@@ -358,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         text = speed(args.train, args.kernels, args.decode, args.prefill, args.memory)
     elif args.table == "decode-memory":
         text = decode_memory(args.runs, args.contexts)
+    elif args.table == "stage1-ablations":
+        text = stage1_ablations(args.path)
     else:
         text = eval_times(args.path)
     print(text, end="")

@@ -1,6 +1,7 @@
 """Short CPU stage-1 runs of Lizard variants on the real teacher: the validation MSE each reaches.
 
-    python experiments/scripts/stage1_ablations.py [--steps 48] [--seq-len 256] [--out runs/stage1-ablations] [NAME ...]
+    python experiments/scripts/stage1_ablations.py [--steps 48] [--seq-len 256] [--out runs/stage1-ablations]
+        [--json FILE] [NAME ...]
 
 Every variant trains stage 1 alone for `--steps` steps of 4 x `--seq-len` tokens at the papers' lr 1e-3 (the
 per-head scalars at 30x), on top of the Lizard form that learns fastest from SmolLM2 (RoPE in the
@@ -41,8 +42,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default="runs/stage1-ablations")
+    parser.add_argument("--json", type=Path, help="also write each variant's validation MSEs here (the docs' source)")
     args = parser.parse_args()
     names = args.names or list(VARIANTS)
+    results = {}
     print(f"| variant | val MSE at start | after {args.steps} steps |\n|---|---|---|", flush=True)
     for index, name in enumerate(names):
         out = Path(args.out) / f"{index}-{name.split(' (')[0].replace(' ', '-')}"
@@ -53,6 +56,11 @@ def main() -> None:
             distill(cfg, resume=(out / "distill_config.json").exists(), progress=False)
         losses = val_losses(out)
         print(f"| {name} | {losses[0]:.3f} | {losses[-1]:.3f} |", flush=True)
+        results[name] = {"options": {**BASE, **VARIANTS[name]}, "val_mse": losses}
+        if args.json is not None:  # after every variant, so an interrupted sweep keeps the finished ones
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"model": args.model, "steps": args.steps, "seq_len": args.seq_len,
+                                             "batch": 4, "device": "cpu", "variants": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
