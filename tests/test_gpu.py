@@ -6,6 +6,7 @@ from tiny_models import METHODS, tiny_student
 from transformers import DynamicCache
 
 import linearize
+from linearize.ops.gla_window import GlaWindowOptions
 from linearize.ops.gla_window import naive as gla_window
 from linearize.ops.gla_window.chunk import gla_window_chunked
 
@@ -37,9 +38,9 @@ def test_chunked_equals_naive_on_cuda_at_length_2048(gate_dim):
     qw, kw, v = rand(B, H, L, D), rand(B, HKV, L, D), rand(B, HKV, L, D)
     valid = torch.ones(B, L, dtype=torch.bool, device="cuda")
     state = gla_window.init_state(B, H, HKV, F, D, 128, device="cuda")
-    opts = {"window": 128, "scale": D**-0.5, "sinks": rand(H, 4), "alpha": torch.ones(H, device="cuda"), "beta": 1.0}
-    y_ref, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, **opts)
-    y, _ = gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, **opts)
+    opts = GlaWindowOptions(window=128, scale=D**-0.5, sinks=rand(H, 4), alpha=torch.ones(H, device="cuda"))
+    y_ref, _ = gla_window.gla_window_parallel(fq, fk, log_g, qw, kw, v, valid, state, opts)
+    y, _ = gla_window_chunked(fq, fk, log_g, qw, kw, v, valid, state, opts)
     assert ((y - y_ref).norm() / y_ref.norm()).item() < 1e-4
 
 
