@@ -46,6 +46,8 @@ def parse_args(argv):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
     parser.add_argument("--resume", action="store_true", help="keep the prompts OUT already answered")
+    parser.add_argument("--tables", action="store_true",
+                        help="only write the Markdown of OUT again (of a sweep cut short too), running nothing")
     return parser.parse_args(argv)
 
 
@@ -106,12 +108,13 @@ def accuracy(records: list[dict], rule: str) -> float:
 def tables(results: dict) -> str:
     """The Markdown: per task, accuracy per shape and length (both readings), then per shape and depth."""
     records, settings = results["samples"], results["settings"]
-    lines = [f"# Prompt-shape sweep: {settings['model']}", "",
-             f"Greedy, batch 1, {settings['dtype']} on {settings['device']}; {settings['samples']} prompts per "
-             f"(task, length, depth), depths {settings['depths']}. Each cell: accuracy with the answer anywhere in "
-             "the prediction / with the first number of the prediction the answer (`first`). Command: "
-             f"`{settings['command']}`.", ""]
     from linearize.eval.report import length_label
+
+    about = (f"Greedy, batch 1, {settings['dtype']} on {settings['device']}; up to {settings['samples']} prompts per "
+             f"(task, shape, length, depth), depths {settings['depths']}; {len(records)} prompts answered. Each cell: "
+             "accuracy with the answer anywhere in the prediction / with the prediction's first number the answer "
+             f"(`first`). Command: `{settings['command']}`.")
+    lines = [f"# Prompt-shape sweep: {settings['model']}", "", about, ""]
 
     for task in dict.fromkeys((r["task"], r.get("variant")) for r in records):
         rows = [r for r in records if (r["task"], r.get("variant")) == task]
@@ -142,6 +145,13 @@ def tables(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tables:
+        if not args.out.is_file():
+            print(f"prompt_sweep: --out {args.out} does not exist: nothing to tabulate", file=sys.stderr)
+            return 2
+        write_text_atomic(args.out.with_suffix(".md"), tables(json.loads(args.out.read_text())))
+        print(f"wrote {args.out.with_suffix('.md')}")
+        return 0
     try:
         shapes, tasks, variants, lengths, depths = checked(args)
     except ValueError as e:

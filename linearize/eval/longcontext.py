@@ -557,7 +557,7 @@ def mean(values) -> float:
 
 
 def summarize(records: list[dict], lengths, depths, variants) -> dict:
-    """Mean score overall, per length, per (length, depth) cell and per variant, plus every sample."""
+    """Mean score overall, per length, per depth, per (length, depth) cell and per variant, plus every sample."""
     grid = [
         {"length": length, "depth": depth, "score": mean(r["score"] for r in cell), "n": len(cell)}
         for length in lengths
@@ -571,6 +571,11 @@ def summarize(records: list[dict], lengths, depths, variants) -> dict:
         "by_length": [
             {"length": length, "score": mean(r["score"] for r in records if r["length"] == length)}
             for length in lengths
+        ],
+        "by_depth": [
+            {"depth": depth, "score": mean(r["score"] for r in at)}
+            for depth in depths
+            if (at := [r for r in records if r["depth"] == depth])
         ],
         "grid": grid,
     }
