@@ -68,7 +68,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "as one user turn, for an instruct model; log-likelihood tasks keep the bare text")
     parser.add_argument("--prompt-shape", default=DEFAULT_SHAPE, choices=tuple(SHAPES),
                         help="layout and answer parsing of the passkey and niah_single prompts "
-                        "(docs/evaluation.md, \"Prompt shapes\"); default %(default)s")
+                        "(their shapes: linearize/eval/prompt_shapes.py); default %(default)s")
     parser.set_defaults(func=run)
     return parser
 
