@@ -21,6 +21,8 @@ distractor needles, word keys or UUID keys; niah_multiquery: four keys asked at 
 qa_1), each with RULER's generation length. babilong.py has the BABILong tasks babilong_qa1..5.
 A prediction scores the fraction of expected answers it contains (RULER's string_match_all), but
 for qa_1 (any of the reference answers: RULER's string_match_part) and BABILong (its own rule).
+passkey's and niah_single's layout and answer parsing are a named `prompt_shapes.PromptShape`
+(default "v1", the layout above); RULER's niah_single_1..3 keep RULER's.
 """
 
 from __future__ import annotations
