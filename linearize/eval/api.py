@@ -16,6 +16,7 @@ from linearize.eval import generative, harness, longcontext
 from linearize.eval.config import EvalConfig, EvalSettingError  # noqa: F401  (EvalSettingError: importable here)
 from linearize.eval.generation import greedy_generate, rows_per_batch
 from linearize.eval.perplexity import perplexity
+from linearize.eval.prompt_shapes import DEFAULT_SHAPE, SHAPED_TASKS
 from linearize.eval.tasks import (  # noqa: F401  (the task settings' parsers, importable from here too)
     KNOWN_TASKS,
     LONGCONTEXT,
@@ -68,6 +69,8 @@ def evaluate(
     runs' time up to their last saved batch. Only what was done with this run's settings is kept
     (SETTINGS, and a task's own lengths and limit); the rest runs again.
     `chat_template` puts the generative tasks' prompts in the tokenizer's chat template (`run_harness`).
+    `prompt_shape` names the layout and answer parsing of passkey's and niah_single's prompts
+    (`prompt_shapes.SHAPES`); a resumed run keeps those tasks only where it is the same.
     """
     cfg = eval_config(tasks, settings)
     names, limit, lengths, depths, batch = cfg.tasks, cfg.limit, cfg.lengths, cfg.depths, cfg.batch
@@ -85,6 +88,7 @@ def evaluate(
     settings["task_lengths"] = task_lengths
     if cfg.chat_template:  # recorded only when on, so that results written without the key read as off
         settings["chat_template"] = True
+    settings["prompt_shape"] = cfg.prompt_shape
 
     def assemble(results: dict, complete: bool) -> dict:
         out = {
@@ -105,7 +109,7 @@ def evaluate(
             out["provenance"]["partial"] = True
         return out
 
-    check_prompt_lengths(names, tokenizer, lengths, essay, task_lengths)  # fail before any task has run
+    check_prompt_lengths(names, tokenizer, lengths, essay, task_lengths, cfg.prompt_shape)  # fail before any task has run
     harness.check_data_reachable(harness_tasks, cfg.data_dir)
     kept, unfinished = resumable_tasks(resume, settings) if resume is not None else ({}, {})
     results |= kept
@@ -140,6 +144,7 @@ def evaluate(
                 # At most one generate batch a call (its rows hold prompt and answer), so that a cut
                 # run keeps every batch it finished.
                 prompts_per_call=lambda tokens: rows_per_batch(tokens, batch, cfg.max_batch_tokens),
+                prompt_shape=cfg.prompt_shape,
             )
         else:  # all of them in one go, sharing one lm-eval model wrapper; each saved when done
             harness.run_harness(
@@ -166,12 +171,15 @@ SETTINGS = ("model", "method_config", "depths", "samples_per_cell", "seed")
 
 
 def task_settings(provenance: dict, task: str) -> dict:
-    """What decides one task's result besides the shared SETTINGS: its example cap and its lengths, and
-    for a generative task whether its prompts were in the chat template."""
+    """What decides one task's result besides the shared SETTINGS: its example cap and its lengths, for
+    a generative task whether its prompts were in the chat template, and for passkey and niah_single
+    their prompt shape (results written without one are of the default shape's prompts)."""
     limits, lengths = provenance.get("task_limits") or {}, provenance.get("task_lengths") or {}
     own = {"limit": limits.get(task, provenance.get("limit")), "lengths": lengths.get(task, provenance.get("lengths"))}
     if task in generative.TASKS:
         own["chat_template"] = bool(provenance.get("chat_template"))
+    if task in SHAPED_TASKS:
+        own["prompt_shape"] = provenance.get("prompt_shape", DEFAULT_SHAPE)
     return own
 
 

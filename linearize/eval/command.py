@@ -10,6 +10,7 @@ from pathlib import Path
 from linearize.cli_args import check_device, default_device, seed
 from linearize.config import inference_options_help, parse_inference_options
 from linearize.eval.longcontext import DEFAULT_SAMPLES
+from linearize.eval.prompt_shapes import DEFAULT_SHAPE, SHAPES
 
 # api and report (torch, transformers, lm-eval, matplotlib) are imported by the functions that use them,
 # so building the parser (`linearize --help`) stays fast.
@@ -65,6 +66,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", action="store_true",
                         help="put the generative tasks' prompts (zeroshot_gen, squad_gen) in the model's chat template "
                         "as one user turn, for an instruct model; log-likelihood tasks keep the bare text")
+    parser.add_argument("--prompt-shape", default=DEFAULT_SHAPE, choices=tuple(SHAPES),
+                        help="layout and answer parsing of the passkey and niah_single prompts "
+                        "(their shapes: linearize/eval/prompt_shapes.py); default %(default)s")
     parser.set_defaults(func=run)
     return parser
 
@@ -94,7 +98,7 @@ def run(args) -> int:
     from linearize.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    api.check_prompt_lengths(cfg.tasks, tokenizer, cfg.lengths, cfg.essay, cfg.task_lengths)
+    api.check_prompt_lengths(cfg.tasks, tokenizer, cfg.lengths, cfg.essay, cfg.task_lengths, cfg.prompt_shape)
     _flag("--chat-template", api.check_chat_template, cfg.chat_template, tokenizer)
     model = load_model(args.model, dtype=args.dtype, device=default_device(args.device), inference_options=options)
     results = api.evaluate(model, tokenizer, cfg, model_spec=args.model, on_progress=partial(write_json, out=args.out),
@@ -108,7 +112,7 @@ def run(args) -> int:
 # EvalConfig's settings -> the flags that give them, which its errors name.
 FLAGS = {"tasks": "--tasks", "limit": "--limit", "task_limits": "--task-limit", "lengths": "--lengths",
          "task_lengths": "--task-lengths", "depths": "--depths", "samples": "--samples", "batch": "--batch",
-         "harness_batch": "--harness-batch", "chat_template": "--chat-template"}
+         "harness_batch": "--harness-batch", "chat_template": "--chat-template", "prompt_shape": "--prompt-shape"}
 
 
 def eval_config_from_args(args):
@@ -120,7 +124,8 @@ def eval_config_from_args(args):
         return EvalConfig(tasks=args.tasks, limit=args.limit, task_limits=task_limits, lengths=args.lengths,
                           task_lengths=dict(item.partition("=")[::2] for item in args.task_lengths), depths=args.depths,
                           samples=args.samples, batch=args.batch, harness_batch=args.harness_batch, seed=args.seed,
-                          text=args.text, essay=args.essay, chat_template=args.chat_template)
+                          text=args.text, essay=args.essay, chat_template=args.chat_template,
+                          prompt_shape=args.prompt_shape)
     except EvalSettingError as e:
         flag, text = FLAGS.get(e.setting, e.setting), str(e)
         if text.startswith(f"{e.setting} "):  # a message that names the setting names the flag instead

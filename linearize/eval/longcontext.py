@@ -21,6 +21,8 @@ distractor needles, word keys or UUID keys; niah_multiquery: four keys asked at 
 qa_1), each with RULER's generation length. babilong.py has the BABILong tasks babilong_qa1..5.
 A prediction scores the fraction of expected answers it contains (RULER's string_match_all), but
 for qa_1 (any of the reference answers: RULER's string_match_part) and BABILong (its own rule).
+passkey's and niah_single's layout and answer parsing are a named `prompt_shapes.PromptShape`
+(default "v1", the layout above); RULER's niah_single_1..3 keep RULER's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tqdm.auto import tqdm
 
 from linearize.eval import babilong, ruler
 from linearize.eval.haystack import Sample, count_tokens, essay_units, fit, insert, noise_units
+from linearize.eval.prompt_shapes import DEFAULT_SHAPE, SHAPED_TASKS, SHAPES, PromptShape, contains_score
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
@@ -67,6 +70,13 @@ PASSKEY_INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there."
 )
+# Landmark Attention's own wording (its passkey test's task description), for the "landmark" shapes.
+LANDMARK_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+EXAMPLE_UNITS = 5  # filler sentences of a shape's solved example
 NIAH_INTRO = (
     "Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the {kind} afterwards."
@@ -90,8 +100,7 @@ VT_EXAMPLE_TOKENS = 470  # RULER's solved vt example: 500 tokens, less the 30 it
 
 def score(prediction: str, answers: Sequence[str]) -> float:
     """Fraction of the answers found in the prediction, case-insensitively (RULER string_match_all)."""
-    found = prediction.lower()
-    return sum(answer.lower() in found for answer in answers) / len(answers)
+    return contains_score(prediction, answers)
 
 
 def score_all(prediction: str, sample: Sample) -> float:
@@ -120,16 +129,39 @@ def later_depths(rng: random.Random, first: float, count: int) -> list[float]:
     return sorted(rng.uniform(first, 1.0) for _ in range(count))
 
 
-def passkey(tokenizer, length: int, depth: float, seed: int) -> Sample:
+def passkey(tokenizer, length: int, depth: float, seed: int, *, shape: PromptShape = SHAPES[DEFAULT_SHAPE]) -> Sample:
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    example = passkey_example(shape, random.Random(f"{seed}:example"), key) if shape.example else ""
 
     def render(n: int) -> str:
-        body = " ".join(insert(noise_units(n), [(depth / 100, needle)]))
-        return f"{PASSKEY_INTRO} {body}\nWhat is the pass key? The pass key is"
+        return example + passkey_prompt(shape, noise_units(n), depth, key)
 
     return make_sample(tokenizer, length, render, lambda n: [key], "passkey")
+
+
+def passkey_prompt(shape: PromptShape, units: list[str], depth: float, key: str) -> str:
+    """A passkey prompt of `units` filler with the needle for `key` at `depth` percent, in `shape`."""
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    if shape.landmark:
+        before, after = split_at(units, depth / 100)
+        return "\n".join([LANDMARK_INTRO, " ".join(before), needle, " ".join(after), PASSKEY_QUESTION])
+    body = " ".join(insert(units, [(depth / 100, needle)]))
+    return f"{PASSKEY_INTRO} {body}{shape.question_break}{PASSKEY_QUESTION}"
+
+
+def passkey_example(shape: PromptShape, rng: random.Random, key: str) -> str:
+    """A short solved passkey prompt in `shape`, whose key is not `key`, and a blank line."""
+    solved = key
+    while solved == key:
+        solved = str(rng.randint(10000, 99999))
+    return f"{passkey_prompt(shape, noise_units(EXAMPLE_UNITS), 50, solved)} {solved}.\n\n"
+
+
+def split_at(units: list[str], depth: float) -> tuple[list[str], list[str]]:
+    """The units before and after the place `insert` puts a needle at `depth` (a fraction)."""
+    cut = round(depth * len(units))
+    return units[:cut], units[cut:]
 
 
 def seeded_uuid4(rng: random.Random) -> str:
@@ -165,10 +197,12 @@ def niah(
     queries: int = 1,
     needle_haystack: bool = False,
     uuid_keys: bool = False,
+    shape: PromptShape | None = None,
 ) -> Sample:
     """RULER needle-in-a-haystack; `essay=None` uses the noise haystack, `needle_haystack` one of
     distractor needles (one a line). `queries` keys are asked at once (RULER's multiquery); the last
-    needle sits at `depth`, the others at seeded random places."""
+    needle sits at `depth`, the others at seeded random places. `shape` (one needle only: niah_single)
+    lays the prompt out in a `PromptShape`; None is RULER's layout."""
     rng = random.Random(seed)
     units = noise_units if essay is None else essay_units(essay, rng)
     kind = "uuids" if uuids else "numbers"
@@ -194,19 +228,48 @@ def niah(
                              queried)
         separator = "\n"
 
-    def render(n: int) -> str:
-        return f"{intro}\n{separator.join(insert(units(n), list(zip(places, texts))))}\n{question}"
+    if shape is None:
+        def render(n: int) -> str:
+            return f"{intro}\n{separator.join(insert(units(n), list(zip(places, texts))))}\n{question}"
+    else:
+        if len(texts) != 1:
+            raise ValueError(f"a prompt shape lays out one needle, and {task} has {len(texts)}.")
+        example = niah_example(shape, random.Random(f"{seed}:example"), kind, uuids, keys[0]) if shape.example else ""
+
+        def render(n: int) -> str:
+            return example + niah_prompt(shape, intro, units(n), depth, texts[0], question)
 
     return make_sample(tokenizer, length, render, lambda n: answers, task)
 
 
-def niah_single(tokenizer, length: int, depth: float, seed: int, *, variant: int = 1, essay=None) -> Sample:
+def niah_prompt(shape: PromptShape, intro: str, units: list[str], depth: float, needle: str, question: str) -> str:
+    """A one-needle niah prompt in `shape`: `needle` at `depth` percent among `units`."""
+    if shape.landmark:
+        before, after = split_at(units, depth / 100)
+        return "\n".join([intro, " ".join(before), needle, " ".join(after), question])
+    return f"{intro}\n{' '.join(insert(units, [(depth / 100, needle)]))}{shape.question_break}{question}"
+
+
+def niah_example(shape: PromptShape, rng: random.Random, kind: str, uuids: bool, key: str) -> str:
+    """A short solved niah_single prompt in `shape` (noise haystack, a word key other than `key`) and a blank line."""
+    solved = key
+    while solved == key:
+        solved = word_keys(rng, 1)[0]
+    value = seeded_uuid4(rng) if uuids else str(rng.randint(1_000_000, 9_999_999))
+    needle = f"One of the special magic {kind} for {solved} is: {value}."
+    intro, question = NIAH_INTRO.format(kind=kind), NIAH_QUESTION.format(kind=kind, key=solved)
+    return f"{niah_prompt(shape, intro, noise_units(EXAMPLE_UNITS), 50, needle, question)} {value}.\n\n"
+
+
+def niah_single(tokenizer, length: int, depth: float, seed: int, *, variant: int = 1, essay=None,
+                shape: PromptShape = SHAPES[DEFAULT_SHAPE]) -> Sample:
     if variant not in (1, 2, 3):
         raise ValueError(f"niah_single variant must be 1, 2 or 3, got {variant}.")
     if variant > 1 and not essay:
         raise ValueError(f"niah_single variant {variant} needs essay sentences for its haystack.")
     haystack = None if variant == 1 else essay
-    return niah(tokenizer, length, depth, seed, task=f"niah_single_{variant}", essay=haystack, uuids=variant == 3)
+    return niah(tokenizer, length, depth, seed, task=f"niah_single_{variant}", essay=haystack, uuids=variant == 3,
+                shape=shape)
 
 
 def niah_multikey(tokenizer, length: int, depth: float, seed: int, *, essay) -> Sample:
@@ -349,11 +412,15 @@ def sample_seed(seed: int, task: str, length: int, depth: float, index: int, var
 
 
 def build_sample(
-    task: str, tokenizer, length: int, depth: float, seed: int, *, variant: int | None = None, essay: Sequence[str] = ()
+    task: str, tokenizer, length: int, depth: float, seed: int, *, variant: int | None = None, essay: Sequence[str] = (),
+    prompt_shape: str = DEFAULT_SHAPE,
 ) -> Sample:
-    """One prompt of `task`; `variant` only for niah_single, `essay` only for essay haystacks."""
+    """One prompt of `task`; `variant` only for niah_single, `essay` only for essay haystacks, `prompt_shape`
+    (a `prompt_shapes.SHAPES` name) only for the SHAPED_TASKS."""
     spec = TASKS[task]
     options = dict(spec.options) | ({"essay": essay} if spec.needs_essay else {})
+    if task in SHAPED_TASKS:
+        options["shape"] = SHAPES[prompt_shape]
     if variant is not None:
         options["variant"] = variant
     sample = spec.generate(tokenizer, length, depth, seed, **options)
@@ -363,7 +430,7 @@ def build_sample(
 
 
 def build_samples(task: str, tokenizer, length: int, cells: Sequence[dict], *, essay: Sequence[str] = (),
-                  workers: int = 1) -> list[Sample]:
+                  workers: int = 1, prompt_shape: str = DEFAULT_SHAPE) -> list[Sample]:
     """`build_sample` for each cell ({"depth", "seed"[, "variant"]}), in order, on `workers` threads.
 
     Fitting a long prompt takes a handful of tokenizer calls over the whole prompt (~0.4 s each at
@@ -375,7 +442,7 @@ def build_samples(task: str, tokenizer, length: int, cells: Sequence[dict], *, e
 
     def build(cell: dict) -> Sample:
         sample = build_sample(task, tokenizer, length, cell["depth"], cell["seed"], variant=cell.get("variant"),
-                              essay=essay)
+                              essay=essay, prompt_shape=prompt_shape)
         bar.update()
         return sample
 
@@ -389,10 +456,10 @@ def build_samples(task: str, tokenizer, length: int, cells: Sequence[dict], *, e
         bar.close()
 
 
-def check_length(task: str, tokenizer, length: int, essay: Sequence[str] = ()) -> None:
+def check_length(task: str, tokenizer, length: int, essay: Sequence[str] = (), prompt_shape: str = DEFAULT_SHAPE) -> None:
     """Raise ValueError now if `length` cannot hold the task's prompt (every variant)."""
     for variant in TASKS[task][2] or (None,):
-        build_sample(task, tokenizer, length, 0, 0, variant=variant, essay=essay)
+        build_sample(task, tokenizer, length, 0, 0, variant=variant, essay=essay, prompt_shape=prompt_shape)
 
 
 def run_longcontext(
@@ -408,6 +475,7 @@ def run_longcontext(
     finished: Sequence[dict] = (),
     on_progress: Callable[[dict], None] | None = None,
     prompts_per_call: Callable[[int], int] | None = None,
+    prompt_shape: str = DEFAULT_SHAPE,
 ) -> dict:
     """Build the task's prompts for every (variant, length, depth, sample), generate, and score.
 
@@ -420,10 +488,16 @@ def run_longcontext(
     result's "samples" back as `finished` (same settings) and the prompts they hold are kept, not
     generated again: the calls after them are the ones an uninterrupted sweep makes, and so is the
     result. A task whose `depth` places nothing (cwe, fwe, BABILong) is marked `"depth_free": True`.
+    `prompt_shape` lays out and scores the prompts of the SHAPED_TASKS (recorded as the result's
+    "prompt_shape"); the other tasks keep their own.
     """
     spec = TASKS[task]
     variants = spec.variants
     flags = {} if spec.depth else {"depth_free": True}  # the report labels its heatmap's rows accordingly
+    scorer = spec.score
+    if task in SHAPED_TASKS:
+        flags["prompt_shape"] = prompt_shape
+        scorer = partial(score_shaped, SHAPES[prompt_shape])
     kept = {cell_key(r): r for r in finished}
     records = []
     for index, length in enumerate(lengths):
@@ -436,7 +510,8 @@ def run_longcontext(
         ]
         answered = {cell_key(c): kept[cell_key(c)] for c in cells if cell_key(c) in kept}
         if len(answered) < len(cells):
-            built = build_samples(task, tokenizer, length, cells, essay=essay, workers=os.cpu_count() or 1)
+            built = build_samples(task, tokenizer, length, cells, essay=essay, workers=os.cpu_count() or 1,
+                                  prompt_shape=prompt_shape)
             # The length's longest answer, whichever prompts a call gets: why a resumed length builds
             # its answered prompts again.
             max_new_tokens = max(s.max_new_tokens for s in built)
@@ -448,7 +523,7 @@ def run_longcontext(
                 for (cell, sample), prediction in zip(part, predictions):
                     answered[cell_key(cell)] = cell | {
                         "tokens": sample.tokens, "answers": list(sample.answers), "prediction": prediction,
-                        "score": spec.score(prediction, sample)}
+                        "score": scorer(prediction, sample)}
                 length_done = start + step >= len(todo)
                 if on_progress is not None and not (length_done and index == len(lengths) - 1):
                     ongoing = [] if length_done else [r for c in cells if (r := answered.get(cell_key(c)))]
@@ -456,6 +531,11 @@ def run_longcontext(
                     on_progress(result_so_far(done, ongoing, lengths[: index + length_done], depths, variants) | flags)
         records += [answered[cell_key(c)] for c in cells]
     return summarize(records, lengths, depths, variants) | flags
+
+
+def score_shaped(shape: PromptShape, prediction: str, sample: Sample) -> float:
+    """A shaped task's score: its answers read by the shape's rule."""
+    return shape.score(prediction, sample.answers)
 
 
 def cell_key(cell: dict) -> tuple:
@@ -479,7 +559,7 @@ def mean(values) -> float:
 
 
 def summarize(records: list[dict], lengths, depths, variants) -> dict:
-    """Mean score overall, per length, per (length, depth) cell and per variant, plus every sample."""
+    """Mean score overall, per length, per depth, per (length, depth) cell and per variant, plus every sample."""
     grid = [
         {"length": length, "depth": depth, "score": mean(r["score"] for r in cell), "n": len(cell)}
         for length in lengths
@@ -493,6 +573,11 @@ def summarize(records: list[dict], lengths, depths, variants) -> dict:
         "by_length": [
             {"length": length, "score": mean(r["score"] for r in records if r["length"] == length)}
             for length in lengths
+        ],
+        "by_depth": [
+            {"depth": depth, "score": mean(r["score"] for r in at)}
+            for depth in depths
+            if (at := [r for r in records if r["depth"] == depth])
         ],
         "grid": grid,
     }

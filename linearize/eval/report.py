@@ -205,13 +205,33 @@ def markdown(results: dict, plots: dict[str, Path]) -> str:
         lines.append("")
         lines += [f"![{name}]({plots[name].name})" for name, _ in long_rows if name in plots]
         lines.append("")
+        for name, r in long_rows:
+            if not r.get("depth_free") and name in plots:
+                lines += depth_table(name, r)
     for title, key, names, rows in families_run(tasks):
         lines += family_section(title, key, names, rows, plots)
     versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
     lines += ["## Provenance", "", f"- versions: {versions}", f"- lengths {prov['lengths']}, depths {prov['depths']}"]
     if prov.get("task_lengths"):
         lines.append(f"- lengths of single tasks: {prov['task_lengths']}")
+    if prov.get("prompt_shape"):
+        lines.append(f"- prompt shape of passkey and niah_single: {prov['prompt_shape']}")
     return "\n".join(lines) + "\n"
+
+
+def depth_table(name: str, result: dict) -> list[str]:
+    """A long-context task's score per needle depth (rows) and length (columns), the depth's mean last:
+    where in the context a model loses the needle."""
+    lengths = [b["length"] for b in result["by_length"]]
+    cells = {(c["length"], c["depth"]): c["score"] for c in result["grid"]}
+    means = {b["depth"]: b["score"] for b in result.get("by_depth", [])}
+    lines = [f"### {name} by depth", "", "| depth | " + " | ".join(map(length_label, lengths)) + " | mean |",
+             "|---" * (len(lengths) + 2) + "|"]
+    for depth in result["depths"]:
+        row = [f"{cells[length, depth]:.3f}" if (length, depth) in cells else "–" for length in lengths]
+        mean_cell = f"{means[depth]:.3f}" if depth in means else "–"
+        lines.append(f"| {depth:g}% | " + " | ".join(row) + f" | {mean_cell} |")
+    return [*lines, ""]
 
 
 # --- task families (RULER, BABILong): a table and a task x length heatmap, with their average by length

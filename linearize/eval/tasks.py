@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from linearize.eval import babilong, generative, harness, longcontext, ruler
+from linearize.eval.prompt_shapes import DEFAULT_SHAPE
 from linearize.eval.texts import essay_sentences
 
 LONGCONTEXT = tuple(longcontext.TASKS)  # every long-context task: the synthetic six, RULER's and BABILong's
@@ -89,14 +90,14 @@ def haystack_essay(task: str, essay: str | None) -> Sequence[str]:
 
 
 def check_prompt_lengths(names: Sequence[str], tokenizer, lengths: Sequence[int], essay: str | None = None,
-                         task_lengths: dict[str, list[int]] | None = None) -> None:
+                         task_lengths: dict[str, list[int]] | None = None, prompt_shape: str = DEFAULT_SHAPE) -> None:
     """Raise ValueError if the shortest length cannot hold a long-context task's prompt (or is 0 for ppl)."""
     if "ppl" in names and 0 in (task_lengths or {}).get("ppl", lengths):
         raise ValueError("lengths: ppl cannot score windows of length 0 (0 is BABILong's length of the facts "
                          "alone): drop 0 from the lengths, or give ppl its own with --task-lengths")
     for name in (n for n in names if n in LONGCONTEXT):
         shortest = min((task_lengths or {}).get(name, lengths))
-        longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay))
+        longcontext.check_length(name, tokenizer, shortest, haystack_essay(name, essay), prompt_shape)
 
 
 def parse_task_lengths(names: Sequence[str], task_lengths: dict[str, str | int | Sequence[int | str]]

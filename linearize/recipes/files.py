@@ -16,7 +16,7 @@ import yaml
 # `linearize.eval.evaluate`'s arguments, and "set": inference options of the distilled model for this
 # evaluation (`convert.set_inference_options`).
 EVAL_KEYS = {"tasks", "limit", "task_limits", "task_lengths", "lengths", "depths", "samples", "batch", "harness_batch",
-             "seed", "set", "chat_template"}
+             "seed", "set", "chat_template", "prompt_shape"}
 RECIPE_KEYS = ("name", "row", "model", "distill", "eval")
 SUFFIXES = (".yaml", ".yml", ".json")
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # the shipped recipes (a source checkout)

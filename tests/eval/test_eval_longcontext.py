@@ -187,7 +187,8 @@ def test_a_sweep_reports_each_length_and_resumes_from_the_finished_ones(tokenize
     assert [p["lengths"] for p in partials] == [[1024], [1024, 2048]]  # none after the last: that is the result
     assert all(p["partial"] is True for p in partials)
     assert partials[0]["samples"] == whole["samples"][:12] and partials[1]["samples"] == whole["samples"][:24]
-    assert partials[0] == lc.summarize(whole["samples"][:12], [1024], [0, 100], (1, 2, 3)) | {"partial": True}
+    assert partials[0] == (lc.summarize(whole["samples"][:12], [1024], [0, 100], (1, 2, 3))
+                           | {"partial": True, "prompt_shape": "v1"})
     generated.clear()
     assert run(finished=partials[0]["samples"]) == whole
     assert generated == [12, 12]  # 2048 and 3072 only
