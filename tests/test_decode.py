@@ -142,6 +142,7 @@ def test_a_compiled_step_gives_the_same_tokens_and_a_failed_compile_steps_uncomp
     assert decode(compile_fails=True) == "eager, fused projections, not compiled (ZeroDivisionError: division by zero)"
 
 
+@pytest.mark.slow
 def test_eager_compiled_steps_compile_twice_then_reuse_the_graph():
     """Dynamo specialises the first step on the cache's token count, then makes that count dynamic:
     later steps reuse the second graph (specialised on every count, each token compiled anew)."""

@@ -37,6 +37,7 @@ def test_parsing_help_or_a_bad_flag_imports_nothing_heavy(argv):
     assert heavy_modules_after(code) == []
 
 
+@pytest.mark.slow
 def test_public_names_and_submodules_load_on_first_use():
     """`linearize.__all__` resolves lazily, and `import linearize` then `linearize.decode.greedy_decode` (the
     README's quickstart) works: one interpreter for both, as each start imports torch."""
