@@ -331,47 +331,35 @@ def _labelled(text: str) -> tuple[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.docs.tables", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="table", required=True)
-    sub.add_parser("fsdp").add_argument("path", type=Path)
-    sub.add_parser("train-ratios").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
-    sub.add_parser("train-shapes").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
-    sub.add_parser("kernel-targets").add_argument("runs", nargs="+", type=Path)
-    sub.add_parser("serve-pacing").add_argument("runs", nargs="+", type=Path)
-    sub.add_parser("default-mix").add_argument("path", type=Path)
-    sub.add_parser("needle-mass").add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR")
-    sub.add_parser("prefill").add_argument("runs", nargs="+", type=Path)
-    s = sub.add_parser("speed")
-    for name in ("train", "kernels", "decode", "prefill", "memory"):
-        s.add_argument(f"--{name}", type=Path, required=True)
-    sub.add_parser("eval-times").add_argument("path", type=Path)
-    m = sub.add_parser("decode-memory")
-    m.add_argument("--contexts", type=lambda t: [_context(c) for c in t.split(",")], required=True)
-    m.add_argument("runs", nargs="+", type=_labelled, metavar="LABEL=DIR[#MODEL]")
-    sub.add_parser("stage1-ablations").add_argument("path", type=Path)
+
+    def table(name: str, make, *arguments: tuple[str, dict]) -> None:
+        """A subcommand `name` whose arguments, parsed, give the table as `make(args)`."""
+        command = sub.add_parser(name)
+        for flag, options in arguments:
+            command.add_argument(flag, **options)
+        command.set_defaults(make=make)
+
+    one_path = ("path", {"type": Path})
+    paths = ("runs", {"nargs": "+", "type": Path})
+    labelled = ("runs", {"nargs": "+", "type": _labelled, "metavar": "LABEL=DIR"})
+    table("fsdp", lambda a: fsdp(a.path), one_path)
+    table("train-ratios", lambda a: train_ratios(a.runs), labelled)
+    table("train-shapes", lambda a: train_shapes(a.runs), labelled)
+    table("kernel-targets", lambda a: kernel_targets(a.runs), paths)
+    table("serve-pacing", lambda a: serve_pacing(a.runs), paths)
+    table("default-mix", lambda a: default_mix(a.path), one_path)
+    table("needle-mass", lambda a: needle_mass(a.runs), labelled)
+    table("prefill", lambda a: prefill(a.runs), paths)
+    table("speed", lambda a: speed(a.train, a.kernels, a.decode, a.prefill, a.memory),
+          *[(f"--{name}", {"type": Path, "required": True}) for name in ("train", "kernels", "decode", "prefill",
+                                                                        "memory")])
+    table("eval-times", lambda a: eval_times(a.path), one_path)
+    table("decode-memory", lambda a: decode_memory(a.runs, a.contexts),
+          ("--contexts", {"type": lambda t: [_context(c) for c in t.split(",")], "required": True}),
+          ("runs", {"nargs": "+", "type": _labelled, "metavar": "LABEL=DIR[#MODEL]"}))
+    table("stage1-ablations", lambda a: stage1_ablations(a.path), one_path)
     args = parser.parse_args(argv)
-    if args.table == "fsdp":
-        text = fsdp(args.path)
-    elif args.table == "train-ratios":
-        text = train_ratios(args.runs)
-    elif args.table == "train-shapes":
-        text = train_shapes(args.runs)
-    elif args.table == "kernel-targets":
-        text = kernel_targets(args.runs)
-    elif args.table == "serve-pacing":
-        text = serve_pacing(args.runs)
-    elif args.table == "default-mix":
-        text = default_mix(args.path)
-    elif args.table == "needle-mass":
-        text = needle_mass(args.runs)
-    elif args.table == "prefill":
-        text = prefill(args.runs)
-    elif args.table == "speed":
-        text = speed(args.train, args.kernels, args.decode, args.prefill, args.memory)
-    elif args.table == "decode-memory":
-        text = decode_memory(args.runs, args.contexts)
-    elif args.table == "stage1-ablations":
-        text = stage1_ablations(args.path)
-    else:
-        text = eval_times(args.path)
+    text = args.make(args)
     print(text, end="")
     return 0
 
