@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import still_routing  # noqa: E402 (a sibling script, not a package)
+import still_routing
 
 BENCHES = ("kernels", "model", "serve", "train")
 
