@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import still_routing
+import still_routing  # a sibling script, not a package: found through the path above
 
 BENCHES = ("kernels", "model", "serve", "train")
 
