@@ -104,16 +104,28 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.filename}: {reason}" if e.filename else reason
 
 
+def lone_surrogate_at(text: str) -> int | None:
+    """The index of the first lone UTF-16 surrogate in `text`, or None: such a string is no Unicode text,
+    and no tokenizer takes it (undecodable argv bytes arrive as surrogates, and JSON's `\\udXXX` escapes
+    can spell half a pair)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 def check_text(text: str, flag: str) -> str:
     """`text` from the command line, refused (CommandError naming `flag`) unless it is valid UTF-8: Python
-    hands undecodable argv bytes over as lone surrogates, which no tokenizer takes. Decoding them under
-    another charset (Latin-1?) would be a guess, so the user is asked for UTF-8."""
-    for index, char in enumerate(text):
-        if "\ud800" <= char <= "\udfff":
-            what = (f"byte 0x{ord(char) - 0xDC00:02x}" if "\udc80" <= char <= "\udcff"
-                    else f"lone surrogate U+{ord(char):04X}")
-            raise CommandError(f"{flag} is not valid UTF-8 text ({what} at character {index}): "
-                               "pass the text encoded as UTF-8")
+    hands undecodable argv bytes over as lone surrogates. Decoding them under another charset (Latin-1?)
+    would be a guess, so the user is asked for UTF-8."""
+    index = lone_surrogate_at(text)
+    if index is not None:
+        char = text[index]
+        what = (f"byte 0x{ord(char) - 0xDC00:02x}" if "\udc80" <= char <= "\udcff"
+                else f"lone surrogate U+{ord(char):04X}")
+        raise CommandError(f"{flag} is not valid UTF-8 text ({what} at character {index}): "
+                           "pass the text encoded as UTF-8")
     return text
 
 

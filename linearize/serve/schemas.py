@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..cli_args import lone_surrogate_at
+
 MAX_STOP_STRINGS = 16
 # What torch's generators take as a seed.
 SEED_MIN, SEED_END = -(2**63), 2**64
@@ -55,13 +57,10 @@ class _Body(BaseModel):
 def _lone_surrogate(value, path: tuple = ()) -> tuple[str, str, int] | None:
     """The first string in a JSON value that is no Unicode text: (its path, as `a.0.b`, the lone UTF-16
     surrogate it holds, the character's index); None if every string is text. JSON's `\\udXXX` escapes
-    can spell half a surrogate pair, which no tokenizer takes."""
+    can spell half a surrogate pair (`lone_surrogate_at`)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return ".".join(str(p) for p in path), value[e.start], e.start
-        return None
+        index = lone_surrogate_at(value)
+        return None if index is None else (".".join(str(p) for p in path), value[index], index)
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         found = _lone_surrogate(item, (*path, key))
