@@ -7,7 +7,14 @@ import pytest
 
 from linearize.eval import command
 from linearize.eval.report import write_json
-from linearize.eval.results_file import SAMPLES_KEY, read_results, samples_path, split_samples, write_results
+from linearize.eval.results_file import (
+    SAMPLES_KEY,
+    read_results,
+    samples_path,
+    scores_text,
+    split_samples,
+    write_results,
+)
 
 RESULTS = {
     "format": "linearize-eval/1",
@@ -45,6 +52,32 @@ def test_the_same_results_give_the_same_bytes(tmp_path):
     assert first.read_bytes() == second.read_bytes()
     assert samples_path(first).read_bytes() == samples_path(second).read_bytes()
     assert samples_path(first).read_bytes()[4:8] == b"\0\0\0\0"  # gzip's mtime field: none
+
+
+def test_the_json_has_a_line_per_task_and_per_provenance_field(tmp_path):
+    out = write_results(RESULTS, tmp_path / "eval.json")
+    assert out.read_text() == """{
+  "format": "linearize-eval/1",
+  "provenance": {
+    "model": "tiny",
+    "partial": false
+  },
+  "tasks": {
+    "piqa": {"acc":0.5,"acc_norm":0.75},
+    "passkey": {"score":0.5,"by_length":[{"length":512,"score":0.5}]},
+    "squad_gen": {"exact_match":0.0}
+  },
+  "zeroshot_average": {
+    "value": 0.75
+  },
+  "samples_file": "eval.samples.jsonl.gz"
+}
+"""
+
+
+def test_keys_and_values_json_writes_as_text_keep_their_json_form():
+    value = {"tasks": {1: {"x": float("nan")}, True: {}, None: [None]}, "a": {}, "b": [], "c": "é"}
+    assert json.loads(scores_text(value)) == json.loads(json.dumps(value))
 
 
 def test_a_file_with_the_records_inline_reads_as_it_is(tmp_path):
