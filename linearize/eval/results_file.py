@@ -2,11 +2,10 @@
 FILE.samples.jsonl.gz beside it every task's per-sample records (prompts' answers, predictions, scores).
 
 The records are most of a run's bytes and are read only to look into single answers, so they are kept
-apart and compressed: the JSON stays small enough to read, diff and commit. The JSON has a line per
-top-level key and per member of each top-level object (a task, a provenance field), each written
-compactly on its line: a diff names the tasks that changed, and the file is half the bytes of
-two-space indentation. The gzip stream has no
-timestamp, so the same records give the same bytes. A results file written with the records inline
+apart and compressed: the JSON stays small enough to read, diff and commit. It has a line per top-level
+key and per member of each top-level object (a task, a provenance field), each compact on its line
+(`linearize.cli_args.compact_json`). The gzip stream has no timestamp, so the same records give the same
+bytes. A results file written with the records inline
 (no "samples_file" key) reads the same way.
 """
 
@@ -16,25 +15,10 @@ import gzip
 import json
 from pathlib import Path
 
-from linearize.cli_args import write_text_atomic
+from linearize.cli_args import compact_json, write_text_atomic
 
 # The JSON's top-level key naming the records file beside it (a bare file name, so the pair can move).
 SAMPLES_KEY = "samples_file"
-
-
-def scores_text(scores: dict) -> str:
-    """The JSON text of a results file's scores, laid out a line per member of its first two levels."""
-    return _layout(scores, levels=2, indent="") + "\n"
-
-
-def _layout(value, levels: int, indent: str) -> str:
-    if levels == 0 or not isinstance(value, dict) or not value:
-        return json.dumps(value, separators=(",", ":"), default=str)
-    inner = indent + "  "
-    # A key JSON would write as text (a number, true, null) is written so here too.
-    members = [f"{inner}{json.dumps(key if isinstance(key, str) else json.dumps(key))}: "
-               f"{_layout(member, levels - 1, inner)}" for key, member in value.items()]
-    return "{\n" + ",\n".join(members) + "\n" + indent + "}"
 
 
 def samples_path(out: str | Path) -> Path:
@@ -95,7 +79,7 @@ def write_results(results: dict, out: str | Path) -> Path:
     if samples:
         scores = {**scores, SAMPLES_KEY: records.name}
     data = samples_bytes(samples) if samples else None
-    text = scores_text(scores)
+    text = compact_json(scores, default=str) + "\n"
     if data is not None:
         _write_bytes_atomic(records, data)
     write_text_atomic(out, text)

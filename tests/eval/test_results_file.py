@@ -7,14 +7,7 @@ import pytest
 
 from linearize.eval import command
 from linearize.eval.report import write_json
-from linearize.eval.results_file import (
-    SAMPLES_KEY,
-    read_results,
-    samples_path,
-    scores_text,
-    split_samples,
-    write_results,
-)
+from linearize.eval.results_file import SAMPLES_KEY, read_results, samples_path, split_samples, write_results
 
 RESULTS = {
     "format": "linearize-eval/1",
@@ -73,11 +66,6 @@ def test_the_json_has_a_line_per_task_and_per_provenance_field(tmp_path):
   "samples_file": "eval.samples.jsonl.gz"
 }
 """
-
-
-def test_keys_and_values_json_writes_as_text_keep_their_json_form():
-    value = {"tasks": {1: {"x": float("nan")}, True: {}, None: [None]}, "a": {}, "b": [], "c": "é"}
-    assert json.loads(scores_text(value)) == json.loads(json.dumps(value))
 
 
 def test_a_file_with_the_records_inline_reads_as_it_is(tmp_path):
