@@ -1,4 +1,5 @@
-"""What every verb of the `linearize` command shares: argument types, the user-error type, atomic outputs.
+"""What every verb of the `linearize` command shares: argument types, the user-error type, atomic outputs
+and the layout of the JSON files they write.
 
 Verbs register themselves from their own modules (`train.command`, `eval.command`, ...); they import
 this, never `cli`, so the command's entry point sits above them all.
@@ -204,6 +205,27 @@ def normal_permissions(folder: Path) -> None:
         if path.is_symlink():
             continue
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def compact_json(value, levels: int = 2, default=None) -> str:
+    """`value` as JSON with a line per member of its first `levels` levels of objects and arrays, each
+    member written compactly on its line: a diff names the entry that changed (a task, a measured point),
+    and the file is about half the bytes of indented JSON. Every file the project commits is carried to
+    each GPU call. `default` is json.dumps's (what to write for values JSON has no form for)."""
+    return _layout(value, levels, "", default)
+
+
+def _layout(value, levels: int, indent: str, default) -> str:
+    if levels == 0 or not isinstance(value, (dict, list)) or not value:
+        return json.dumps(value, separators=(",", ":"), default=default)
+    inner = indent + "  "
+    if isinstance(value, list):
+        members = [inner + _layout(member, levels - 1, inner, default) for member in value]
+        return "[\n" + ",\n".join(members) + "\n" + indent + "]"
+    # A key JSON would write as text (a number, true, null) is written so here too.
+    members = [f"{inner}{json.dumps(key if isinstance(key, str) else json.dumps(key))}: "
+               f"{_layout(member, levels - 1, inner, default)}" for key, member in value.items()]
+    return "{\n" + ",\n".join(members) + "\n" + indent + "}"
 
 
 def write_text_atomic(path: Path, text: str) -> Path:

@@ -1,5 +1,7 @@
 """Results rows back from the GPU into docs/results/<device>/runs/<row>/: each row's eval.json (and its
-per-sample records, eval.samples.jsonl.gz), run.json and layer record (stage1_layer_errors.json and its figure), with its report drawn again.
+per-sample records, eval.samples.jsonl.gz), run.json and layer record (stage1_layer_errors.json), with its report drawn again.
+The figures stay out of git (.gitignore): a page that shows a row's layer figure draws it with
+`python -m linearize.train.layer_report` and adds it with `git add -f`.
 
     python experiments/scripts/collect_rows.py /work/.device/N [--device h100] [--rows still-kl-25,lizard-gen]
 
@@ -23,8 +25,8 @@ from linearize.eval.report import write_report
 from linearize.eval.results_file import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
-KEPT = {"eval.json": "eval.json", "eval.samples.jsonl.gz": "eval.samples.jsonl.gz", "run.json": "run.json", "model/stage1_layer_errors.json": "stage1_layer_errors.json",
-        "model/stage1_layer_errors.png": "stage1_layer_errors.png"}
+KEPT = {"eval.json": "eval.json", "eval.samples.jsonl.gz": "eval.samples.jsonl.gz", "run.json": "run.json",
+        "model/stage1_layer_errors.json": "stage1_layer_errors.json"}
 
 
 def unpacked_runs(folder: Path, scratch: Path) -> dict[str, Path]:

@@ -21,13 +21,13 @@ each head's normaliser goes to the key, and how much the linear terms take
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
 
 from experiments.routing import EVICTED, LEFT_WINDOW, MASS_SHARES, VISIBLE, needle_mass, needle_routing
+from linearize.cli_args import compact_json
 from linearize.config import StillConfig
 from linearize.eval.api import parse_depths, parse_lengths
 from linearize.eval.report import length_label
@@ -158,7 +158,7 @@ def main() -> None:
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     args.out.mkdir(parents=True, exist_ok=True)
     def write(name: str, result: dict, to_markdown, draw) -> None:
-        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / f"{name}.json").write_text(compact_json(result) + "\n")
         (args.out / f"{name}.md").write_text(to_markdown(result, args.model))
         draw(result, args.out / f"{name}.png")
         print(f"wrote {args.out}/{name}.md, {name}.json, {name}.png")

@@ -28,7 +28,8 @@ def test_rows_come_back_into_their_folders(tmp_path):
     layers = json.dumps({"mse": {"0": 0.1}, "picked": [0]}).encode()
     archive(tmp_path / "rows-a.tgz", {"rows-a/rows.log": b"log", "a/run.json": b"{}",
                                       "a/eval.json": json.dumps(finished).encode(),
-                                      "a/model/stage1_layer_errors.json": layers})
+                                      "a/model/stage1_layer_errors.json": layers,
+                                      "a/model/stage1_layer_errors.png": b"figure"})
     archive(tmp_path / "runs-so-far.tgz", {"runs/a/eval.json": cut.read_bytes(), "runs/a/run.json": b"{}",
                                            "runs/a/eval.samples.jsonl.gz": samples_path(cut).read_bytes(),
                                            "runs/b/model/stage1_layer_errors.json": layers,
@@ -46,7 +47,7 @@ def test_rows_come_back_into_their_folders(tmp_path):
         assert (out / row / "eval.samples.jsonl.gz").is_file() and (out / row / "eval.json").stat().st_size < 64_000
     assert read_results(out / "a" / "eval.json") == finished and read_results(out / "d" / "eval.json") == read_results(cut)
     assert (out / "a" / "eval.md").exists() and (out / "b" / "stage1_layer_errors.json").read_bytes() == layers
-    assert not (out / "c").exists()
+    assert not (out / "c").exists() and not (out / "a" / "stage1_layer_errors.png").exists()  # drawn again where shown
     assert collect(tmp_path, tmp_path / "only", {"b"})[0].startswith("b:") and not (tmp_path / "only" / "a").exists()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import platform
 import shlex
 import statistics
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from linearize.cli_args import compact_json
 
 OOM = torch.cuda.OutOfMemoryError
 GIB = 1 << 30
@@ -213,7 +214,7 @@ def save_json(results: dict, out: Path) -> Path:
     """Rewritten after every measurement, so a run cut short still leaves what it measured."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{results['bench']}.json"
-    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    path.write_text(compact_json(results) + "\n", encoding="utf-8")
     return path
 
 

@@ -2,8 +2,10 @@
 FILE.samples.jsonl.gz beside it every task's per-sample records (prompts' answers, predictions, scores).
 
 The records are most of a run's bytes and are read only to look into single answers, so they are kept
-apart and compressed: the JSON stays small enough to read, diff and commit. The gzip stream has no
-timestamp, so the same records give the same bytes. A results file written with the records inline
+apart and compressed: the JSON stays small enough to read, diff and commit. It has a line per top-level
+key and per member of each top-level object (a task, a provenance field), each compact on its line
+(`linearize.cli_args.compact_json`). The gzip stream has no timestamp, so the same records give the same
+bytes. A results file written with the records inline
 (no "samples_file" key) reads the same way.
 """
 
@@ -13,7 +15,7 @@ import gzip
 import json
 from pathlib import Path
 
-from linearize.cli_args import write_text_atomic
+from linearize.cli_args import compact_json, write_text_atomic
 
 # The JSON's top-level key naming the records file beside it (a bare file name, so the pair can move).
 SAMPLES_KEY = "samples_file"
@@ -77,7 +79,7 @@ def write_results(results: dict, out: str | Path) -> Path:
     if samples:
         scores = {**scores, SAMPLES_KEY: records.name}
     data = samples_bytes(samples) if samples else None
-    text = json.dumps(scores, indent=2, default=str) + "\n"
+    text = compact_json(scores, default=str) + "\n"
     if data is not None:
         _write_bytes_atomic(records, data)
     write_text_atomic(out, text)

@@ -47,6 +47,27 @@ def test_the_same_results_give_the_same_bytes(tmp_path):
     assert samples_path(first).read_bytes()[4:8] == b"\0\0\0\0"  # gzip's mtime field: none
 
 
+def test_the_json_has_a_line_per_task_and_per_provenance_field(tmp_path):
+    out = write_results(RESULTS, tmp_path / "eval.json")
+    assert out.read_text() == """{
+  "format": "linearize-eval/1",
+  "provenance": {
+    "model": "tiny",
+    "partial": false
+  },
+  "tasks": {
+    "piqa": {"acc":0.5,"acc_norm":0.75},
+    "passkey": {"score":0.5,"by_length":[{"length":512,"score":0.5}]},
+    "squad_gen": {"exact_match":0.0}
+  },
+  "zeroshot_average": {
+    "value": 0.75
+  },
+  "samples_file": "eval.samples.jsonl.gz"
+}
+"""
+
+
 def test_a_file_with_the_records_inline_reads_as_it_is(tmp_path):
     old = tmp_path / "eval.json"
     old.write_text(json.dumps(RESULTS, indent=2))
