@@ -13,6 +13,9 @@ A prompt is refused by its size before it is tokenized (`_Served.max_prompt_char
 characters can fit `max_prompt_tokens`), and tokenized on a worker thread, so that a huge prompt
 neither takes the tokenizer's time nor holds up the event loop's other requests.
 
+Completions take `logprobs` and `echo`, chat `logprobs` and `top_logprobs` (`logprob_bodies` spells them
+out); `GET /metrics` gives the counts of `metrics.ServeMetrics` in Prometheus's text format.
+
 `app.state.shutdown` (`Shutdown`) is how the process stops it: `drain()` answers every new request
 503 while the ones in flight finish; `force()` ends those too (a stream gets an error event and
 `[DONE]`); `idle` says when none is left.
@@ -32,7 +35,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
@@ -40,6 +43,9 @@ from transformers import PreTrainedTokenizerBase
 from ..cli_args import first_line
 from .detokenize import TextStream
 from .engine import Engine, EngineStopped, QueueFull, SamplingParams, TooLarge
+from .logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
+from .metrics import ServeMetrics
+from .prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -116,13 +122,22 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
         else:
             prompt_ids = served.check_token_ids(body.prompt)
         max_tokens = served.max_tokens(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens")
-        generation = served.submit(prompt_ids, body, max_tokens)
+        echoed = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
+            await served.decode(prompt_ids)
+        generation = served.submit(prompt_ids, body, max_tokens, logprobs=body.logprobs,
+                                   prompt_logprobs=body.logprobs if body.echo else None)
         if body.stream:
-            return _event_stream(raw, generation, _CompletionChunks(served.name, body.include_usage))
+            return _event_stream(raw, generation, _CompletionChunks(served.name, body.include_usage, echoed))
         text = await _collect(raw, generation)
+        logprobs = None
+        if body.logprobs is not None:
+            tokens, entries = generation.scored_tokens()
+            if body.echo:
+                tokens, entries = prompt_ids + tokens, generation.request.prompt_logprobs + entries
+            logprobs = await served.off_loop(completion_logprobs, tokens, entries, served.token_texts)
+        choice = CompletionChoice(text=echoed + text, logprobs=logprobs, finish_reason=generation.finish_reason)
         return CompletionResponse(id=generation.id("cmpl"), created=generation.created, model=served.name,
-                                  choices=[CompletionChoice(text=text, finish_reason=generation.finish_reason)],
-                                  usage=generation.usage())
+                                  choices=[choice], usage=generation.usage())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
@@ -131,11 +146,16 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
         prompt_ids = await served.encode(await served.chat_prompt(body), add_special_tokens=False)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = served.max_tokens(body.requested_tokens, served.max_completion_tokens, param)
-        generation = served.submit(prompt_ids, body, max_tokens)
+        generation = served.submit(prompt_ids, body, max_tokens,
+                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         if body.stream:
             return _event_stream(raw, generation, _ChatChunks(served.name, body.include_usage))
         text = await _collect(raw, generation)
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)
+        logprobs = None
+        if body.logprobs:
+            logprobs = await served.off_loop(chat_logprobs, generation.scored_tokens()[1], served.token_texts)
+        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=logprobs,
+                            finish_reason=generation.finish_reason)
         return ChatCompletionResponse(id=generation.id("chatcmpl"), created=generation.created, model=served.name,
                                       choices=[choice], usage=generation.usage())
 
@@ -146,6 +166,10 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", **engine.stats()}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(served.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     return app
 
@@ -217,11 +241,14 @@ class _Served:
         # One worker: the tokenizer's calls run one at a time, off the event loop.
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="linearize-tokenize")
         self.created = int(time.time())
+        self.token_texts = TokenTexts(tokenizer)
+        self.metrics = ServeMetrics(name, engine.stats)
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    async def _off_loop(self, function, *args, **kwargs):
+    async def off_loop(self, function, *args, **kwargs):
+        """`function(*args, **kwargs)` on the tokenizer's worker thread (what decodes or encodes runs there)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, lambda: function(*args, **kwargs))
 
     def check_model(self, model: str) -> None:
@@ -242,17 +269,20 @@ class _Served:
             raise APIError(400, f"`{self.name}` has no chat template: use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            return await self._off_loop(self.tokenizer.apply_chat_template, messages, tokenize=False,
+            return await self.off_loop(self.tokenizer.apply_chat_template, messages, tokenize=False,
                                         add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 (templates raise what they like: jinja's TemplateError, TypeError, ...)
             reason = first_line(e)
             raise APIError(400, f"the chat template refused these messages: {reason}", param="messages") from None
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        ids = await self.off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError(400, "the prompt gives no tokens to continue from", param="prompt")
         return self._check_length(ids)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self.off_loop(self.tokenizer.decode, ids)
 
     def check_token_ids(self, ids: list[int]) -> list[int]:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -274,9 +304,10 @@ class _Served:
                            "tokens a request", param=param)
         return asked
 
-    def submit(self, prompt_ids: list[int], body, max_tokens: int) -> _Generation:
+    def submit(self, prompt_ids: list[int], body, max_tokens: int, *, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> _Generation:
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                ignore_eos=body.ignore_eos)
+                                ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             request = self.engine.submit(prompt_ids, params)
         except TooLarge as e:
@@ -287,15 +318,17 @@ class _Served:
         except EngineStopped as e:
             raise APIError(503, f"{e}: no new requests", type="service_unavailable_error",
                            code="shutting_down") from None
-        return _Generation(request, TextStream(self.tokenizer, body.stop), len(prompt_ids))
+        self.metrics.request_started(len(prompt_ids))
+        return _Generation(request, TextStream(self.tokenizer, body.stop), len(prompt_ids), self.metrics)
 
 
 class _Generation:
     """One submitted request seen from the web side: its text as it comes, why it ended, its counts."""
 
-    def __init__(self, request, text: TextStream, prompt_tokens: int):
-        self.request, self.text, self.prompt_tokens = request, text, prompt_tokens
+    def __init__(self, request, text: TextStream, prompt_tokens: int, metrics: ServeMetrics):
+        self.request, self.text, self.prompt_tokens, self.metrics = request, text, prompt_tokens, metrics
         self.created = int(time.time())
+        self.submitted = self._last_token = time.perf_counter()
         self.finish_reason: str | None = None
         self._id = uuid.uuid4().hex
 
@@ -306,24 +339,37 @@ class _Generation:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.text.tokens,
                      total_tokens=self.prompt_tokens + self.text.tokens)
 
+    def scored_tokens(self) -> tuple[list[int], list]:
+        """The tokens the text was made of and their log-probabilities (`logprobs.TokenLogprob`), for a
+        request that asked for them: a stop string's tokens included, any the engine made after it not."""
+        tokens = self.request.generated[:self.text.tokens]
+        return tokens, self.request.logprobs[:len(tokens)]
+
     async def pieces(self) -> AsyncIterator[str]:
         """The text, piece by piece; `finish_reason` is set once it ends. Raises `_Interrupted` if the
         engine cancelled the request, RuntimeError if the engine failed on it."""
         try:
             async for token in self.request.tokens():
+                now = time.perf_counter()
+                self.metrics.token(now - self._last_token, first=self.text.tokens == 0)
+                self._last_token = now
                 if piece := self.text.push(token):
                     yield piece
                 if self.text.stopped:
                     self.request.cancel()  # the rest would be cut anyway: free the slot now
-                    self.finish_reason = "stop"
+                    self._finished("stop")
                     return
             if self.request.finish_reason not in ("stop", "length"):
                 raise _Interrupted(f"the request ended early ({self.request.finish_reason}): the server is stopping")
             if piece := self.text.finish():
                 yield piece
-            self.finish_reason = "stop" if self.text.stopped else self.request.finish_reason
+            self._finished("stop" if self.text.stopped else self.request.finish_reason)
         finally:
             self.abandon()
+
+    def _finished(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.metrics.request_finished(reason, time.perf_counter() - self.submitted)
 
     def abandon(self) -> None:
         """Cancel the request unless it ended: its client left, or its task was cancelled. The slot frees."""
@@ -355,11 +401,11 @@ async def _collect(raw: HTTPRequest, generation: _Generation) -> str:
 class _CompletionChunks:
     """The events of a streamed completion."""
 
-    def __init__(self, model: str, include_usage: bool):
-        self.model, self.include_usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool, echoed: str = ""):
+        self.model, self.include_usage, self.echoed = model, include_usage, echoed
 
     def start(self, generation: _Generation) -> list[BaseModel]:
-        return []
+        return [self.text(generation, self.echoed)] if self.echoed else []
 
     def text(self, generation: _Generation, piece: str, finish_reason: str | None = None) -> BaseModel:
         return CompletionResponse(id=generation.id("cmpl"), created=generation.created, model=self.model,

@@ -14,6 +14,10 @@ Each scheduler turn
 2. copies a finished prefill's state into its row;
 3. steps every row once, in one forward of the batch, and hands each running request its next token.
 
+A request that asks for log-probabilities gets them with each token (`logprobs.token_logprobs`, of the
+logits before temperature and top-p); one that asks for its prompt's is prefilled on its own cache keeping
+every position's logits, which no other request pays for. `max_tokens` 0 ends a request after its prefill.
+
 A finished, cancelled or failed request frees its row on the next turn. How the rows are held depends
 on the model (`Engine.mode`):
 
@@ -61,6 +65,7 @@ from ..prefill import StaticPrefill, largest_size, power_of_two_sizes
 from . import kv_slots
 from .kv_budget import KV_MEMORY_SHARE, KVBudget, admitted_limits
 from .kv_rows import KVRows
+from .logprobs import token_logprobs
 from .pacing import PrefillCost
 from .request import Active, EngineStopped, QueueFull, Request, SamplingParams, TooLarge, sample
 from .serial_rows import SerialRows
@@ -189,8 +194,8 @@ class Engine:
         """Queue a prompt (call from the event loop that will read its tokens)."""
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0: the prompt's log-probabilities alone), got {params.max_tokens}")
         request = Request(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
         if self._budgeted and (reason := self.kv_budget.too_big_alone(request)):
             raise TooLarge(reason)
@@ -263,8 +268,10 @@ class Engine:
                                                               [a.request for a in self._prefilling]):
                 break  # it waits for memory, and the ones behind it wait behind it
             request = self._waiting.popleft()
-            # With the fixed-shape prefill every prompt goes through its one cache, so none of its own.
-            cache = None if self._prefill is not None else DynamicCache(config=self.model.config)
+            # With the fixed-shape prefill every prompt goes through its one cache, so none of its own, but for
+            # one that asks for its prompt's log-probabilities: that cache's graphs keep the last logits alone.
+            own = self._prefill is None or request.params.prompt_logprobs is not None
+            cache = DynamicCache(config=self.model.config) if own else None
             self._prefilling.append(Active(request, cache))
 
     def _admitted(self) -> list[Request]:
@@ -310,7 +317,8 @@ class Engine:
     def _prefill_chunk(self, active: Active, tokens: int) -> None:
         prompt = active.request.prompt_ids
         started = time.perf_counter()
-        if self._prefill is not None:
+        scored = active.request.params.prompt_logprobs
+        if active.cache is None:
             # The fixed cache holds the prompt at the head of the prefills until its row takes it.
             if active.done == 0:
                 self._prefill.reset()
@@ -319,12 +327,18 @@ class Engine:
         else:
             end = min(len(prompt), active.done + tokens)
             ids = torch.tensor([prompt[active.done:end]], device=self.device)
-            logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=1).logits
+            keep = 0 if scored is not None else 1  # 0: every position's logits
+            logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=keep).logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the chunk's own time, not a queue the next step waits on
         self.prefill_cost.add(end - active.done, time.perf_counter() - started)
         self.prefill_calls += 1
         self.prefilled_tokens += end - active.done
+        if scored is not None:
+            # Position i's logits score prompt token i + 1 (the last one's, the first generated token).
+            if active.done == 0:
+                active.request.prompt_logprobs.append(None)  # nothing scores the first token
+            active.request.prompt_logprobs += token_logprobs(logits[0], prompt[active.done + 1:end + 1], scored)
         active.done = end
         if end < len(prompt):
             return
@@ -332,10 +346,13 @@ class Engine:
             compact_softmax_layers(active.cache)  # what a serial request decodes on from here
         limits = admitted_limits(self._admitted())  # this request's row among them
         self._prefilling.remove(active)
+        if active.request.params.max_tokens == 0:
+            self._release(active, "length")
+            return
         if not self._take(active, logits[0, -1]):
             return
         try:
-            prefilled = self._prefill.cache if self._prefill is not None else active.cache
+            prefilled = self._prefill.cache if active.cache is None else active.cache
             active.slot = self._rows.load(prefilled, len(prompt), self._running, limits)
         except Exception as e:  # it has left the prefills: fail it here, the others in `_fail_active`
             self._release(active, "error", _describe(e))
@@ -356,7 +373,8 @@ class Engine:
         if token in self.eos_token_ids and not request.params.ignore_eos:
             self._release(active, "stop")
             return False
-        request._emit(token)
+        scored = request.params.logprobs
+        request._emit(token, None if scored is None else token_logprobs(logits.view(1, -1), [token], scored)[0])
         if len(request.generated) >= request.params.max_tokens:
             self._release(active, "length")
             return False

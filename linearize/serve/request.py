@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 import torch
 from transformers import DynamicCache
 
+from .logprobs import TokenLogprob
+
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the waiting queue is full: the caller should answer 429."""
@@ -36,19 +38,29 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence tokens (benchmarks)
+    # Log-probabilities to hand on (`logprobs.TokenLogprob`), with this many alternatives each; None: none.
+    # `logprobs`: of each generated token; `prompt_logprobs`: of each prompt token after the first, which
+    # keeps every prompt position's logits through the prefill (only for the requests that ask).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 _DONE = object()
 
 
 class Request:
-    """One submitted prompt: its generated token ids arrive through `tokens()`."""
+    """One submitted prompt: its generated token ids arrive through `tokens()`. With `params.logprobs`,
+    `logprobs[i]` is the i-th generated token's, there before that token arrives; with
+    `params.prompt_logprobs`, `prompt_logprobs` holds the prompt tokens' (None for the first, which
+    nothing predicts), complete before the first token arrives or the request ends."""
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.generated: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.finish_reason: str | None = None  # "stop" (an end-of-sequence token), "length", "cancelled", "error"
         self.error: str | None = None
         self._loop = loop
@@ -89,7 +101,9 @@ class Request:
             yield item
 
     # Called from the engine thread.
-    def _emit(self, token: int) -> None:
+    def _emit(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self.generated.append(token)
         self._post(token)
 

@@ -17,6 +17,9 @@ from pydantic_core import PydanticCustomError
 from ..cli_args import lone_surrogate_at
 
 MAX_STOP_STRINGS = 16
+# The most alternatives a token's log-probabilities list: vLLM's bound (`max_logprobs`) for completions'
+# `logprobs`, and OpenAI's for chat's `top_logprobs`.
+MAX_LOGPROBS = 20
 # What torch's generators take as a seed.
 SEED_MIN, SEED_END = -(2**63), 2**64
 
@@ -24,9 +27,8 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 # (sent by some clients by default); any other value is refused.
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
+    "echo": (False,),  # chat's (vLLM's); completions take it
+    "top_logprobs": (0,),  # completions' (chat takes it)
     "suffix": ("",),
     "logit_bias": ({},),
     "presence_penalty": (0,),
@@ -133,26 +135,44 @@ class _GenerationRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def _no_streamed_logprobs(self, asked: bool):
+        if asked and self.stream:
+            raise PydanticCustomError("stream_logprobs", "logprobs cannot be streamed by this server: send "
+                                      "stream false to get them", {"param": "logprobs"})
+        return self
+
 
 class CompletionRequest(_GenerationRequest):
-    # A string, a list of one string, or the prompt's token ids; `prompt_text`/`prompt_ids` tell which.
+    # A string, a list of one string, or the prompt's token ids (or a list of one such list, as lm-eval sends).
     prompt: str | list[int]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with `echo`: the prompt's log-probabilities alone
+    # The log-probability of each token, and of this many most likely alternatives; None: none.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt before the text (and, with `logprobs`, its tokens' log-probabilities)
+
+    @model_validator(mode="after")
+    def _logprobs_and_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("nothing_asked", "max_tokens is 0, which asks for nothing without echo",
+                                      {"param": "max_tokens"})
+        return self._no_streamed_logprobs(self.logprobs is not None)
 
     @field_validator("prompt", mode="plain")
     @classmethod
     def _one_prompt(cls, value):
-        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
             if len(value) != 1:
-                raise PydanticCustomError("prompt_batch", "prompt must be one string (or a list of one), not a list "
-                                          "of {count}: this server takes one prompt a request", {"count": len(value)})
+                raise PydanticCustomError("prompt_batch", "prompt must be one string or list of token ids (or a "
+                                          "list of one), not a list of {count}: this server takes one prompt a "
+                                          "request", {"count": len(value)})
             value = value[0]
         if value == "" or value == []:
             raise PydanticCustomError("prompt_empty", "prompt is empty: give the text to continue")
         # `type(...) is int`: a bool is an int to isinstance, and true is no token id.
         if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
             return value
-        raise PydanticCustomError("prompt_type", "prompt must be a string, a list of one string, "
-                                  "or a list of token ids")
+        raise PydanticCustomError("prompt_type", "prompt must be a string, a list of token ids, or a list "
+                                  "of one of those")
 
 
 class ContentPart(_Body):
@@ -180,6 +200,16 @@ class ChatCompletionRequest(_GenerationRequest):
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many most likely alternatives'
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs_alone", "top_logprobs needs logprobs true",
+                                      {"param": "top_logprobs"})
+        return self._no_streamed_logprobs(self.logprobs)
+
 
 class Usage(BaseModel):
     prompt_tokens: int
@@ -187,10 +217,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions' log-probabilities: one entry a token, the first prompt token's None."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the most likely tokens' texts, and the chosen one's
+    text_offset: list[int]  # where each token's text starts in the concatenation of `tokens`
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -210,10 +249,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the UTF-8 bytes of `token`
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 

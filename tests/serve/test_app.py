@@ -91,10 +91,10 @@ def test_sampling_fields_reach_the_engine(client, engine):
                                                                                                      True, 5)
 
 
-@pytest.mark.parametrize("prompt", [["Say hi"], "tokens"])
+@pytest.mark.parametrize("prompt", ["list of one", "tokens", "list of one list of tokens"])
 def test_a_prompt_can_be_a_list_of_one_string_or_token_ids(client, engine, tokenizer, prompt):
     ids = tokenizer.encode("Say hi")
-    response = complete(client, prompt=ids if prompt == "tokens" else prompt)
+    response = complete(client, prompt={"list of one": ["Say hi"], "tokens": ids, "list of one list of tokens": [ids]}[prompt])
     assert response.status_code == 200
     assert engine.requests[0].prompt_ids == ids
 
@@ -209,8 +209,14 @@ BAD_COMPLETIONS = [
     ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": NAME, "prompt": "hi", "stop": ["a"] * 17}, "stop"),
     ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream"),
-    ({"model": NAME, "prompt": "hi", "logprobs": 1}, "logprobs"),
-    ({"model": NAME, "prompt": "hi", "echo": True}, "echo"),
+    ({"model": NAME, "prompt": [[5], [6]]}, "prompt"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs"),  # vLLM's bound: 20
+    ({"model": NAME, "prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"model": NAME, "prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 1, "stream": True}, "logprobs"),
+    ({"model": NAME, "prompt": "hi", "echo": "yes"}, "echo"),
+    ({"model": NAME, "prompt": "hi", "top_logprobs": 2}, "top_logprobs"),  # chat's, not completions'
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 only with echo
     ({"model": NAME, "prompt": "hi", "best_of": 3}, "best_of"),
     ({"model": 7, "prompt": "hi"}, "model"),
 ]
@@ -234,6 +240,13 @@ BAD_CHATS = [
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "max_tokens"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
 ]
 
 

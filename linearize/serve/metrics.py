@@ -1,0 +1,62 @@
+"""The server's metrics, as `GET /metrics` gives them (`prometheus` text format): vLLM's metrics of the same
+meaning, named `linearize:` where vLLM's are `vllm:`, each labelled with the served model's name.
+
+Times are measured where the web layer sees a request: from its submission to the engine to its first
+token, between its tokens, and to its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .prometheus import Counter, Gauge, Histogram, exposition
+
+# Seconds; the bounds vLLM's histograms of the same names use, cut to the range a served request spans.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                       40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length")
+
+
+class ServeMetrics:
+    """What the web layer counts (`request_started`, `token`, `request_finished`) and the engine's gauges,
+    read when scraped from `stats` (the engine's `stats()`: "running" and "waiting")."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]):
+        labels = {"model_name": model_name}
+        self.running = Gauge("linearize:num_requests_running", "Requests prefilling or generating.",
+                             lambda: stats()["running"], labels)
+        self.waiting = Gauge("linearize:num_requests_waiting", "Requests waiting for a place.",
+                             lambda: stats()["waiting"], labels)
+        self.prompt_tokens = Counter("linearize:prompt_tokens_total", "Prompt tokens of the requests taken.", labels)
+        self.generation_tokens = Counter("linearize:generation_tokens_total", "Tokens generated.", labels)
+        self.success = Counter("linearize:request_success_total", "Requests finished, by why they ended.", labels,
+                               label="finished_reason", values=FINISHED_REASONS)
+        self.ttft = Histogram("linearize:time_to_first_token_seconds", "Seconds from a request's submission to "
+                              "its first token.", TTFT_BUCKETS, labels)
+        self.inter_token = Histogram("linearize:inter_token_latency_seconds", "Seconds between a request's "
+                                     "successive tokens.", INTER_TOKEN_BUCKETS, labels)
+        self.e2e = Histogram("linearize:e2e_request_latency_seconds", "Seconds from a request's submission to "
+                             "its end.", E2E_BUCKETS, labels)
+        self._all = [self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.success, self.ttft,
+                     self.inter_token, self.e2e]
+
+    def request_started(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def token(self, since_last: float, first: bool) -> None:
+        """A token arrived `since_last` seconds after the request's previous one (after its submission if
+        `first`)."""
+        self.generation_tokens.inc()
+        (self.ttft if first else self.inter_token).observe(since_last)
+
+    def request_finished(self, reason: str, seconds: float) -> None:
+        """A request ended well (`reason`: "stop" or "length") `seconds` after its submission."""
+        self.success.inc(value=reason)
+        self.e2e.observe(seconds)
+
+    def exposition(self) -> str:
+        return exposition(self._all)
