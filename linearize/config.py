@@ -70,6 +70,13 @@ class StillConfig:
     routing: Literal["saliency", "diagonal", "dot", "key_norm", "uniform", "random", "recency"] = "saliency"
     gate: bool = True
     eps: float = 1e-6
+    # "delta" adds a gated delta-rule retrieval memory beside the softmax budget and the linear state
+    # (docs/methods.md): y = y_still + mu_h * o_delta, mu starting at `memory_weight_init`. STILL's gate
+    # is a per-channel output gate, not a decay, so the memory decays by a learned per-head
+    # a_h = sigmoid(w_h), starting at `memory_decay_init`.
+    memory: Literal["np_map", "delta"] = "np_map"
+    memory_weight_init: float = 0.0
+    memory_decay_init: float = 0.9975
 
     @property
     def slots(self) -> int:
@@ -207,6 +214,9 @@ def _validate(cfg: MethodConfig) -> None:
             raise ConfigError(f"window ({cfg.window}) must be >= chunk_size ({cfg.chunk_size})")
         if cfg.budget < cfg.window:
             raise ConfigError(f"budget ({cfg.budget}) must be >= window ({cfg.window})")
+        if cfg.memory == "delta" and not 0.0 < cfg.memory_decay_init < 1.0:
+            raise ConfigError(f"memory=delta decays by memory_decay_init: it must be in (0, 1), "
+                              f"got {cfg.memory_decay_init}")
     if isinstance(cfg, LigerConfig) and not 0.0 <= cfg.mix <= 1.0:
         raise ConfigError(f"mix must be in [0, 1], got {cfg.mix}")
 

@@ -129,3 +129,11 @@ def test_the_write_strength_joins_the_fused_decode_projections():
     layer = attention_layers(model)[0]
     assert layer.fused_qkv.linears[3:] == [layer.gate, layer.memory_write]
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_keeps_its_checkpoint_names():
+    """Lizard's memory lives on the attention module under the names its checkpoints hold (it decays by
+    the gate, so it has no decay parameter of its own)."""
+    names = {name for name in with_memory().state_dict() if "memory" in name}
+    assert names == {f"model.layers.{i}.self_attn.{key}" for i in range(2)
+                     for key in ("memory_write.weight", "memory_write.bias", "memory_weight")}

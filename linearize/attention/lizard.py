@@ -8,13 +8,13 @@ from torch import nn
 
 from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
-from ..ops.delta_rule import DeltaRuleOptions, chunk_delta_rule, continue_delta_rule, delta_rule_step
 from ..ops.features import lizard_features
 from ..ops.gla_window import GlaWindowOptions, chunk_gla_window, continue_gla_window, gla_window_step
 from .base import LinearizedAttention, Pass
+from .delta_memory import DeltaMemory
 
 
-class LizardAttention(LinearizedAttention):
+class LizardAttention(DeltaMemory, LinearizedAttention):
     native_operands = True
 
     def __init__(self, teacher: nn.Module, cfg: LizardConfig, model_config):
@@ -27,12 +27,8 @@ class LizardAttention(LinearizedAttention):
             nn.init.constant_(self.gate.bias, cfg.gate_bias_init)
         self.sinks = nn.Parameter(torch.zeros(H, cfg.num_sinks))
         self.alpha = nn.Parameter(torch.full((H,), cfg.alpha_init))
-        if cfg.memory == "delta":
-            # b_t = sigmoid(W_b x_t + c): every token starts writing half-way (b = 1/2), stage 1 learns which to keep.
-            self.memory_write = nn.Linear(model_config.hidden_size, H)
-            nn.init.zeros_(self.memory_write.weight)
-            nn.init.zeros_(self.memory_write.bias)
-            self.memory_weight = nn.Parameter(torch.full((H,), cfg.memory_weight_init))
+        if cfg.memory == "delta":  # decays by the scalar gate: no decay parameter of its own
+            self.add_delta_memory(model_config.hidden_size, cfg.memory_weight_init)
         self._param_like(self)
 
     def input_projections(self) -> list[nn.Linear]:
@@ -41,7 +37,7 @@ class LizardAttention(LinearizedAttention):
 
     def head_scalars(self) -> list[nn.Parameter]:
         gate_bias = [self.gate.bias] if self.cfg.gate == "scalar" else []
-        memory = [self.memory_weight, self.memory_write.bias] if self.cfg.memory == "delta" else []
+        memory = self.memory_head_scalars() if self.cfg.memory == "delta" else []
         return [self.alpha, self.sinks, *gate_bias, *memory]
 
     def log_gate(self, B: int, L: int, device: torch.device) -> torch.Tensor:
@@ -71,32 +67,16 @@ class LizardAttention(LinearizedAttention):
     def attend(self, q, k, v, position_embeddings, valid, state, call: Pass):
         fq, fk, qw, kw = self.branch_inputs(q, k, position_embeddings, call.dtype)
         log_g = self.log_gate(q.shape[0], q.shape[2], q.device)
-        if self.cfg.memory == "gla":
-            return gla_window_pass(fq, fk, log_g, qw, kw, v, valid, state, self.op_options(), call)
-        memory_state = None if state is None else {"S": state["memory_S"]}
-        gla_state = None if state is None else {name: t for name, t in state.items() if name != "memory_S"}
-        y, new_state = gla_window_pass(fq, fk, log_g, qw, kw, v, valid, gla_state, self.op_options(), call)
-        o, new_memory = self.memory_pass(q, k, v, log_g, valid, memory_state, call)
-        y = y + self.memory_weight.to(o.dtype)[None, :, None, None] * o.to(y.dtype)
-        if new_state is None or new_memory is None:
-            return y, None
-        return y, {**new_state, "memory_S": new_memory["S"]}
 
-    def memory_pass(self, q, k, v, log_g, valid, state, call: Pass):
-        """The delta-rule memory on the raw (pre-RoPE) q and k, L2-normalised in the op: a key that names
-        content wherever it stands, as Lizard's linear branch reads it; the Hedgehog features, all
-        positive, would make every two keys overlap and each write disturb the others. Decay a_t is
-        the scalar gate's (no decay without a gate), one state per query head."""
-        B, L = q.shape[0], q.shape[2]
-        log_a = log_g[..., 0]
-        b = torch.sigmoid(self.projected[-1].float()).view(B, L, self.num_heads).transpose(1, 2)
-        options = DeltaRuleOptions(chunk=self.cfg.chunk_size, eps=self.cfg.eps)
-        padding = None if call.unpadded else valid
-        if state is not None and L == 1:
-            return delta_rule_step(q, k, v, log_a, b, state, options, valid=valid)
-        if state is not None or (call.caching and not torch.is_grad_enabled()):
-            return continue_delta_rule(q, k, v, log_a, b, state, options, valid=padding)
-        return chunk_delta_rule(q, k, v, log_a, b, options, valid=padding, output_final_state=call.caching)
+        def branches(branch_state):
+            return gla_window_pass(fq, fk, log_g, qw, kw, v, valid, branch_state, self.op_options(), call)
+
+        if self.cfg.memory == "gla":
+            return branches(state)
+        # The memory reads the raw (pre-RoPE) q and k, as the linear branch does; the Hedgehog features,
+        # all positive, would make every two keys overlap and each write disturb the others. Its decay is
+        # the scalar gate's (none without a gate).
+        return self.attend_with_memory(branches, q, k, v, log_g[..., 0], valid, state, call)
 
 
 def gla_window_pass(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions, call: Pass):

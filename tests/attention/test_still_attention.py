@@ -1,5 +1,6 @@
 """StillAttention splits long parallel calls into blocks that continue each other's state exactly, and
-a prompt prefilled then decoded gives the whole sequence's logits, under every routing rule."""
+a prompt prefilled then decoded gives the whole sequence's logits, under every routing rule and with
+the delta-rule memory."""
 
 import itertools
 
@@ -20,9 +21,9 @@ def forward(model, ids, cache=None):
     return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def still_model(routing):
+def still_model(routing, memory="np_map"):
     model = tiny_teacher()
-    linearize.convert(model, "still", **TINY_OPTIONS["still"], routing=routing)
+    linearize.convert(model, "still", **TINY_OPTIONS["still"], routing=routing, memory=memory)
     perturb_new_parameters(model)
     return model
 
@@ -42,12 +43,13 @@ def test_blocked_parallel_calls_equal_one_call(monkeypatch, routing):
     torch.testing.assert_close(cached, whole, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("routing", ROUTINGS)
-def test_prefill_then_decode_equals_the_whole_sequence(routing):
+@pytest.mark.parametrize(("routing", "memory"), [(routing, "np_map") for routing in ROUTINGS] + [("saliency", "delta")])
+def test_prefill_then_decode_equals_the_whole_sequence(routing, memory):
     """A prefill, steps of one token, a chunk of six, steps again: past the budget (14) and through
     several chunks (4), so the slots fill and evict by the routing's scores in every form; the second
-    row left-padded (its padding's logits are not compared)."""
-    model = still_model(routing)
+    row left-padded (its padding's logits are not compared). With `memory="delta"` the cache carries
+    the memory's state too."""
+    model = still_model(routing, memory)
     assert {layer.self_attn.cfg.routing for layer in model.model.layers} == {routing}
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -60,3 +62,4 @@ def test_prefill_then_decode_equals_the_whole_sequence(routing):
                  for a, b in itertools.pairwise(cuts)]
     real = mask.bool()
     torch.testing.assert_close(torch.cat(parts, 1)[real], whole[real], atol=1e-5, rtol=1e-5)
+    assert all(("memory_S" in layer.state) == (memory == "delta") for layer in cache.layers)
