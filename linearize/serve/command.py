@@ -21,7 +21,7 @@ from ..cli_args import (
 )
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 8, "max_queue": 64, "max_prompt_tokens": 131072,
-            "max_completion_tokens": 4096, "prefill_chunk": 2048, "prefill_budget": 0.0}
+            "max_completion_tokens": 4096, "prefill_chunk": 2048, "prefill_budget": 0.0, "prefix_block": 256}
 
 
 def port(text: str) -> int:
@@ -83,6 +83,15 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="for a softmax model (the teacher): the most memory its requests' keys and values may take, "
                         "e.g. 40GiB or 40GB: KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024 "
                         "(default: 90%% of the GPU memory free at start; no limit on a CPU)")
+    p.add_argument("--prefix-block", type=positive_int, default=DEFAULTS["prefix_block"], metavar="TOKENS",
+                   help="for a fully linearized model: keep the prefilled state at every this many prompt tokens "
+                        "that a prefill call ends on, so that a later prompt starting with the same tokens prefills "
+                        "only the rest (a prefill call ends on these boundaries)")
+    p.add_argument("--prefix-cache-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="the most memory the kept prefix states take, least recently used dropped first, sizes as "
+                        "--kv-memory's (default: 1GiB on a GPU, 256MiB on a CPU)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="keep no prefix states: every prompt is prefilled whole")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     p.add_argument("--served-model-name", default=None,
@@ -141,7 +150,8 @@ def run(args) -> None:
 
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                     prefill_budget=args.prefill_budget, eos_token_ids=end_tokens(model, tokenizer),
-                    kv_budget_bytes=args.kv_memory)
+                    kv_budget_bytes=args.kv_memory, prefix_cache=not args.no_prefix_cache,
+                    prefix_block=args.prefix_block, prefix_cache_bytes=args.prefix_cache_memory)
     app = create_app(engine, tokenizer, name, args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens)
     # h11 and asyncio, not whatever faster parser or loop happens to be installed: the server behaves the
     # same everywhere, and the engine, not the parser, sets the pace. No timeout on the graceful shutdown:

@@ -18,6 +18,11 @@ A request that asks for log-probabilities gets them with each token (`logprobs.t
 logits before temperature and top-p); one that asks for its prompt's is prefilled on its own cache keeping
 every position's logits, which no other request pays for. `max_tokens` 0 ends a request after its prefill.
 
+In slots mode a prompt's prefill keeps copies of its state at block boundaries in a prefix cache
+(`prefix_cache`): a later prompt that starts with a cached prefix restores that state and prefills only the
+rest. The prefill calls end at those boundaries: the last one a chunk reaches, the prompt's end rounded down
+to a block, and where the prompt parts from a cached one.
+
 A finished, cancelled or failed request frees its row on the next turn. How the rows are held depends
 on the model (`Engine.mode`):
 
@@ -67,6 +72,14 @@ from .kv_budget import KV_MEMORY_SHARE, KVBudget, admitted_limits
 from .kv_rows import KVRows
 from .logprobs import token_logprobs
 from .pacing import PrefillCost
+from .prefix_cache import (
+    DEFAULT_BLOCK,
+    DEFAULT_BUDGET_BYTES,
+    PrefixCache,
+    restore_into_layers,
+    restored_cache,
+    take_snapshot,
+)
 from .request import Active, EngineStopped, QueueFull, Request, SamplingParams, TooLarge, sample
 from .serial_rows import SerialRows
 from .state_slots import StateSlots
@@ -91,11 +104,16 @@ class Engine:
     `static_prefill` (slots mode only): prefill the prompts through one fixed-shape cache in chunks of
     power-of-two sizes up to `prefill_chunk`, each replayed from a CUDA graph (`linearize.prefill`), so
     that a small paced chunk costs its tokens and not an eager forward's launches. None: on where it pays,
-    with `prefill_budget` > 0 and the decode steps replayed from graphs (on a GPU)."""
+    with `prefill_budget` > 0 and the decode steps replayed from graphs (on a GPU).
+
+    `prefix_cache` (slots mode only; off in the others): keep prefilled states at every `prefix_block`
+    tokens of the prompts, within `prefix_cache_bytes` (None: 1 GiB on a GPU, 256 MiB on a CPU), and
+    start a prompt from its longest cached prefix (`prefix_cache.PrefixCache`)."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
                  prefill_budget: float = 0.0, eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
-                 kv_budget_bytes: int | None = None, static_prefill: bool | None = None):
+                 kv_budget_bytes: int | None = None, static_prefill: bool | None = None, prefix_cache: bool = True,
+                 prefix_block: int = DEFAULT_BLOCK, prefix_cache_bytes: int | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
         if not (math.isfinite(prefill_budget) and prefill_budget >= 0):
@@ -125,6 +143,13 @@ class Engine:
             self._rows = KVRows(model, self.kv_budget)
         else:
             self._rows = SerialRows(model)
+        # The prefix cache, or why there is none.
+        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache_off = ("turned off" if not prefix_cache else None if self._mode == "slots" else
+                                 "slots mode only (a fully linearized model)")
+        if self.prefix_cache_off is None:
+            budget = prefix_cache_bytes or DEFAULT_BUDGET_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
+            self.prefix_cache = PrefixCache(prefix_block, budget)
         self.peak_running = 0  # the most requests that generated at once
         self.prefill_calls = self.prefilled_tokens = 0  # how the prompts went in: calls, and tokens in all
         self._ids = itertools.count(1)
@@ -172,6 +197,8 @@ class Engine:
                 stats.update(kv_bytes=self._rows.cache.nbytes, kv_budget_bytes=self.kv_budget_bytes)
             if self.prefill_path is not None:
                 stats["prefill"] = self.prefill_path
+            stats["prefix_cache"] = (self.prefix_cache.stats() if self.prefix_cache is not None else
+                                     {"enabled": False, "why": self.prefix_cache_off})
             return stats
 
     def start(self) -> None:
@@ -316,16 +343,20 @@ class Engine:
 
     def _prefill_chunk(self, active: Active, tokens: int) -> None:
         prompt = active.request.prompt_ids
+        cached = self._caches_prefixes(active)
+        if cached and active.done == 0:
+            self._restore_prefix(active)
         started = time.perf_counter()
         scored = active.request.params.prompt_logprobs
+        stop = self._prefill_stop(active, tokens) if cached else min(len(prompt), active.done + tokens)
         if active.cache is None:
             # The fixed cache holds the prompt at the head of the prefills until its row takes it.
             if active.done == 0:
                 self._prefill.reset()
-            end = active.done + largest_size(self._prefill.sizes, min(tokens, len(prompt) - active.done))
+            end = active.done + largest_size(self._prefill.sizes, stop - active.done)
             logits = self._prefill.run(prompt[active.done:end])
         else:
-            end = min(len(prompt), active.done + tokens)
+            end = stop
             ids = torch.tensor([prompt[active.done:end]], device=self.device)
             keep = 0 if scored is not None else 1  # 0: every position's logits
             logits = self.model(input_ids=ids, past_key_values=active.cache, use_cache=True, logits_to_keep=keep).logits
@@ -340,6 +371,8 @@ class Engine:
                 active.request.prompt_logprobs.append(None)  # nothing scores the first token
             active.request.prompt_logprobs += token_logprobs(logits[0], prompt[active.done + 1:end + 1], scored)
         active.done = end
+        if cached and end % self.prefix_cache.block == 0:
+            self._keep_prefix(active)
         if end < len(prompt):
             return
         if active.cache is not None:
@@ -361,6 +394,45 @@ class Engine:
             active.cache = None  # the row holds the state now
         self._running.append(active)
         self.peak_running = max(self.peak_running, len(self._running))
+
+    def _caches_prefixes(self, active: Active) -> bool:
+        """Whether this request's prefill reads and feeds the prefix cache: not one that asks for its prompt's
+        log-probabilities, which needs every position's logits."""
+        return self.prefix_cache is not None and active.request.params.prompt_logprobs is None
+
+    def _restore_prefix(self, active: Active) -> None:
+        """Start the prompt from its longest cached prefix, if any."""
+        found = self.prefix_cache.lookup(active.request.prompt_ids)
+        active.branch = found.followed
+        if found.snapshot is None:
+            return
+        if active.cache is None:
+            restore_into_layers(self._prefill.layers, found.snapshot)
+        else:
+            active.cache = restored_cache(self.model.config, found.snapshot)
+        active.done = found.snapshot.tokens
+
+    def _prefill_stop(self, active: Active, tokens: int) -> int:
+        """Where the next prefill call ends, at most `tokens` on: where the prompt parts from a cached one,
+        else the last block boundary within reach (the prompt's end rounded down to a block, then the end)."""
+        start, length = active.done, active.request.prompt_tokens
+        end = min(length, start + tokens)
+        if start < active.branch < end:
+            return active.branch
+        boundary = end // self.prefix_cache.block * self.prefix_cache.block
+        return boundary if boundary > start else end
+
+    def _keep_prefix(self, active: Active) -> None:
+        """Keep a copy of the prefilled state, whose prompt tokens so far end on a block boundary."""
+        prefix = active.request.prompt_ids[:active.done]
+        if self.prefix_cache.holds(prefix):
+            return
+        cache = self._prefill.cache if active.cache is None else active.cache
+        try:
+            snapshot = take_snapshot(cache, active.done)
+        except torch.OutOfMemoryError:  # no room for a copy: the request goes on without one
+            return
+        self.prefix_cache.insert(prefix, snapshot)
 
     def _take(self, active: Active, logits: torch.Tensor, greedy: int | None = None) -> bool:
         """Choose and hand on the next token from `logits` [vocab] (`greedy`: their argmax, if read

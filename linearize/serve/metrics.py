@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .prometheus import Counter, Gauge, Histogram, exposition
+from .prometheus import Counter, Gauge, Histogram, ReadCounter, exposition
 
 # Seconds; the bounds vLLM's histograms of the same names use, cut to the range a served request spans.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -23,7 +23,7 @@ FINISHED_REASONS = ("stop", "length")
 
 class ServeMetrics:
     """What the web layer counts (`request_started`, `token`, `request_finished`) and the engine's gauges,
-    read when scraped from `stats` (the engine's `stats()`: "running" and "waiting")."""
+    read when scraped from `stats` (the engine's `stats()`: "running", "waiting" and "prefix_cache")."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict]):
         labels = {"model_name": model_name}
@@ -41,8 +41,16 @@ class ServeMetrics:
                                      "successive tokens.", INTER_TOKEN_BUCKETS, labels)
         self.e2e = Histogram("linearize:e2e_request_latency_seconds", "Seconds from a request's submission to "
                              "its end.", E2E_BUCKETS, labels)
+        # Counted in prompt tokens, as vLLM counts them: hits / queries is the share of the prompts' tokens
+        # restored from the cache, and hits the tokens it saved the prefill (0 while the cache is off).
+        self.prefix_queries = ReadCounter("linearize:prefix_cache_queries_total", "Prompt tokens of the requests "
+                                          "looked up in the prefix cache.",
+                                          lambda: stats().get("prefix_cache", {}).get("query_tokens", 0), labels)
+        self.prefix_hits = ReadCounter("linearize:prefix_cache_hits_total", "Prompt tokens restored from the "
+                                       "prefix cache instead of prefilled.",
+                                       lambda: stats().get("prefix_cache", {}).get("hit_tokens", 0), labels)
         self._all = [self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.success, self.ttft,
-                     self.inter_token, self.e2e]
+                     self.inter_token, self.e2e, self.prefix_queries, self.prefix_hits]
 
     def request_started(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

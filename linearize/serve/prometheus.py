@@ -76,6 +76,19 @@ class Counter(_Metric):
                 for v, c in counts.items()]
 
 
+class ReadCounter(_Metric):
+    """A count that only grows, kept elsewhere and read when scraped, from `read`."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, read: Callable[[], float], labels: dict[str, str] | None = None):
+        super().__init__(name, help, labels)
+        self.read = read
+
+    def lines(self) -> list[str]:
+        return [f"{self.name}{_labels(self.labels)} {_number(self.read())}"]
+
+
 class Gauge(_Metric):
     """A value read when scraped, from `read`."""
 

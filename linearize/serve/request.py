@@ -129,6 +129,9 @@ class Active:
     done: int = 0
     slot: int | None = None
     last: int | None = None  # the token the next step feeds
+    # Prompt tokens (whole blocks) that follow a prompt in the prefix cache: a prefill call ends there, so
+    # that the state where the two part is kept (`prefix_cache`); 0: none.
+    branch: int = 0
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -55,6 +55,7 @@ class ScriptedEngine:
         self.refuse: Exception | None = None  # raised by the next submit
         self.fail_after: int | None = None  # tokens a request yields before the engine fails on it
         self.stopped_with: list[bool] = []
+        self.prefix_cache: dict = {"enabled": True, "entries": 0, "bytes": 0, "query_tokens": 0, "hit_tokens": 0}
 
     def submit(self, prompt_ids: list[int], params) -> ScriptedRequest:
         if self.refuse is not None:
@@ -65,7 +66,7 @@ class ScriptedEngine:
 
     def stats(self) -> dict:
         running = sum(r.finish_reason is None for r in self.requests)
-        return {"running": running, "waiting": 0, "slots": 4, "mode": "slots"}
+        return {"running": running, "waiting": 0, "slots": 4, "mode": "slots", "prefix_cache": self.prefix_cache}
 
     def cancel_all(self) -> None:
         for request in self.requests:

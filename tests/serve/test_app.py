@@ -167,7 +167,9 @@ def test_streamed_text_never_splits_a_character():
 
 def test_models_and_health(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == NAME
-    assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0, "slots": 4, "mode": "slots"}
+    assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0, "slots": 4, "mode": "slots",
+                                            "prefix_cache": {"enabled": True, "entries": 0, "bytes": 0,
+                                                             "query_tokens": 0, "hit_tokens": 0}}
 
 
 def test_shutdown_drains_the_engine(engine, tokenizer):

@@ -29,7 +29,8 @@ def refused(capsys, *argv: str) -> str:
                                              ("--prefill-budget", "-1"), ("--prefill-budget", "nan"),
                                              ("--prefill-budget", "fast"),
                                              ("--kv-memory", "0"), ("--kv-memory", "-2GiB"), ("--kv-memory", "lots"),
-                                             ("--kv-memory", "4XB"), ("--kv-memory", "inf")])
+                                             ("--kv-memory", "4XB"), ("--kv-memory", "inf"), ("--prefix-block", "0"),
+                                             ("--prefix-cache-memory", "0"), ("--prefix-cache-memory", "big")])
 def test_bad_numbers_are_refused_by_flag(capsys, flag, value):
     assert flag in refused(capsys, "--model", "nowhere", flag, value)
 

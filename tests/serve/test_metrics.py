@@ -16,7 +16,8 @@ REPLY = "Hello, world!"
 METRICS = {"linearize:num_requests_running": "gauge", "linearize:num_requests_waiting": "gauge",
            "linearize:prompt_tokens_total": "counter", "linearize:generation_tokens_total": "counter",
            "linearize:request_success_total": "counter", "linearize:time_to_first_token_seconds": "histogram",
-           "linearize:inter_token_latency_seconds": "histogram", "linearize:e2e_request_latency_seconds": "histogram"}
+           "linearize:inter_token_latency_seconds": "histogram", "linearize:e2e_request_latency_seconds": "histogram",
+           "linearize:prefix_cache_queries_total": "counter", "linearize:prefix_cache_hits_total": "counter"}
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*",?)*)\})? '
                     r'(\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
@@ -55,7 +56,7 @@ def client():
     engine = ScriptedEngine(tokenizer.encode(REPLY, add_special_tokens=False))
     app = create_app(engine, tokenizer, NAME, 60, max_completion_tokens=64)
     with TestClient(app) as client:
-        client.tokenizer = tokenizer
+        client.tokenizer, client.engine = tokenizer, engine
         yield client
 
 
@@ -94,6 +95,14 @@ def test_counters_and_histograms_grow_with_each_request(client):
     assert grew("linearize:inter_token_latency_seconds_count") == generated - 2
     assert grew("linearize:e2e_request_latency_seconds_count") == 2
     assert value(after, "linearize:e2e_request_latency_seconds_sum") > 0
+
+
+def test_the_prefix_cache_counters_read_the_engines_token_counts(client):
+    """Queries and hits in prompt tokens, as the engine counts them (vLLM's hit rate: hits / queries)."""
+    client.engine.prefix_cache.update(query_tokens=120, hit_tokens=40)
+    _, samples = scrape(client)
+    assert value(samples, "linearize:prefix_cache_queries_total") == 120
+    assert value(samples, "linearize:prefix_cache_hits_total") == 40
 
 
 def test_a_histogram_counts_cumulatively_up_to_inf_and_labels_are_escaped():

@@ -331,3 +331,25 @@ def test_a_second_ctrl_c_ends_the_requests_in_flight_with_an_error_and_exits_130
     log = server.log.read_text()
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert "stopped by a second SIGINT" in log
+
+
+def test_a_conversation_restores_its_last_turn_from_the_prefix_cache(start_server, offline):
+    """Turns of a conversation as token ids, each the last prompt, its reply and a new message: with blocks of
+    8 tokens each later turn restores its last prompt, rounded down to a block, and gets its offline greedy
+    tokens; /health and /metrics count the tokens restored."""
+    server = start_server("--prefix-block", "8", "--prefix-cache-memory", "4MiB")
+    assert server.health()["prefix_cache"]["block"] == 8
+    history: list[int] = []
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for turn in range(3):
+            history += [5 + turn + i % 7 for i in range(13)]
+            response = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": history, "max_tokens": 5,
+                                                          "temperature": 0, "ignore_eos": True})
+            reply = offline(history, 5)
+            assert offline.tokenizer.encode(response.json()["choices"][0]["text"]) == reply
+            history += reply
+        metrics = http.get("/metrics").text
+    # Prompts of 13, 31 and 49 tokens: the second restores 8, the third 24.
+    cache = server.health()["prefix_cache"]
+    assert cache["hit_tokens"] == 8 + 24 and cache["query_tokens"] == 13 + 31 + 49 and cache["entries"] > 0
+    assert f'linearize:prefix_cache_hits_total{{model_name="{SERVED_NAME}"}} 32' in metrics

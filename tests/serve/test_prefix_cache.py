@@ -1,0 +1,185 @@
+"""Prefix caching in slots mode: a prompt that starts with a cached prefix restores its state and prefills
+only the rest, and gets the same greedy tokens as without the cache."""
+
+import asyncio
+
+import pytest
+import torch
+from tiny_models import METHODS, tiny_student, tiny_teacher
+
+from linearize.decode import greedy_decode
+from linearize.serve.engine import Engine, SamplingParams
+from linearize.serve.prefix_cache import PrefixCache, Snapshot
+
+BLOCK = 8
+
+
+def offline(model, prompt, n):
+    return greedy_decode(model, torch.tensor([prompt]), n, cuda_graph=False)[0].tolist()
+
+
+def tokens(count, seed):
+    return torch.randint(3, 128, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_in_turn(engine, prompts, max_tokens=5):
+    """Each prompt's greedy tokens, one request after the other (each sees what the ones before it cached)."""
+    async def main():
+        results = []
+        for prompt in prompts:
+            request = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            results.append([t async for t in request.tokens()])
+        return results
+
+    engine.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+def engine_for(model, static=False, prefill_chunk=16, **options):
+    return Engine(model, max_batch=2, prefill_chunk=prefill_chunk, cuda_graph=False, static_prefill=static,
+                  prefix_block=BLOCK, **options)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["own-caches", "static-prefill"])
+@pytest.mark.parametrize("method", METHODS)
+def test_prompts_sharing_a_prefix_restore_it_and_get_their_offline_tokens(method, static):
+    """Three prompts with the same 30 first tokens: the first is prefilled whole (kept at 16 and 32, the
+    ends of its calls on block boundaries); the second restores 16 and stops a call at 24, where it parts
+    from the first; the third restores 24. Each gets the tokens greedy decoding of it alone gives."""
+    model = tiny_student(method)
+    shared = tokens(30, seed=1)
+    prompts = [shared + tokens(10, seed=2 + i) for i in range(3)]
+    engine = engine_for(model, static)
+    assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
+    stats = engine.stats()["prefix_cache"]
+    assert stats["hit_tokens"] == 16 + 24
+    assert stats["query_tokens"] == 3 * 40
+    assert engine.prefilled_tokens == 3 * 40 - (16 + 24)
+
+
+def test_a_multi_turn_conversation_restores_each_turns_prompt():
+    """Each turn's prompt is the last one, its reply and a new message: it restores the last prompt's end
+    rounded down to a block, and prefills the rest."""
+    model = tiny_student()
+    engine = engine_for(model)
+    engine.start()
+    history, expected, hits = [], [], []
+
+    async def conversation():
+        nonlocal history
+        for turn in range(3):
+            history = history + tokens(11 + turn, seed=10 + turn)
+            before = engine.prefix_cache.hit_tokens
+            request = engine.submit(history, SamplingParams(max_tokens=6, ignore_eos=True))
+            reply = [t async for t in request.tokens()]
+            expected.append(offline(model, history, 6) == reply)
+            hits.append(engine.prefix_cache.hit_tokens - before)
+            history = history + reply
+
+    try:
+        asyncio.run(conversation())
+    finally:
+        engine.stop()
+    assert all(expected)
+    # Prompts of 11, 11 + 6 + 12 = 29 and 29 + 6 + 13 = 48 tokens: the second restores 8 (11 rounded down),
+    # the third 24 (29 rounded down).
+    assert hits == [0, 8, 24]
+
+
+def test_a_prompt_as_long_as_a_cached_prefix_restores_a_shorter_one():
+    """A prompt of exactly 16 tokens, cached at 8 and 16 by an earlier longer prompt (prefilled a block a
+    call), restores 8: its last token is prefilled, for the logits of the first generated one. A prompt
+    ending inside a block restores the block boundary before it."""
+    model = tiny_student()
+    long = tokens(20, seed=3)
+    prompts = [long, long[:16], long[:13]]
+    engine = engine_for(model, prefill_chunk=BLOCK)
+    assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
+    assert engine.stats()["prefix_cache"]["hit_tokens"] == 8 + 8
+
+
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_a_tiny_budget_evicts_the_least_recently_used_and_keeps_outputs_identical(method):
+    """With room for one snapshot, each new one drops the last: the prompts still get their offline
+    tokens, and a prompt whose prefix was dropped prefills it again."""
+    model = tiny_student(method)
+    probe = engine_for(model)
+    run_in_turn(probe, [tokens(9, seed=4)], max_tokens=1)
+    one = probe.prefix_cache.nbytes
+    shared, other = tokens(20, seed=5), tokens(20, seed=6)
+    prompts = [shared + [5], other + [6], shared + [7], shared + [8]]
+    engine = engine_for(model, prefix_cache_bytes=one)
+    assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
+    stats = engine.stats()["prefix_cache"]
+    assert stats["entries"] == 1 and stats["bytes"] == one and stats["evictions"] > 0
+    # The third prompt finds the first's prefix gone (the second's took its place), the fourth the third's.
+    assert stats["hit_tokens"] == 16
+
+
+def test_without_the_cache_every_prompt_is_prefilled_whole_and_other_modes_have_none():
+    model = tiny_student()
+    shared = tokens(30, seed=1)
+    prompts = [shared + [4], shared + [5]]
+    engine = engine_for(model, prefix_cache=False)
+    assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
+    assert engine.prefilled_tokens == 62
+    assert engine.stats()["prefix_cache"] == {"enabled": False, "why": "turned off"}
+    teacher = Engine(tiny_teacher(), cuda_graph=False)
+    assert teacher.prefix_cache is None
+    assert teacher.stats()["prefix_cache"] == {"enabled": False, "why": "slots mode only (a fully linearized model)"}
+
+
+def test_a_request_for_its_prompts_logprobs_neither_reads_nor_feeds_the_cache():
+    model = tiny_student()
+    prompt = tokens(30, seed=1)
+    engine = engine_for(model)
+
+    async def main():
+        scored = engine.submit(prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))
+        [t async for t in scored.tokens()]
+        return scored
+
+    engine.start()
+    try:
+        scored = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(scored.prompt_logprobs) == 30
+    assert engine.prefix_cache.entries == 0 and engine.prefix_cache.query_tokens == 0
+
+
+def snapshot(tokens_in: int, size: int = 4) -> Snapshot:
+    return Snapshot(tokens_in, [(None, {"s": torch.zeros(size)})])  # `size` float32s: 4 * size bytes
+
+
+def test_the_tree_finds_the_longest_cached_prefix_and_how_far_a_prompt_follows_cached_ones():
+    cache = PrefixCache(block=2, budget_bytes=1000)
+    assert cache.insert([1, 2, 3, 4, 5, 6], snapshot(6))
+    assert cache.insert([1, 2], snapshot(2))
+    found = cache.lookup([1, 2, 3, 4, 9, 9, 9])
+    assert found.snapshot.tokens == 2 and found.followed == 4  # blocks [1, 2], [3, 4]; a snapshot only at 2
+    found = cache.lookup([1, 2, 3, 4, 5, 6])  # the whole prompt is cached, but its last token must be prefilled
+    assert found.snapshot.tokens == 2 and found.followed == 4
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7]).snapshot.tokens == 6
+    assert cache.lookup([7, 8, 9]).snapshot is None
+    assert (cache.query_tokens, cache.hit_tokens) == (7 + 6 + 7 + 3, 2 + 2 + 6)
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3], snapshot(3))
+
+
+def test_eviction_drops_the_least_recently_used_and_prunes_the_paths_to_nothing():
+    cache = PrefixCache(block=2, budget_bytes=2 * 16)  # room for two snapshots of 16 bytes
+    cache.insert([1, 2], snapshot(2))
+    cache.insert([3, 4, 5, 6], snapshot(4))
+    assert cache.holds([1, 2])  # now the most recently used
+    cache.insert([7, 8], snapshot(2))
+    assert not cache.holds([3, 4, 5, 6]) and cache.holds([1, 2]) and cache.holds([7, 8])
+    assert cache.lookup([3, 4, 5, 6, 0]).followed == 0  # the dropped snapshot's path went with it
+    assert (cache.entries, cache.nbytes, cache.evictions) == (2, 32, 1)
+    assert not cache.insert([9, 9], snapshot(2, size=9))  # bigger than the whole budget: not kept
+    assert cache.entries == 2
+    cache.clear()
+    assert (cache.entries, cache.nbytes) == (0, 0) and not cache._root.children
