@@ -483,3 +483,11 @@ def test_a_hybrid_admits_by_its_softmax_layers_memory_alone():
     results = serve(engine, main())
     assert [(tokens, reason) for tokens, reason, _ in results] == [(e, "length") for e in expected]
     assert engine.peak_running == 2
+
+
+def test_a_decoder_of_one_mask_whose_layers_mix_full_and_sliding_attention_is_refused():
+    """No batched mask fits both kinds of layer where the decoder takes one mask: the engine says so at
+    once (the command's exit status 2) rather than serving it."""
+    model = tiny_teacher("llama", sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="cannot serve this model: its layers mix full and sliding attention"):
+        Engine(model)
