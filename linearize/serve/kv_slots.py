@@ -223,7 +223,8 @@ def _clamp(value: int, low: int, high: int | None) -> int:
 
 
 class BatchedKVCache(Cache):
-    """The keys and values of a softmax model's running requests, one row each (see the module docstring)."""
+    """The decode state of a softmax model's or a hybrid's running requests, one row each in every layer
+    (see the module docstring)."""
 
     def __init__(self, model):
         reason = unsupported_reason(model)
