@@ -1,5 +1,5 @@
-"""The serving engine: requests in slots (linearized models) or batched KV rows (softmax teachers) give each
-prompt's offline greedy tokens, whatever runs beside them."""
+"""The serving engine: requests in slots (linearized models) or batched KV rows (softmax teachers and
+hybrids) give each prompt's offline greedy tokens, whatever runs beside them."""
 
 import asyncio
 
@@ -169,17 +169,17 @@ def test_prefill_chunks_stay_within_the_floor_and_prefill_chunk():
             Engine(tiny_student(), prefill_budget=bad)
 
 
-def test_gemma_slots_and_a_model_with_softmax_layers_serves_each_request_alone():
-    for model in (tiny_student("lizard", "gemma3_text"), tiny_student("still", "gemma3_text", layers="full")):
-        batch = prompts(5, seed=1)
-        expected = [offline_uncached(model, p, 6) for p in batch]
-        engine = Engine(model, max_batch=3, prefill_chunk=5, cuda_graph=False)
-        assert engine.mode == ("serial" if model.config.linearize["layers"] == "full" else "slots")
+def test_a_fully_linearized_gemma_is_served_in_slots():
+    model = tiny_student("lizard", "gemma3_text")
+    batch = prompts(5, seed=1)
+    expected = [offline_uncached(model, p, 6) for p in batch]
+    engine = Engine(model, max_batch=3, prefill_chunk=5, cuda_graph=False)
+    assert engine.mode == "slots"
 
-        async def main(engine=engine, batch=batch):
-            return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in batch))
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in batch))
 
-        assert [tokens for tokens, _ in serve(engine, main())] == expected
+    assert [tokens for tokens, _ in serve(engine, main())] == expected
 
 
 def offline_uncached(model, prompt, n):
@@ -425,3 +425,69 @@ def test_a_request_queued_before_the_budget_is_known_and_too_big_for_it_ends_wit
         engine.stop()
     assert reason == "error" and "KV budget" in error
     assert small == (teacher_greedy(model, fits, 4), "length", None)
+
+
+# The hybrid mode: linearized layers' states beside softmax layers' keys and values, in the rows of one
+# BatchedKVCache, every running request stepped in one forward.
+
+HYBRIDS = {
+    "lizard": lambda: tiny_student("lizard", softmax_layers=[1]),
+    "still": lambda: tiny_student("still", softmax_layers=[0]),
+    "gemma3-layers-full": lambda: tiny_student("still", "gemma3_text", layers="full"),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("hybrid", list(HYBRIDS))
+def test_hybrids_batch_their_requests_and_give_each_its_offline_greedy_tokens(hybrid, rows):
+    """A Lizard and a STILL hybrid (a layer kept softmax) and a Gemma 3 student whose sliding layers stay
+    softmax (`layers=full`, window 6): eight prompts of 1 to 39 tokens, 3 to 9 tokens each, through 1, 2
+    or 4 rows, arriving at different times and prefilled in chunks of 7 between the running requests'
+    steps: each gets what HF's greedy generation of it alone gives, and with more than one row the
+    requests step together."""
+    model = HYBRIDS[hybrid]()
+    batch = prompts(8, seed=9)
+    lengths = [3 + (2 * i) % 7 for i in range(8)]
+    expected = [teacher_greedy(model, p, n) for p, n in zip(batch, lengths)]
+    engine = Engine(model, max_batch=rows, max_queue=16, prefill_chunk=7)
+    assert engine.mode == "hybrid" and engine.stats()["mode"] == "hybrid"
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=n, ignore_eos=True), 0.003 * i)
+                                      for i, (p, n) in enumerate(zip(batch, lengths))))
+
+    results = serve(engine, main())
+    assert [tokens for tokens, _ in results] == expected
+    assert {reason for _, reason in results} == {"length"}
+    assert min(rows, 2) <= engine.peak_running <= rows  # batched, within the rows
+    assert engine.stats()["running"] == 0 and engine._rows.cache.nbytes == 0
+
+
+def test_a_hybrid_admits_by_its_softmax_layers_memory_alone():
+    """A Lizard hybrid with one softmax layer of two: a token's keys and values are that layer's alone, the
+    linearized layer's state is not counted, and a budget of two requests' keys and values batches two
+    at most, each with its offline tokens."""
+    model = HYBRIDS["lizard"]()
+    per_token = kv_slots.kv_bytes_per_token(model.config, torch.float32, layers=1)
+    g = torch.Generator().manual_seed(8)
+    batch = [torch.randint(3, 128, (12,), generator=g).tolist() for _ in range(5)]
+    reach = 12 + 6
+    engine = Engine(model, max_batch=8, max_queue=16, prefill_chunk=6, kv_budget_bytes=(2 * reach + 12) * per_token)
+    assert engine.kv_bytes_per_token == per_token
+    expected = [teacher_greedy(model, p, 6) for p in batch]
+
+    async def main():
+        return await asyncio.gather(*(collect_or_error(engine, p, SamplingParams(max_tokens=6, ignore_eos=True))
+                                      for p in batch))
+
+    results = serve(engine, main())
+    assert [(tokens, reason) for tokens, reason, _ in results] == [(e, "length") for e in expected]
+    assert engine.peak_running == 2
+
+
+def test_a_decoder_of_one_mask_whose_layers_mix_full_and_sliding_attention_is_refused():
+    """No batched mask fits both kinds of layer where the decoder takes one mask: the engine says so at
+    once (the command's exit status 2) rather than serving it."""
+    model = tiny_teacher("llama", sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="cannot serve this model: its layers mix full and sliding attention"):
+        Engine(model)

@@ -152,15 +152,17 @@ class LinearizedAttention(nn.Module):
         q, k, v = (t.view(shape).transpose(1, 2) for t in projected)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        valid = token_validity(attention_mask, B, L, hidden_states.device)
-
         cache = (claim_cache_layer(past_key_values, self.layer_idx, self.mask_window)
                  if past_key_values is not None else None)
+        # A cache of unpadded sequences makes every token valid, whatever the mask (which may be sized
+        # for other layers' keys: `linearize.serve.state_rows`).
+        unpadded = cache is not None and cache.unpadded
+        valid = token_validity(None if unpadded else attention_mask, B, L, hidden_states.device)
         # A layer that has seen no token holds no sequence's state (a fixed-shape cache reset for a new
         # sequence keeps its tensors): the call takes the fresh path.
         state = cache.state if cache is not None and cache.seen else None
         call = Pass(start=cache.seen if cache is not None else 0, caching=cache is not None,
-                    unpadded=attention_mask is None or (cache is not None and cache.unpadded),
+                    unpadded=attention_mask is None or unpadded,
                     frozen=cache is not None and cache.frozen, dtype=q.dtype)
         # The attention math runs in float32 even under autocast: cumulative log decays and exp-weights
         # lose too much in bf16.

@@ -18,8 +18,9 @@ A linearized model's requests hold one fixed-size state slot each, stepped toget
 softmax teacher's requests hold one row each of a batched KV cache, whose keys and values grow with every
 token, and all rows step together too ("kv", continuous batching as vLLM and TGI do it, with requests
 admitted while their KV cache fits the engine's memory budget: 90% of the GPU memory free when each
-point's engine starts, less a step's working room). A hybrid (linearized and softmax layers) would be
-served one request at a time a turn ("serial"; docs/serving.md). Each point records the engine's mode
+point's engine starts, less a step's working room). A hybrid (linearized and softmax layers) is batched
+in the same KV rows, its linearized layers' states beside its softmax layers' keys and values ("hybrid";
+docs/serving.md). Each point records the engine's mode
 and the most requests that generated at once (`peak_running`: for the teacher, how many rows its memory
 let run). A point that runs out of memory is recorded as OOM and the larger points of that model are
 skipped; so is one that would end past the model's share of the time limit.
@@ -152,7 +153,7 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
     tail_tokens = 0 if all_prefilled is None else sum(t > all_prefilled for r in records for t in r["arrivals"])
     point = {"status": "ok", "mode": engine.mode, "slots": engine.max_batch, "peak_running": engine.peak_running,
              "prefill_calls": engine.prefill_calls, "prefilled_tokens": engine.prefilled_tokens,
-             "kv_budget_bytes": engine.kv_budget_bytes if engine.mode == "kv" else None,
+             "kv_budget_bytes": engine.kv_budget_bytes if engine.mode in ("kv", "hybrid") else None,
              "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
              "all_prefilled_s": None if all_prefilled is None else all_prefilled - started,
              "decode_tokens_per_s": tail_tokens / (started + wall - all_prefilled) if tail_tokens else None,
@@ -284,11 +285,10 @@ def batching(point: dict) -> str:
     """How the engine batched a point's requests and prefilled their prompts, for the latency table."""
     if point["mode"] == "slots":
         rows = f"{point['slots']} slots"
-    elif point["mode"] == "kv":
+    else:  # "kv" or "hybrid": rows of one batched KV cache
         peak = point.get("peak_running")
-        rows = f"batched KV ({point['slots']} rows" + (f", {peak} at most at once)" if peak is not None else ")")
-    else:
-        rows = "one request at a time"
+        kind = "batched KV" if point["mode"] == "kv" else "batched hybrid"
+        rows = f"{kind} ({point['slots']} rows" + (f", {peak} at most at once)" if peak is not None else ")")
     calls = point.get("prefill_calls")
     if not calls:
         return rows

@@ -2,8 +2,8 @@
 
 Each scheduler turn
 
-1. admits waiting requests, in order, while fewer than `max_batch` run (and, for a softmax model, while
-   their KV cache fits the memory budget), prefilling a new prompt alone, one chunk of tokens per turn,
+1. admits waiting requests, in order, while fewer than `max_batch` run (and, for a model with softmax
+   layers, while their KV cache fits the memory budget), prefilling a new prompt alone, one chunk of tokens per turn,
    so that long prompts interleave with the running requests' steps: `prefill_chunk` tokens, or with
    `prefill_budget` > 0 and requests decoding, as many as take about `prefill_budget` times the last
    decode step's time (by the fitted cost of a call, `pacing.PrefillCost`; never fewer than its fixed
@@ -30,21 +30,22 @@ on the model (`Engine.mode`):
   a fixed set of slots (`max_batch` rows of one frozen cache) stepped together by `StaticDecoder` (a
   CUDA graph per step on a GPU; `StaticDecoder.load_row`). Idle slots step too, on whatever they hold:
   the step's shape never changes, and their tokens are dropped.
-- "kv", a model with no linearized layers (a softmax teacher of any supported family): the rows are a
-  `BatchedKVCache` (`linearize.serve.kv_slots`), per-layer key/value buffers [rows, KV heads, capacity,
-  head dim] with a length per row, stepped together with per-row positions and masks. The running
-  requests hold rows 0..n-1 (the last row's request moves into the row of one that leaves), and only
-  those step.
+- "kv", a model with no linearized layers (a softmax teacher of any supported family), and "hybrid", one
+  with both linearized and softmax layers: the rows are a `BatchedKVCache` (`linearize.serve.kv_slots`),
+  where each layer keeps its own kind of rows: a full-attention layer key/value buffers [rows, KV heads,
+  capacity, head dim] with a length per row, a sliding-window layer a ring of its last `window`
+  positions per row, a linearized layer its fixed-shape state per row. All are stepped together, in one
+  forward, with per-row positions and masks. The running requests hold rows 0..n-1 (the last row's
+  request moves into the row of one that leaves), and only those step.
   A request's keys and values grow with every token, so admission counts memory: a request waits
   until the buffers that all admitted requests can reach, rows x the longest prompt + `max_tokens` of
-  them, plus the prefill in progress, fit `kv_budget_bytes`; one that could never fit alone fails at once.
-- "serial", a hybrid (linearized and softmax layers): each request on its own cache, one step per
-  running request a turn, with no batching across requests.
+  them (up to the window, in a sliding layer; nothing for a linearized one), plus the prefill in
+  progress, fit `kv_budget_bytes`; one that could never fit alone fails at once.
 
 This module is the scheduler alone. Each mode's rows are a policy object of the same few methods
 (`load` a finished prefill into a row, `step` the running rows, `free` a row, `abandon` them all after a
-failure, `close`): `state_slots.StateSlots`, `kv_rows.KVRows` and `serial_rows.SerialRows`; kv mode's
-admission by memory is `kv_budget.KVBudget`. The requests and the refusals are in `request`.
+failure, `close`): `state_slots.StateSlots` and `kv_rows.KVRows`; the batched KV rows' admission by
+memory is `kv_budget.KVBudget`. The requests and the refusals are in `request`.
 
 The web layer (`linearize.serve.app`) talks to the engine from its event loop: `submit` queues a
 request (or raises `QueueFull`), `Request.tokens()` yields its token ids as the thread makes them,
@@ -64,7 +65,6 @@ import torch
 from transformers import DynamicCache
 
 from ..attention import LinearizedAttention
-from ..cache import compact_softmax_layers
 from ..decode import fully_linearized
 from ..prefill import StaticPrefill, largest_size, power_of_two_sizes
 from . import kv_slots
@@ -81,7 +81,6 @@ from .prefix_cache import (
     take_snapshot,
 )
 from .request import Active, EngineStopped, QueueFull, Request, SamplingParams, TooLarge, sample
-from .serial_rows import SerialRows
 from .state_slots import StateSlots
 
 # The engine's interface, importable from here as from `request`.
@@ -97,7 +96,7 @@ class Engine:
     """The scheduler thread and its rows (see the module's docstring). From `start` to `stop` the model
     is the thread's alone: its attention layers keep per-call state, so no other thread may run it.
 
-    `kv_budget_bytes` (kv mode only): the most bytes of keys and values the admitted requests may reach;
+    `kv_budget_bytes` (kv and hybrid modes): the most bytes of keys and values the admitted requests may reach;
     None: on a GPU, 90% of the memory free when the engine starts, less a step's working room; on a CPU,
     no limit.
 
@@ -131,18 +130,15 @@ class Engine:
         self.cuda_graph = cuda_graph
         self.slotted = fully_linearized(model)
         softmax_only = not any(isinstance(m, LinearizedAttention) for m in model.modules())
-        # Why a softmax-only model is served serially after all (an attention implementation without masks
-        # the batched cache can build); None otherwise.
-        self.kv_unsupported = kv_slots.unsupported_reason(model) if softmax_only else None
-        self._mode = "slots" if self.slotted else "kv" if softmax_only and self.kv_unsupported is None else "serial"
-        self.kv_budget = KVBudget(model.config, parameter.dtype, kv_budget_bytes)
-        self._rows: StateSlots | KVRows | SerialRows
+        self._mode = "slots" if self.slotted else "kv" if softmax_only else "hybrid"
+        if not self.slotted and (reason := kv_slots.unsupported_reason(model)):
+            raise ValueError(f"cannot serve this model: {reason}")
+        self.kv_budget = KVBudget(model.config, parameter.dtype, kv_budget_bytes, kv_slots.layer_kinds(model))
+        self._rows: StateSlots | KVRows
         if self._mode == "slots":
             self._rows = StateSlots(model, max_batch, cuda_graph)
-        elif self._mode == "kv":
-            self._rows = KVRows(model, self.kv_budget)
         else:
-            self._rows = SerialRows(model)
+            self._rows = KVRows(model, self.kv_budget)
         # The prefix cache, or why there is none.
         self.prefix_cache: PrefixCache | None = None
         self.prefix_cache_off = ("turned off" if not prefix_cache else None if self._mode == "slots" else
@@ -169,7 +165,7 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        """"slots" (fully linearized), "kv" (no linearized layers) or "serial" (a hybrid)."""
+        """"slots" (fully linearized), "kv" (no linearized layers) or "hybrid" (linearized and softmax layers)."""
         return self._mode
 
     @property
@@ -186,8 +182,13 @@ class Engine:
 
     @property
     def _budgeted(self) -> bool:
-        """Whether admission counts memory: kv mode, with a budget."""
-        return self._mode == "kv" and self.kv_budget.limit is not None
+        """Whether admission counts memory: batched KV rows, with a budget."""
+        return self._kv_rows and self.kv_budget.limit is not None
+
+    @property
+    def _kv_rows(self) -> bool:
+        """Whether the rows are a `BatchedKVCache`'s (kv and hybrid modes), whose keys and values grow."""
+        return isinstance(self._rows, KVRows)
 
     def stats(self) -> dict:
         with self._wake:
@@ -202,7 +203,7 @@ class Engine:
             return stats
 
     def start(self) -> None:
-        if self._mode == "kv" and self.kv_budget.limit is None and self.device.type == "cuda":
+        if self._kv_rows and self.kv_budget.limit is None and self.device.type == "cuda":
             self.kv_budget.limit = self.kv_budget.default_for(self.device)
         if self.static_prefill and self._prefill is None and self._thread is None:
             # Before any request, in this thread: the decoder first (it fuses the projections the prefill's
@@ -291,7 +292,7 @@ class Engine:
                     self._waiting.remove(request)
                     request._finish("error", reason)
         while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch:
-            if self._mode == "kv" and not self.kv_budget.fits(self._waiting[0], self._admitted(),
+            if self._kv_rows and not self.kv_budget.fits(self._waiting[0], self._admitted(),
                                                               [a.request for a in self._prefilling]):
                 break  # it waits for memory, and the ones behind it wait behind it
             request = self._waiting.popleft()
@@ -375,8 +376,6 @@ class Engine:
             self._keep_prefix(active)
         if end < len(prompt):
             return
-        if active.cache is not None:
-            compact_softmax_layers(active.cache)  # what a serial request decodes on from here
         limits = admitted_limits(self._admitted())  # this request's row among them
         self._prefilling.remove(active)
         if active.request.params.max_tokens == 0:

@@ -1,16 +1,19 @@
-"""The memory policy of kv mode: which waiting request fits beside the admitted ones.
+"""The memory policy of the batched KV rows (kv and hybrid modes): which waiting request fits beside the
+admitted ones.
 
-A softmax model's keys and values grow with every token, and `BatchedKVCache` holds rows x capacity
-positions, every row as long as the longest. So the admitted requests can take rows x their longest
-reach (prompt + `max_tokens`), and the prefill in progress holds its own cache beside the rows until it
-is copied into its row. A request is admitted while all of that fits `limit` bytes; one that could never
-fit alone is refused at once.
+A full-attention layer's keys and values grow with every token, and `BatchedKVCache` holds rows x capacity
+positions of them, every row as long as the longest. So the admitted requests can take rows x their
+longest reach (prompt + `max_tokens`) of them, and the prefill in progress holds its own cache beside the
+rows until it is copied into its row. A sliding-window layer's ring grows the same way up to its window
+and no further; a linearized layer's state has one fixed size and is not counted. A request is admitted
+while all of that fits `limit` bytes; one that could never fit alone is refused at once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..architectures import FULL, SLIDING, sliding_window_of
 from . import kv_slots
 from .request import Request
 
@@ -25,13 +28,18 @@ def admitted_limits(admitted: list[Request]) -> tuple[int, int]:
 
 
 class KVBudget:
-    """Bytes of keys and values the admitted requests may reach (`limit`; None: no limit)."""
+    """Bytes of keys and values the admitted requests may reach (`limit`; None: no limit), of a model
+    whose layers hold `kinds` of rows (`kv_slots.layer_kinds`)."""
 
-    def __init__(self, config, dtype: torch.dtype, limit: int | None):
+    def __init__(self, config, dtype: torch.dtype, limit: int | None, kinds: list[str]):
         if limit is not None and limit < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {limit}")
         self.limit = limit
-        self.bytes_per_token = kv_slots.kv_bytes_per_token(config, dtype)
+        # Per token: the full layers' keys and values, which grow with it, and the sliding layers', which
+        # grow with it up to `window` positions.
+        self.bytes_per_token = kv_slots.kv_bytes_per_token(config, dtype, kinds.count(FULL))
+        self.window_bytes_per_token = kv_slots.kv_bytes_per_token(config, dtype, kinds.count(SLIDING))
+        self.window = sliding_window_of(config) or 0
         self.step_bytes_per_token = kv_slots.step_bytes_per_token(config, dtype)
 
     def default_for(self, device: torch.device) -> int:
@@ -39,12 +47,13 @@ class KVBudget:
         torch holds cached unused), of which a step's attention keeps its working room."""
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        per_token = self.bytes_per_token
+        per_token = self.bytes_per_token + self.window_bytes_per_token
         return max(1, int(KV_MEMORY_SHARE * free * per_token / (per_token + self.step_bytes_per_token)))
 
     def bytes(self, rows: int, reach: int, prefill: int) -> int:
         """What `rows` rows of `reach` positions and a prefill of `prefill` tokens take."""
-        return (rows * reach + prefill) * self.bytes_per_token
+        window = self.window_bytes_per_token * (rows * min(reach, self.window) + min(prefill, self.window))
+        return (rows * reach + prefill) * self.bytes_per_token + window
 
     def fits(self, request: Request, admitted: list[Request], prefilling: list[Request]) -> bool:
         """Whether `request` may join the `admitted` ones (of which `prefilling` are still prefilling)."""

@@ -1,6 +1,6 @@
-"""The rows of kv mode, a softmax model: a `BatchedKVCache` whose rows 0..n-1 hold the n running requests
-(the last row's request moves into the row of one that leaves), stepped together with per-row positions
-and masks; only the rows in use step. How much memory the rows may take is `kv_budget`'s policy.
+"""The rows of kv and hybrid modes, a model with softmax layers (and linearized ones, in a hybrid): a
+`BatchedKVCache` whose rows 0..n-1 hold the n running requests (the last row's request moves into the row
+of one that leaves), stepped together with per-row positions and masks; only the rows in use step. How much memory the rows may take is `kv_budget`'s policy.
 """
 
 from __future__ import annotations

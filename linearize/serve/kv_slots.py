@@ -1,23 +1,30 @@
-"""A batched KV cache for softmax models: one row per running request, every row stepped at once.
+"""A batched decode cache for softmax models and hybrids: one row per running request, every row stepped at once.
 
-A softmax model's decode state is its keys and values, which grow by one position a token, at a different
-length in every request. `BatchedKVCache` keeps them per layer in preallocated buffers
-[rows, KV heads, capacity, head dim], and each row's length both on the device (`lengths`, which the step
-reads) and on the host (`host_lengths`, so that no step reads a number back from the device):
+A softmax layer's decode state is its keys and values, which grow by one position a token, at a different
+length in every request; a linearized layer's is a state of one fixed shape. `BatchedKVCache` keeps each
+layer's own kind of rows in preallocated buffers, and each row's length both on the device (`lengths`,
+which the step reads) and on the host (`host_lengths`, so that no step reads a number back from the device):
+
+- a full-attention layer: keys and values [rows, KV heads, capacity, head dim], a row's position p at p;
+- a sliding-window layer: the same, capped at the window W, a ring: position p at p mod W. Below W
+  positions the ring has not wrapped and holds every position at its own index;
+- a linearized layer of a hybrid: its state's tensors [rows, ...] (`state_rows.StateRowsLayer`).
 
     kv = BatchedKVCache(model)
     kv.load_row(row, prefill_cache, length)   # a batch-1 prefill (a DynamicCache) into row `row`
     logits = kv.step(model, tokens)           # tokens [n, 1] for rows 0..n-1: logits [n, 1, vocab]
     kv.clear_row(row)                         # or move_row(src, dst), to keep the rows in use at the front
 
-A step calls the HF model directly. Each layer's `update` writes the row's new key and value at that row's
-own length and hands the attention the buffers cut to `view` = 1 + the longest row's length, so the cost
-of a step grows with the longest running request, not with the capacity. The attention masks come ready
-made, 4D boolean ([n, 1, 1, view], which HF passes on as they are): a row sees its positions up to and
-including the new token's, and a sliding-window layer only the last `window` of them. Models whose
-decoder takes one mask per layer type (Gemma 2 and 3, Qwen2 and 3) get a dict of them; the others
+A step calls the HF model directly. Each softmax layer's `update` writes the row's new key and value at
+that row's own length (in its ring, for a sliding layer) and hands the attention the buffers cut to the
+step's view, 1 + the longest row's length (at most W, for a sliding layer), so the cost of a step grows
+with the longest running request, not with the capacity. The attention masks come ready made, 4D boolean
+([n, 1, 1, view], which HF passes on as they are): a row sees the indices up to its new token's
+position, which in a full layer are its positions so far and in a wrapped ring its last W positions
+(softmax attention does not depend on the order of its keys: RoPE put the positions into them). Models
+whose decoder takes one mask per layer type (Gemma 2 and 3, Qwen2 and 3) get a dict of them; the others
 (Llama, Mistral, Phi-3, OLMo-2) one mask, the sliding one where their config's window applies to every
-layer.
+layer. A linearized layer steps its rows' states in place and reads no mask (`StateRowsLayer`).
 
 During a step the model's attention runs `rows_attention`, registered with HF's `AttentionInterface`:
 HF's own SDPA path copies the KV heads up to the query heads whenever it is given a mask (at the
@@ -26,12 +33,11 @@ KV head fold into the query-length axis instead, so SDPA reads each cached key o
 Gemma 2's logit soft-capping come from the layer, as HF's own attention takes them.
 
 A sliding layer of a prefill keeps only its last window - 1 tokens (HF's `DynamicSlidingWindowLayer`):
-`load_row` puts them at their true positions, and the positions before them, which no sliding mask
-reaches, keep whatever they held. Every layer has the full capacity, sliding or not.
+`load_row` puts them in their ring's places, and the one left is the next token's.
 
 The buffers grow by reallocation and copy, one tensor at a time: the rows straight to the limit given
-(`set_limits`: what the engine's admission allowed), the capacity by doubling, and neither beyond its
-limit. Rows that hold no request (`clear_row`) keep length 0 and, if stepped, see their position 0 only
+(`set_limits`: what the engine's admission allowed), the capacity by doubling (a ring's up to W), and
+neither beyond its limit. Rows that hold no request (`clear_row`) keep length 0 and, if stepped, see their position 0 only
 (never an all-masked row, which SDPA would turn into NaN); their tokens mean nothing.
 """
 
@@ -43,6 +49,11 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..architectures import FULL, SLIDING, layer_types, sliding_window_of
+from ..attention import LinearizedAttention
+from .state_rows import StateRowsLayer
+
+# A layer's kind of rows beside FULL and SLIDING (softmax): a linearized attention's state.
+LINEAR = "linear"
 
 # Decoders that take {"full_attention": mask, "sliding_attention": mask} (`causal_mask_mapping` in their
 # modeling files), and those that take one mask for all layers. Other families: by whether their config
@@ -52,12 +63,19 @@ ONE_MASK = frozenset({"llama", "mistral", "phi3", "olmo2"})
 
 
 def masks_per_layer_type(config) -> bool:
-    model_type = config.model_type
+    model_type = config.model_type.removeprefix("linearized_")
     if model_type in MASK_PER_LAYER_TYPE:
         return True
     if model_type in ONE_MASK:
         return False
     return getattr(config, "layer_types", None) is not None
+
+
+def layer_kinds(model) -> list[str]:
+    """Each decoder layer's kind of rows: LINEAR for a linearized attention, else its softmax type, FULL or
+    SLIDING."""
+    linear = {m.layer_idx for m in model.modules() if isinstance(m, LinearizedAttention)}
+    return [LINEAR if i in linear else kind for i, kind in enumerate(layer_types(model.config))]
 
 
 def unsupported_reason(model) -> str | None:
@@ -98,10 +116,11 @@ def _head_dims(config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of keys and values per token over all layers (each at full capacity, sliding or not)."""
+def kv_bytes_per_token(config, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes of keys and values per token over `layers` softmax layers (None: every layer of the model)."""
     _, kv_heads, head_dim = _head_dims(config)
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    layers = config.num_hidden_layers if layers is None else layers
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def step_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -112,11 +131,71 @@ def step_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 class _RowsLayer(CacheLayerMixin):
-    """One layer's buffers; its `update` writes through the owning `BatchedKVCache`."""
+    """One softmax layer's buffers (a ring of `window` positions, for a sliding layer); its `update`
+    writes through the owning `BatchedKVCache`."""
 
-    def __init__(self, owner: BatchedKVCache, sliding: bool):
+    def __init__(self, owner: BatchedKVCache, window: int | None):
         super().__init__()
-        self.owner, self.is_sliding = owner, sliding
+        self.owner, self.window, self.is_sliding = owner, window, window is not None
+        self.shape: tuple[int, int, torch.dtype] | None = None  # KV heads, head dim, dtype: from the first load
+
+    @property
+    def ready(self) -> bool:
+        return self.shape is not None
+
+    def size(self, capacity: int) -> int:
+        """The positions this layer's buffers hold at `capacity`."""
+        return capacity if self.window is None else min(capacity, self.window)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where `positions` sit in the buffers."""
+        return positions if self.window is None else positions % self.window
+
+    def check_source(self, source) -> None:
+        if getattr(source, "keys", None) is None or source.keys.shape[0] != 1:
+            raise ValueError("load_row needs a batch-1 prefilled cache of the same model, layer for layer")
+
+    def learn_shapes(self, source) -> None:
+        if self.shape is None:
+            self.shape = (source.keys.shape[1], source.keys.shape[3], source.keys.dtype)
+
+    def reallocate(self, rows: int, capacity: int) -> int:
+        """New buffers [rows, KV heads, size, head dim], what fits of the old ones copied in, one tensor
+        at a time (so the copy needs one old tensor beside the new buffers, not all of them); returns their
+        bytes. A ring shrinks below its window only where no row has wrapped (capacity > every length)."""
+        kv_heads, head_dim, dtype = self.shape
+        size = self.size(capacity)
+        nbytes = 0
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.zeros(rows, kv_heads, size, head_dim, dtype=dtype, device=self.owner.device)
+            if old is not None:
+                r, c = min(rows, old.shape[0]), min(size, old.shape[2])
+                new[:r, :, :c].copy_(old[:r, :, :c])
+            setattr(self, name, None)
+            del old
+            setattr(self, name, new)
+            nbytes += new.nbytes
+        self.is_initialized = True
+        return nbytes
+
+    def load(self, row: int, source, length: int) -> None:
+        kept = source.keys.shape[-2]
+        if kept > length or (kept < length and not self.is_sliding):
+            raise ValueError(f"a prefill of {length} tokens holds {kept} in a "
+                             f"{'sliding' if self.is_sliding else 'full'} attention layer")
+        slots = self.slots(torch.arange(length - kept, length, device=self.keys.device))
+        self.keys[row].index_copy_(1, slots, source.keys[0].to(self.keys.device))
+        self.values[row].index_copy_(1, slots, source.values[0].to(self.values.device))
+
+    def move(self, source: int, target: int, length: int) -> None:
+        n = self.size(length)  # a ring that has wrapped: all of it
+        self.keys[target, :, :n].copy_(self.keys[source, :, :n])
+        self.values[target, :, :n].copy_(self.values[source, :, :n])
+
+    def drop(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("BatchedKVCache allocates its buffers itself (load_row)")
@@ -125,7 +204,7 @@ class _RowsLayer(CacheLayerMixin):
         return self.owner._write(self, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner._view, 0
+        return self.size(self.owner._view), 0
 
     def get_seq_length(self) -> int:
         return max(self.owner.host_lengths, default=0)
@@ -144,7 +223,8 @@ def _clamp(value: int, low: int, high: int | None) -> int:
 
 
 class BatchedKVCache(Cache):
-    """The keys and values of a softmax model's running requests, one row each (see the module docstring)."""
+    """The decode state of a softmax model's or a hybrid's running requests, one row each in every layer
+    (see the module docstring)."""
 
     def __init__(self, model):
         reason = unsupported_reason(model)
@@ -155,9 +235,10 @@ class BatchedKVCache(Cache):
         self.window = sliding_window_of(config)
         self.per_type = masks_per_layer_type(config)
         self.device = next(model.parameters()).device
-        super().__init__(layers=[_RowsLayer(self, t == SLIDING) for t in self.types])
-        self.shapes: list[tuple[int, int]] | None = None  # (KV heads, head dim) per layer, from the first prefill
-        self.kv_dtype: torch.dtype | None = None
+        self.kinds = layer_kinds(model)
+        super().__init__(layers=[StateRowsLayer(self.device, self.window) if kind == LINEAR
+                                 else _RowsLayer(self, self.window if kind == SLIDING else None)
+                                 for kind in self.kinds])
         self.rows = self.capacity = 0
         self.limits: tuple[int | None, int | None] = (None, None)
         self.nbytes = 0
@@ -188,22 +269,15 @@ class BatchedKVCache(Cache):
         rows = max((i + 1 for i, used in enumerate(self.used) if used), default=0)
         return rows, max(self.host_lengths, default=0) + 1
 
+    @property
+    def _ready(self) -> bool:
+        """Whether the layers know their shapes (from the first prefill loaded)."""
+        return self.layers[0].ready
+
     def _reallocate(self, rows: int, capacity: int) -> None:
-        """New buffers [rows, KV heads, capacity, head dim], what fits of the old ones copied in, one
-        tensor at a time (so the copy needs one old tensor beside the new buffers, not all of them)."""
-        nbytes = 0
-        for layer, (kv_heads, head_dim) in zip(self.layers, self.shapes, strict=True):
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=self.kv_dtype, device=self.device)
-                if old is not None:
-                    r, c = min(rows, old.shape[0]), min(capacity, old.shape[2])
-                    new[:r, :, :c].copy_(old[:r, :, :c])
-                setattr(layer, name, None)
-                del old
-                setattr(layer, name, new)
-                nbytes += new.nbytes
-            layer.is_initialized = True
+        """New buffers of `rows` rows and `capacity` positions, layer by layer, what fits of the old ones
+        copied in (`_RowsLayer.reallocate`, `StateRowsLayer.reallocate`)."""
+        nbytes = sum(layer.reallocate(rows, capacity) for layer in self.layers)
         self._resize_state(rows)
         self.rows, self.capacity, self.nbytes = rows, capacity, nbytes
 
@@ -226,7 +300,7 @@ class BatchedKVCache(Cache):
         """Shrink the buffers to the limits where they have outgrown them (requests that needed them have
         left), keeping what is in use."""
         row_limit, capacity_limit = self.limits
-        if self.shapes is None or not self.rows:
+        if not self._ready or not self.rows:
             return
         used_rows, used_capacity = self._floors()
         rows, capacity = _clamp(self.rows, used_rows, row_limit), _clamp(self.capacity, used_capacity, capacity_limit)
@@ -236,8 +310,7 @@ class BatchedKVCache(Cache):
     def free(self) -> None:
         """Drop the buffers (every row with them)."""
         for layer in self.layers:
-            layer.keys = layer.values = None
-            layer.is_initialized = False
+            layer.drop()
         self._resize_state(0)
         self.rows = self.capacity = self.nbytes = 0
 
@@ -248,19 +321,14 @@ class BatchedKVCache(Cache):
         """Make row `row` hold a batch-1 prefill of `length` tokens (`cache`: a DynamicCache of the same
         model, whose sliding layers may keep only their last tokens): its next token sits at `length`."""
         sources = list(getattr(cache, "layers", []))
-        if len(sources) != len(self.layers) or any(s.keys is None or s.keys.shape[0] != 1 for s in sources):
+        if len(sources) != len(self.layers):
             raise ValueError("load_row needs a batch-1 prefilled cache of the same model, layer for layer")
-        if self.shapes is None:
-            self.shapes = [(s.keys.shape[1], s.keys.shape[3]) for s in sources]
-            self.kv_dtype = sources[0].keys.dtype
+        for layer, source in zip(self.layers, sources, strict=True):
+            layer.check_source(source)
+            layer.learn_shapes(source)
         self._ensure(row + 1, length + 1)
         for layer, source in zip(self.layers, sources, strict=True):
-            kept = source.keys.shape[-2]
-            if kept > length or (kept < length and not layer.is_sliding):
-                raise ValueError(f"a prefill of {length} tokens holds {kept} in a "
-                                 f"{'sliding' if layer.is_sliding else 'full'} attention layer")
-            layer.keys[row, :, length - kept:length].copy_(source.keys[0])
-            layer.values[row, :, length - kept:length].copy_(source.values[0])
+            layer.load(row, source, length)
         self.lengths[row] = length
         self._active[row] = 1
         self.host_lengths[row], self.used[row] = length, True
@@ -276,8 +344,7 @@ class BatchedKVCache(Cache):
         """Row `source`'s request into row `target` (whose own is dropped); `source` is cleared."""
         n = self.host_lengths[source]
         for layer in self.layers:
-            layer.keys[target, :, :n].copy_(layer.keys[source, :, :n])
-            layer.values[target, :, :n].copy_(layer.values[source, :, :n])
+            layer.move(source, target, n)
         self.lengths[target] = self.lengths[source]
         self._active[target] = self._active[source]
         self.host_lengths[target], self.used[target] = n, self.used[source]
@@ -295,6 +362,9 @@ class BatchedKVCache(Cache):
         view = 1 + max(self.host_lengths[:n])
         self._ensure(n, view)
         self._view = view
+        for layer in self.layers:
+            if isinstance(layer, StateRowsLayer):
+                layer.begin_step(n, view - 1)
         lengths = self.lengths[:n]
         config = model.config
         implementation = config._attn_implementation
@@ -316,18 +386,19 @@ class BatchedKVCache(Cache):
         n = key_states.shape[0]
         if key_states.shape[2] != 1:
             raise ValueError("BatchedKVCache steps one token per row; prefill on a DynamicCache, then load_row")
-        rows, positions = self._index[:n], self.lengths[:n]
-        layer.keys[rows, :, positions] = key_states[:, :, 0]
-        layer.values[rows, :, positions] = value_states[:, :, 0]
-        return layer.keys[:n, :, :self._view], layer.values[:n, :, :self._view]
+        rows, slots = self._index[:n], layer.slots(self.lengths[:n])
+        layer.keys[rows, :, slots] = key_states[:, :, 0]
+        layer.values[rows, :, slots] = value_states[:, :, 0]
+        view = layer.size(self._view)
+        return layer.keys[:n, :, :view], layer.values[:n, :, :view]
 
     def _masks(self, lengths: torch.Tensor, view: int):
-        """The step's 4D masks [n, 1, 1, view]: a dict by layer type, or the one mask of a single-mask decoder."""
-        positions = torch.arange(view, device=self.device)
-        last = lengths.view(-1, 1)  # each row's new token
-        full = positions <= last
+        """The step's 4D masks [n, 1, 1, view] (view: at most the window, for a sliding layer's ring): a dict
+        by layer type, or the one mask of a single-mask decoder. A row sees the indices up to its new
+        token's position: all of a ring that has wrapped."""
+        seen = torch.arange(view, device=self.device) <= lengths.view(-1, 1)
         masks = {}
         for kind in dict.fromkeys(self.types):
-            mask = full if kind == FULL else full & (positions > last - self.window)
-            masks[kind] = mask.view(-1, 1, 1, view)
+            size = view if kind == FULL else min(view, self.window)
+            masks[kind] = seen[:, :size].view(-1, 1, 1, size)
         return masks if self.per_type else masks[self.types[0]]

@@ -1,12 +1,23 @@
-"""BatchedKVCache: rows of different lengths, stepped together, decode as each sequence alone on HF's DynamicCache."""
+"""BatchedKVCache: rows of different lengths, stepped together, decode as each sequence alone on HF's DynamicCache,
+for softmax teachers and hybrids (linearized layers beside softmax ones) alike."""
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, tiny_teacher
+from tiny_models import ARCHITECTURES, tiny_student, tiny_teacher
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from linearize.serve.kv_slots import ROWS_ATTENTION, BatchedKVCache, masks_per_layer_type, rows_attention
+from linearize.serve.kv_slots import (
+    FULL,
+    LINEAR,
+    ROWS_ATTENTION,
+    SLIDING,
+    BatchedKVCache,
+    layer_kinds,
+    masks_per_layer_type,
+    rows_attention,
+)
+from linearize.serve.state_rows import StateRowsLayer
 
 
 def prefill(model, ids: list[int], chunk: int = 4) -> tuple[DynamicCache, torch.Tensor]:
@@ -22,12 +33,22 @@ def random_ids(n: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, 128, (n,), generator=generator).tolist()
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_rows_of_different_lengths_step_as_each_sequence_alone(arch):
+HYBRIDS = {
+    "lizard-llama": lambda: tiny_student("lizard", softmax_layers=[1]),
+    "still-llama": lambda: tiny_student("still", softmax_layers=[0]),
+    "lizard-gemma3-full": lambda: tiny_student("lizard", "gemma3_text", layers="full"),
+    "still-gemma3-full": lambda: tiny_student("still", "gemma3_text", layers="full"),
+}
+MODELS = {**{arch: (lambda arch=arch: tiny_teacher(arch)) for arch in ARCHITECTURES}, **HYBRIDS}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_rows_of_different_lengths_step_as_each_sequence_alone(name):
     """Rows of 3, 11, 1 and 8 tokens (Gemma's window is 6), a fifth sequence loaded mid-way into a row
     cleared for it, another row moved to the front and its old row left idle but stepped: every step's
-    logits are those of each sequence decoded alone, through a growth of the capacity."""
-    model = tiny_teacher(arch)
+    logits are those of each sequence decoded alone, through a growth of the capacity, for softmax
+    teachers and hybrids (linearized layers' states beside softmax keys and values)."""
+    model = MODELS[name]()
     g = torch.Generator().manual_seed(0)
     kv = BatchedKVCache(model)
     alone: dict[int, DynamicCache] = {}  # row: the same sequence on its own DynamicCache
@@ -58,6 +79,8 @@ def test_rows_of_different_lengths_step_as_each_sequence_alone(arch):
 
 
 def test_the_buffers_grow_within_their_limits_and_shrink_to_them():
+    """Gemma 3's full layer grows with the rows' lengths within the limits; its two sliding layers (window
+    6) hold rings of 6 positions a row, whatever the capacity."""
     model = tiny_teacher("gemma3_text")
     g = torch.Generator().manual_seed(1)
     kv = BatchedKVCache(model)
@@ -68,14 +91,57 @@ def test_the_buffers_grow_within_their_limits_and_shrink_to_them():
         for _ in range(3):
             kv.step(model, torch.randint(3, 128, (1, 1), generator=g))
         assert (kv.rows, kv.capacity) == (3, 20)  # 32 was due, 20 is the limit
-        per_position = sum(layer.keys.nbytes + layer.values.nbytes for layer in kv.layers) // (3 * 20)
-        assert kv.nbytes == 3 * 20 * per_position
+        assert [layer.keys.shape[2] for layer in kv.layers] == [6, 6, 20]
+        per_position = kv.layers[2].keys.nbytes // (3 * 20)  # keys or values of one layer
+        assert kv.nbytes == 2 * per_position * 3 * (20 + 6 + 6)
         kv.set_limits(rows=1, capacity=19)
         kv.fit()
         assert (kv.rows, kv.capacity) == (1, 19) and kv.host_lengths == [18]
+        assert [layer.keys.shape[2] for layer in kv.layers] == [6, 6, 19]
         kv.clear_row(0)
         kv.free()
         assert (kv.rows, kv.capacity, kv.nbytes) == (0, 0, 0)
+
+
+def test_a_ring_below_its_window_holds_each_position_at_its_own_index_and_keeps_it_through_growth():
+    """A row of 3 tokens in a sliding layer of window 6: the capacity (4, then 8 and 16 as the row grows)
+    caps the ring at 4 positions, then 6, where it wraps; the row's keys stay where its next step reads them, and the steps
+    give the logits of the sequence alone."""
+    model = tiny_teacher("gemma3_text")
+    g = torch.Generator().manual_seed(2)
+    ids = random_ids(3, g)
+    kv, (alone, _) = BatchedKVCache(model), prefill(model, ids)
+    kv.set_limits(rows=1, capacity=4)
+    with torch.no_grad():
+        kv.load_row(0, prefill(model, ids)[0], 3)
+        assert [layer.keys.shape[2] for layer in kv.layers] == [4, 4, 4]
+        kv.set_limits(rows=1, capacity=None)
+        for _ in range(6):
+            token = torch.randint(3, 128, (1, 1), generator=g)
+            expected = model(token, past_key_values=alone, use_cache=True).logits[0, -1]
+            torch.testing.assert_close(kv.step(model, token)[0, -1], expected, atol=1e-5, rtol=1e-5)
+    assert [layer.keys.shape[2] for layer in kv.layers] == [6, 6, 16]
+
+
+def test_each_layer_of_a_hybrid_keeps_its_own_kind_of_rows():
+    """A Gemma 3 student with `layers=full`: its sliding layers stay softmax (rings), its full layer is
+    linearized (a state of one shape per row, whatever the lengths); a Lizard Llama with layer 1 kept."""
+    gemma = tiny_student("lizard", "gemma3_text", layers="full")
+    assert layer_kinds(gemma) == [SLIDING, SLIDING, LINEAR]
+    assert layer_kinds(tiny_student("lizard", softmax_layers=[1])) == [LINEAR, FULL]
+    assert layer_kinds(tiny_teacher("gemma3_text")) == [SLIDING, SLIDING, FULL]
+    kv = BatchedKVCache(gemma)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for row, length in enumerate([2, 20]):
+            kv.load_row(row, prefill(gemma, random_ids(length, g))[0], length)
+        kv.step(gemma, torch.randint(3, 128, (2, 1), generator=g))
+    state = kv.layers[2]
+    assert isinstance(state, StateRowsLayer) and state.buffers
+    assert all(t.shape[0] == kv.rows for t in state.buffers.values())
+    assert [layer.keys.shape[2] for layer in kv.layers[:2]] == [6, 6] and kv.capacity == 32
+    kv.free()
+    assert kv.nbytes == 0 and state.buffers is None
 
 
 def test_only_one_token_a_row_goes_through_the_batched_cache():
