@@ -39,12 +39,18 @@ def names_among(what: str, choices, *, unique: bool = False):
 
 
 methods = names_among("methods", METHOD_CONFIGS)
+SERVE_SCENARIOS = ("points", "chat")
+# The flags of one scenario of `bench serve` alone (the others are shared).
+SCENARIO_FLAGS = {"points": ("clients", "prompt_lengths"),
+                  "chat": ("conversations", "turns", "system_tokens", "user_tokens", "target_context", "prefix_block",
+                           "prefix_cache_memory")}
 TRAIN_MODES = ("full", "lora", "stage1", "stage2")  # bench.train.MODES, named here without importing torch
 train_modes = names_among("modes", TRAIN_MODES, unique=True)
 
 
 def register(subparsers) -> None:
     from ..cli_args import non_negative_float, positive_float, positive_int
+    from ..serve.command import memory_size
 
     bench = subparsers.add_parser("bench", help="measure kernel, model and training speed and memory",
                                   description="Each writes DIR/<name>.json, DIR/<name>.md and PNG plots into --out.")
@@ -81,10 +87,28 @@ def register(subparsers) -> None:
                                      "linearized vs the softmax teacher")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     add_models(p)
-    p.add_argument("--clients", type=sizes, help="concurrent clients per point, e.g. 16,64,256 (default)")
-    p.add_argument("--prompt-lengths", type=sizes, help="prompt tokens per request, e.g. 4k,32k (default)")
-    p.add_argument("--max-tokens", type=positive_int, help="tokens generated per request (default 256)")
-    p.add_argument("--max-batch", type=positive_int, help="the engine's slots, at most (default 256)")
+    p.add_argument("--scenario", choices=SERVE_SCENARIOS, default="points",
+                   help="points: N clients at once with prompts of one length, per (N, length) point (default; "
+                        "DIR/serve.*); chat: multi-turn conversations resubmitted whole each turn, a method with "
+                        "its prefix cache on and off beside the teacher (DIR/serve_chat.*)")
+    p.add_argument("--clients", type=sizes, help="points: concurrent clients per point, e.g. 16,64,256 (default)")
+    p.add_argument("--prompt-lengths", type=sizes, help="points: prompt tokens per request, e.g. 4k,32k (default)")
+    chat = p.add_argument_group("chat scenario")
+    chat.add_argument("--conversations", type=positive_int, help="concurrent conversations (default 8)")
+    chat.add_argument("--turns", type=positive_int, help="turns of each conversation (default 8)")
+    chat.add_argument("--system-tokens", type=size, help="tokens of the system prompt they share (default 2k)")
+    user = chat.add_mutually_exclusive_group()
+    user.add_argument("--user-tokens", type=size, help="tokens of each user message (default: from --target-context)")
+    user.add_argument("--target-context", type=size,
+                      help="the last turn's prompt tokens, which sets the user messages' length (default 32k)")
+    chat.add_argument("--prefix-block", type=positive_int,
+                      help="the prefix cache's block: a prefilled state is kept every this many tokens (default 256)")
+    chat.add_argument("--prefix-cache-memory", type=memory_size, metavar="SIZE",
+                      help="the most memory the kept prefix states take, e.g. 8GiB (default 8GiB)")
+    p.add_argument("--max-tokens", type=positive_int,
+                   help="tokens generated per request (default 256; chat: per answer, default 256)")
+    p.add_argument("--max-batch", type=positive_int,
+                   help="the engine's slots, at most (default 256; chat: the conversations)")
     p.add_argument("--prefill-chunk", type=size, help="prompt tokens per prefill call (default 16k)")
     p.add_argument("--prefill-budget", type=non_negative_float,
                    help="the engine's prefill time a turn while requests generate, in decode steps, as "
@@ -177,9 +201,14 @@ def run_model(args) -> None:
 
 
 def run_serve(args) -> None:
+    from ..cli_args import CommandError
+
+    for scenario, flags in SCENARIO_FLAGS.items():
+        given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag) is not None]
+        if scenario != args.scenario and given:
+            raise CommandError(f"{given[0]} belongs to --scenario {scenario}, not --scenario {args.scenario}")
     import torch
 
-    from ..cli_args import CommandError
     from ..config import parse_set_options
     from . import model, serve
 
@@ -188,6 +217,17 @@ def run_serve(args) -> None:
                            "here: pass --quick for tiny sizes")
     methods = args.methods or list(model.DEFAULT_METHODS)
     options = parse_set_options(args.set or [], methods)
+    if args.scenario == "chat":
+        from . import chat
+
+        wrote(chat.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods, options=options,
+                         quick=args.quick, conversations=args.conversations, turns=args.turns,
+                         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                         target_context=args.target_context, max_tokens=args.max_tokens, max_batch=args.max_batch,
+                         prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+                         prefix_block=args.prefix_block, prefix_cache_bytes=args.prefix_cache_memory,
+                         time_limit=args.time_limit, layers=args.layers))
+        return
     wrote(serve.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods, options=options,
                       quick=args.quick, clients=args.clients, prompt_lengths=args.prompt_lengths,
                       max_tokens=args.max_tokens, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,

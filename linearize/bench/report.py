@@ -1,7 +1,7 @@
 """`python -m linearize.bench.report DIR...`: merge `linearize bench` results into docs/benchmarks.md.
 
-Every DIR/kernels.json, DIR/model.json, DIR/train.json and DIR/serve.json becomes one section (`--doc
-docs/serving.md` for the serving figures), titled with what was measured, on
+Every DIR/kernels.json, DIR/model.json, DIR/train.json, DIR/serve.json and DIR/serve_chat.json becomes one
+section (`--doc docs/serving.md` for the serving figures), titled with what was measured, on
 which device and with which method options, and carrying the command that produced it. Sections are found again
 by title, so merging a rerun replaces its section instead of adding a copy; everything else in the document is
 left as it is.
@@ -14,11 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from . import kernels, model, serve, train
+from . import chat, kernels, model, serve, train
 from .common import provenance
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
-TABLES = {"kernels": kernels.tables, "model": model.tables, "train": train.tables, "serve": serve.tables}
+TABLES = {"kernels": kernels.tables, "model": model.tables, "train": train.tables, "serve": serve.tables,
+          chat.NAME: chat.tables}
 START = "<!-- bench section: {} -->"
 END = "<!-- end of bench section -->"
 

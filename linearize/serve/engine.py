@@ -409,7 +409,7 @@ class Engine:
             restore_into_layers(self._prefill.layers, found.snapshot)
         else:
             active.cache = restored_cache(self.model.config, found.snapshot)
-        active.done = found.snapshot.tokens
+        active.done = active.request.cached_tokens = found.snapshot.tokens
 
     def _prefill_stop(self, active: Active, tokens: int) -> int:
         """Where the next prefill call ends, at most `tokens` on: where the prompt parts from a cached one,

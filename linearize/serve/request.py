@@ -61,6 +61,9 @@ class Request:
         self.generated: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []
+        # Prompt tokens restored from the engine's prefix cache instead of prefilled (OpenAI's
+        # `usage.prompt_tokens_details.cached_tokens`), known once its prefill has begun.
+        self.cached_tokens = 0
         self.finish_reason: str | None = None  # "stop" (an end-of-sequence token), "length", "cancelled", "error"
         self.error: str | None = None
         self._loop = loop
