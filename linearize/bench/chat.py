@@ -320,14 +320,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def tables(results: dict) -> list[str]:
     settings = results["settings"]
-    lines = [f"{settings['conversations']} conversations of {settings['turns']} turns: a shared system prompt of "
-             f"{settings['system_tokens']} tokens, user messages of {settings['user_tokens']} tokens, answers of "
-             f"{settings['max_tokens']} tokens; each turn resubmits the whole conversation, up to "
-             f"{size_label(settings['last_prompt_tokens'])} tokens at the last turn.{options_note(settings)}", ""]
-    lines += ["Per turn (prompt and prefilled tokens summed over the turn's conversations; prefilled: not restored "
-              "from the prefix cache; output tokens/s over the turn's span):", "",
-              "| run | turn | context | prompt / prefilled tokens | TTFT p50 / p99 ms | output tokens/s |",
-              "|---|---|---|---|---|---|"]
+    scenario = (f"{settings['conversations']} conversations of {settings['turns']} turns: a shared system prompt of "
+                f"{settings['system_tokens']} tokens, user messages of {settings['user_tokens']} tokens, answers of "
+                f"{settings['max_tokens']} tokens; each turn resubmits the whole conversation, up to "
+                f"{size_label(settings['last_prompt_tokens'])} tokens at the last turn.{options_note(settings)}")
+    caption = ("Per turn (prompt and prefilled tokens summed over the turn's conversations; prefilled: not restored "
+               "from the prefix cache; output tokens/s over the turn's span):")
+    lines = [scenario, "", caption, "",
+             "| run | turn | context | prompt / prefilled tokens | TTFT p50 / p99 ms | output tokens/s |",
+             "|---|---|---|---|---|---|"]
     for run in results["runs"]:
         if run["status"] not in ("ok", "cut"):
             continue
@@ -336,8 +337,9 @@ def tables(results: dict) -> list[str]:
             rate = "–" if t["output_tokens_per_s"] is None else number(t["output_tokens_per_s"])
             lines.append(f"| {run['model']} | {t['turn']} | {size_label(t['context'])} | "
                          f"{t['prompt_tokens']:,} / {t['prefilled_tokens']:,} | {ttft} | {rate} |")
-    lines += ["", "Per run (output tokens/s over the whole scenario; prefix cache: prompt tokens restored of those "
-                  "looked up, and the states kept at the end):", "",
+    caption = ("Per run (output tokens/s over the whole scenario; prefix cache: prompt tokens restored of those "
+               "looked up, and the states kept at the end):")
+    lines += ["", caption, "",
               "| run | output tokens/s | wall s | prefilled / prompt tokens | prefix cache | peak memory | batching |",
               "|---|---|---|---|---|---|---|"]
     for run in results["runs"]:
@@ -349,8 +351,9 @@ def tables(results: dict) -> list[str]:
         lines.append(f"| {model} | {number(run['output_tokens_per_s'])} | {number(run['wall_s'])} | "
                      f"{run['prefilled_tokens']:,} / {run['prompt_tokens']:,} | {cache_cell(run['prefix_cache_stats'])} "
                      f"| {memory} | {run['mode']}, {run['slots']} rows |")
-    lines += ["", f"Against the targets (a later turn's TTFT p50 with the prefix cache at most {TTFT_TARGET:g}x "
-                  f"the same turn's without it; output tokens/s at least {RATE_TARGET:g}x the teacher's):", "",
+    caption = (f"Against the targets (a later turn's TTFT p50 with the prefix cache at most {TTFT_TARGET:g}x "
+               f"the same turn's without it; output tokens/s at least {RATE_TARGET:g}x the teacher's):")
+    lines += ["", caption, "",
               "| method | turn | context | TTFT cache on / off | output tokens/s / teacher's |", "|---|---|---|---|---|"]
     show = lambda x: "–" if x is None else f"{x:.3g}x"
     for row in results["comparisons"]:

@@ -1,6 +1,7 @@
 """`linearize bench serve --scenario chat` on CPU with --quick: multi-turn conversations resubmitted whole,
 the teacher beside a method with its prefix cache on and off."""
 
+import itertools
 import json
 
 import pytest
@@ -45,7 +46,7 @@ def test_every_run_serves_every_turn_of_every_conversation(results):
             assert t["ttft_p99_ms"] >= t["ttft_p50_ms"] > 0 and t["output_tokens_per_s"] > 0
         # Each turn's prompt is the one before it, its answer and a new user message.
         contexts = [t["context"] for t in r["turns"]]
-        steps = {b - a for a, b in zip(contexts, contexts[1:])}
+        steps = {b - a for a, b in itertools.pairwise(contexts)}
         assert steps == {settings["user_tokens"] + settings["max_tokens"]}
         assert contexts[-1] == settings["last_prompt_tokens"] <= settings["target_context"]
         # The per-request counts add up to what the engine prefilled.
