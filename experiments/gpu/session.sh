@@ -113,7 +113,7 @@ case $part in
     step "serve_${1:-llama3-8b}" 570 python -m linearize.cli bench serve --shape "${1:-llama3-8b}" --set combine=shared \
       --set rope_in_window=true "${pace[@]}" --time-limit 540 --out "$res/serve-${1:-llama3-8b}" ;;
   servechat)
-    # `bench serve --scenario chat` at a shape (default llama3-8b): 8 conversations of 8 turns growing to
+    # `bench serve --scenario chat` at a shape (default llama3-8b): 8 conversations of 6 turns growing to
     # 32K tokens, the best Lizard with its prefix cache on and off against the batched teacher.
     step "servechat_${1:-llama3-8b}" 570 python -m linearize.cli bench serve --scenario chat --shape "${1:-llama3-8b}" \
       --set combine=shared --set rope_in_window=true --time-limit 540 --out "$res/serve-chat-${1:-llama3-8b}" ;;

@@ -95,7 +95,7 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-lengths", type=sizes, help="points: prompt tokens per request, e.g. 4k,32k (default)")
     chat = p.add_argument_group("chat scenario")
     chat.add_argument("--conversations", type=positive_int, help="concurrent conversations (default 8)")
-    chat.add_argument("--turns", type=positive_int, help="turns of each conversation (default 8)")
+    chat.add_argument("--turns", type=positive_int, help="turns of each conversation (default 6)")
     chat.add_argument("--system-tokens", type=size, help="tokens of the system prompt they share (default 2k)")
     user = chat.add_mutually_exclusive_group()
     user.add_argument("--user-tokens", type=size, help="tokens of each user message (default: from --target-context)")

@@ -35,7 +35,7 @@ def test_every_run_serves_every_turn_of_every_conversation(results):
     _, results = results
     settings = results["settings"]
     runs = runs_by_name(results)
-    assert list(runs) == [SOFTMAX, "lizard, prefix cache on", "lizard, prefix cache off"]
+    assert list(runs) == ["lizard, prefix cache on", "lizard, prefix cache off", SOFTMAX]
     assert runs[SOFTMAX]["mode"] == "kv" and runs["lizard, prefix cache on"]["mode"] == "slots"
     for r in runs.values():
         assert r["status"] == "ok", r
@@ -110,7 +110,7 @@ def test_the_tables_and_the_plot_render_and_merge_into_a_doc(results):
 
 def test_user_messages_fill_the_target_context():
     settings = chat.settings_for(False, {})
-    assert settings["last_prompt_tokens"] == 32768
+    assert 32768 - settings["turns"] < settings["last_prompt_tokens"] <= 32768
     settings = chat.settings_for(False, {"target_context": 40000, "turns": 3})
     assert 40000 - 3 < settings["last_prompt_tokens"] <= 40000
     assert chat.settings_for(True, {"user_tokens": 5})["user_tokens"] == 5
