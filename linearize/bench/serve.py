@@ -24,6 +24,9 @@ docs/serving.md). Each point records the engine's mode
 and the most requests that generated at once (`peak_running`: for the teacher, how many rows its memory
 let run). A point that runs out of memory is recorded as OOM and the larger points of that model are
 skipped; so is one that would end past the model's share of the time limit.
+
+These are the points of `--scenario points` (the default); multi-turn conversations, where a linearized
+model's prefix cache matters, are `--scenario chat` (`linearize.bench.chat`).
 """
 
 from __future__ import annotations
