@@ -1,6 +1,7 @@
 """lm-eval's `local-completions` model scoring a multiple-choice task through a real `linearize serve` gets
 the accuracy `linearize eval` gets offline for the same model, task, documents and data, and each of its
-answer options the log-likelihood one offline forward of the same tokens gives.
+answer options the log-likelihood one offline forward of the same tokens gives. lm-eval sends its prompts
+in batches, several requests at once, as it would to a large server.
 
 The model is a tiny random Lizard, so its accuracy is noise; what is checked is that both paths score the
 same requests the same way. Its tokenizer adds a BOS token, as Gemma's and Llama 3's do: lm-eval's own
@@ -18,10 +19,10 @@ import pytest
 import torch
 from serve_helpers import ROOT, SERVED_NAME, Server
 
-pytestmark = pytest.mark.slow  # two model loads, lm-eval twice and a few hundred requests: ~30 s on 2 cores
+pytestmark = pytest.mark.slow  # two model loads and lm-eval twice: ~40 s on 2 cores
 
 TASK, LIMIT = "arc_easy", 20
-CONCURRENT = 4  # lm-eval's requests in flight at once (each holds one prompt: its default batch_size 1)
+BATCH, CONCURRENT = 4, 2  # lm-eval's prompts a request, and requests in flight at once
 PREFILL_CHUNK = 16  # ARC's prompts (40 to 200 tokens) prefill in several chunks, each keeping its logits
 # acc and acc_norm are means over LIMIT documents, so they can only differ by 1/LIMIT or more: agreeing
 # within 0.001 means the same answer picked for every document. The two paths compute the same float32
@@ -77,12 +78,12 @@ def served(model_folder, tmp_path_factory):
     sources = local_tasks.redirect_to_local(manager, [TASK], local_tasks.olmo_datasets_dir())
     assert sources[TASK]["source"] == "local"
     server = Server(model_folder, tmp_path_factory.mktemp("server") / "server.log", "--device", "cpu",
-                    "--max-batch", str(CONCURRENT), "--prefill-chunk", str(PREFILL_CHUNK))
+                    "--max-batch", str(BATCH), "--prefill-chunk", str(PREFILL_CHUNK))
     try:
         lm = LocalCompletionsAPI(model=SERVED_NAME, base_url=f"{server.url}/v1/completions",
                                  tokenizer=str(model_folder), tokenizer_backend="huggingface",
-                                 tokenized_requests=True, add_bos_token=True, num_concurrent=CONCURRENT,
-                                 max_retries=1)
+                                 tokenized_requests=True, add_bos_token=True, batch_size=BATCH,
+                                 num_concurrent=CONCURRENT, max_retries=1)
         out = simple_evaluate(model=lm, tasks=[TASK], limit=LIMIT, task_manager=manager, log_samples=True,
                               bootstrap_iters=0)
     finally:
