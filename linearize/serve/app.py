@@ -13,7 +13,8 @@ A prompt is refused by its size before it is tokenized (`_Served.max_prompt_char
 characters can fit `max_prompt_tokens`), and tokenized on a worker thread, so that a huge prompt
 neither takes the tokenizer's time nor holds up the event loop's other requests.
 
-Completions take `logprobs` and `echo`, chat `logprobs` and `top_logprobs` (`logprob_bodies` spells them
+A completion's `prompt` may be a batch of several: each is checked, then submitted as a request of its
+own, and the answer holds one choice a prompt, in order. Completions take `logprobs` and `echo`, chat `logprobs` and `top_logprobs` (`logprob_bodies` spells them
 out); `GET /metrics` gives the counts of `metrics.ServeMetrics` in Prometheus's text format.
 
 `app.state.shutdown` (`Shutdown`) is how the process stops it: `drain()` answers every new request
