@@ -15,7 +15,8 @@ neither takes the tokenizer's time nor holds up the event loop's other requests.
 
 A completion's `prompt` may be a batch of several: each is checked, then submitted as a request of its
 own, and the answer holds one choice a prompt, in order. Completions take `logprobs` and `echo`, chat
-`logprobs` and `top_logprobs` (`logprob_bodies` spells them out); `GET /metrics` gives the counts of `metrics.ServeMetrics` in Prometheus's text format.
+`logprobs` and `top_logprobs` (`logprob_bodies` spells them out); `GET /metrics` gives the counts of
+`metrics.ServeMetrics` in Prometheus's text format.
 
 `app.state.shutdown` (`Shutdown`) is how the process stops it: `drain()` answers every new request
 503 while the ones in flight finish; `force()` ends those too (a stream gets an error event and
