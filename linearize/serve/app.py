@@ -13,8 +13,10 @@ A prompt is refused by its size before it is tokenized (`_Served.max_prompt_char
 characters can fit `max_prompt_tokens`), and tokenized on a worker thread, so that a huge prompt
 neither takes the tokenizer's time nor holds up the event loop's other requests.
 
-Completions take `logprobs` and `echo`, chat `logprobs` and `top_logprobs` (`logprob_bodies` spells them
-out); `GET /metrics` gives the counts of `metrics.ServeMetrics` in Prometheus's text format.
+A completion's `prompt` may be a batch of several: each is checked, then submitted as a request of its
+own, and the answer holds one choice a prompt, in order. Completions take `logprobs` and `echo`, chat
+`logprobs` and `top_logprobs` (`logprob_bodies` spells them out); `GET /metrics` gives the counts of
+`metrics.ServeMetrics` in Prometheus's text format.
 
 `app.state.shutdown` (`Shutdown`) is how the process stops it: `drain()` answers every new request
 503 while the ones in flight finish; `force()` ends those too (a stream gets an error event and
@@ -116,28 +118,29 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: HTTPRequest):
         served.check_model(body.model)
-        if isinstance(body.prompt, str):
-            served.check_size(len(body.prompt), "prompt")
-            prompt_ids = await served.encode(body.prompt, add_special_tokens=True)
-        else:
-            prompt_ids = served.check_token_ids(body.prompt)
+        prompts = [await served.completion_prompt(prompt) for prompt in body.prompt]
         max_tokens = served.max_tokens(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens")
-        echoed = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
-            await served.decode(prompt_ids)
-        generation = served.submit(prompt_ids, body, max_tokens, logprobs=body.logprobs,
-                                   prompt_logprobs=body.logprobs if body.echo else None)
-        if body.stream:
-            return _event_stream(raw, generation, _CompletionChunks(served.name, body.include_usage, echoed))
-        text = await _collect(raw, generation)
-        logprobs = None
-        if body.logprobs is not None:
-            tokens, entries = generation.scored_tokens()
-            if body.echo:
-                tokens, entries = prompt_ids + tokens, generation.request.prompt_logprobs + entries
-            logprobs = await served.off_loop(completion_logprobs, tokens, entries, served.token_texts)
-        choice = CompletionChoice(text=echoed + text, logprobs=logprobs, finish_reason=generation.finish_reason)
-        return CompletionResponse(id=generation.id("cmpl"), created=generation.created, model=served.name,
-                                  choices=[choice], usage=generation.usage())
+        echoed = [(prompt if isinstance(prompt, str) else await served.decode(ids)) if body.echo else ""
+                  for prompt, ids in zip(body.prompt, prompts, strict=True)]
+        generations = served.submit_all(prompts, body, max_tokens, logprobs=body.logprobs,
+                                        prompt_logprobs=body.logprobs if body.echo else None)
+        if body.stream:  # one prompt (schemas refuse to stream a batch)
+            return _event_stream(raw, generations[0], _CompletionChunks(served.name, body.include_usage, echoed[0]))
+        texts = await _collect(raw, generations)
+        choices = []
+        for index, (generation, ids, echo, text) in enumerate(zip(generations, prompts, echoed, texts, strict=True)):
+            logprobs = None
+            if body.logprobs is not None:
+                tokens, entries = generation.scored_tokens()
+                if body.echo:
+                    tokens, entries = ids + tokens, generation.request.prompt_logprobs + entries
+                logprobs = await served.off_loop(completion_logprobs, tokens, entries, served.token_texts)
+            choices.append(CompletionChoice(index=index, text=echo + text, logprobs=logprobs,
+                                            finish_reason=generation.finish_reason))
+        usages = [generation.usage() for generation in generations]
+        usage = Usage(**{field: sum(getattr(u, field) for u in usages) for field in Usage.model_fields})
+        return CompletionResponse(id=generations[0].id("cmpl"), created=generations[0].created, model=served.name,
+                                  choices=choices, usage=usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
@@ -150,7 +153,7 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         if body.stream:
             return _event_stream(raw, generation, _ChatChunks(served.name, body.include_usage))
-        text = await _collect(raw, generation)
+        [text] = await _collect(raw, [generation])
         logprobs = None
         if body.logprobs:
             logprobs = await served.off_loop(chat_logprobs, generation.scored_tokens()[1], served.token_texts)
@@ -281,6 +284,13 @@ class _Served:
             raise APIError(400, "the prompt gives no tokens to continue from", param="prompt")
         return self._check_length(ids)
 
+    async def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids: a text tokenized with the tokenizer's special tokens, ids checked."""
+        if isinstance(prompt, str):
+            self.check_size(len(prompt), "prompt")
+            return await self.encode(prompt, add_special_tokens=True)
+        return self.check_token_ids(prompt)
+
     async def decode(self, ids: list[int]) -> str:
         return await self.off_loop(self.tokenizer.decode, ids)
 
@@ -320,6 +330,18 @@ class _Served:
                            code="shutting_down") from None
         self.metrics.request_started(len(prompt_ids))
         return _Generation(request, TextStream(self.tokenizer, body.stop), len(prompt_ids), self.metrics)
+
+    def submit_all(self, prompts: list[list[int]], body, max_tokens: int, **logprobs) -> list[_Generation]:
+        """`submit` each prompt; if one is refused, the ones before it are cancelled and the refusal raised."""
+        generations: list[_Generation] = []
+        try:
+            for prompt_ids in prompts:
+                generations.append(self.submit(prompt_ids, body, max_tokens, **logprobs))
+        except BaseException:
+            for generation in generations:
+                generation.abandon()
+            raise
+        return generations
 
 
 class _Generation:
@@ -377,25 +399,37 @@ class _Generation:
             self.request.cancel()
 
 
-async def _cancel_on_disconnect(raw: HTTPRequest, generation: _Generation) -> None:
-    """Wait for the client to go away, then cancel its request. The body is read already, so the next
+async def _cancel_on_disconnect(raw: HTTPRequest, generations: list[_Generation]) -> None:
+    """Wait for the client to go away, then cancel its requests. The body is read already, so the next
     message the server passes on is the disconnect."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
-    generation.abandon()
+    for generation in generations:
+        generation.abandon()
 
 
-async def _collect(raw: HTTPRequest, generation: _Generation) -> str:
-    watcher = asyncio.create_task(_cancel_on_disconnect(raw, generation))
+async def _text(generation: _Generation) -> str:
+    return "".join([piece async for piece in generation.pieces()])
+
+
+async def _collect(raw: HTTPRequest, generations: list[_Generation]) -> list[str]:
+    """The whole text of each generation, generated side by side. Every one runs to its end, so that a
+    failure is answered once all are done, with the first one's error."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(raw, generations))
     try:
-        return "".join([piece async for piece in generation.pieces()])
-    except _Interrupted as e:
-        raise APIError(503, str(e), type="service_unavailable_error", code="shutting_down") from None
-    except RuntimeError as e:  # the engine failed on this request (Request.tokens)
-        raise APIError(500, f"the model failed on this request: {e}", type="server_error") from None
+        texts = await asyncio.gather(*(_text(generation) for generation in generations), return_exceptions=True)
     finally:
         watcher.cancel()
-        generation.abandon()
+        for generation in generations:
+            generation.abandon()
+    failure = next((t for t in texts if isinstance(t, BaseException)), None)
+    if isinstance(failure, _Interrupted):
+        raise APIError(503, str(failure), type="service_unavailable_error", code="shutting_down")
+    if isinstance(failure, RuntimeError):  # the engine failed on this request (Request.tokens)
+        raise APIError(500, f"the model failed on this request: {failure}", type="server_error")
+    if failure is not None:
+        raise failure
+    return texts
 
 
 class _CompletionChunks:
@@ -448,7 +482,7 @@ def _event(body: BaseModel) -> str:
 
 def _event_stream(raw: HTTPRequest, generation: _Generation, chunks) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(raw, generation))
+        watcher = asyncio.create_task(_cancel_on_disconnect(raw, [generation]))
         try:
             for chunk in chunks.start(generation):
                 yield _event(chunk)

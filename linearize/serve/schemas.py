@@ -143,8 +143,9 @@ class _GenerationRequest(_Body):
 
 
 class CompletionRequest(_GenerationRequest):
-    # A string, a list of one string, or the prompt's token ids (or a list of one such list, as lm-eval sends).
-    prompt: str | list[int]
+    # A string or token ids, or a list of several of either: one choice each, in order (OpenAI's and vLLM's
+    # batch; lm-eval's `local-completions` sends `[[ids], ...]`, `batch_size` lists at a time).
+    prompt: list[str | list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0 with `echo`: the prompt's log-probabilities alone
     # The log-probability of each token, and of this many most likely alternatives; None: none.
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -155,24 +156,25 @@ class CompletionRequest(_GenerationRequest):
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError("nothing_asked", "max_tokens is 0, which asks for nothing without echo",
                                       {"param": "max_tokens"})
+        if self.stream and len(self.prompt) > 1:
+            raise PydanticCustomError("stream_batch", "a batch of {count} prompts cannot be streamed by this "
+                                      "server: send them one a request, or stream false",
+                                      {"param": "stream", "count": len(self.prompt)})
         return self._no_streamed_logprobs(self.logprobs is not None)
 
     @field_validator("prompt", mode="plain")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-            if len(value) != 1:
-                raise PydanticCustomError("prompt_batch", "prompt must be one string or list of token ids (or a "
-                                          "list of one), not a list of {count}: this server takes one prompt a "
-                                          "request", {"count": len(value)})
-            value = value[0]
-        if value == "" or value == []:
-            raise PydanticCustomError("prompt_empty", "prompt is empty: give the text to continue")
-        # `type(...) is int`: a bool is an int to isinstance, and true is no token id.
-        if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
-            return value
-        raise PydanticCustomError("prompt_type", "prompt must be a string, a list of token ids, or a list "
-                                  "of one of those")
+    def _prompts(cls, value) -> list[str | list[int]]:
+        batch = isinstance(value, list) and bool(value) and all(isinstance(p, str | list) for p in value)
+        prompts = value if batch else [value]
+        for prompt in prompts:
+            if prompt == "" or prompt == []:
+                raise PydanticCustomError("prompt_empty", "prompt is empty: give the text to continue")
+            # `type(...) is int`: a bool is an int to isinstance, and true is no token id.
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))):
+                raise PydanticCustomError("prompt_type", "prompt must be a string, a list of token ids, or a "
+                                          "list of several of those")
+        return prompts
 
 
 class ContentPart(_Body):

@@ -99,6 +99,41 @@ def test_a_prompt_can_be_a_list_of_one_string_or_token_ids(client, engine, token
     assert engine.requests[0].prompt_ids == ids
 
 
+def test_a_batch_of_prompts_gets_one_choice_each_in_order_and_their_usage_summed(client, engine, tokenizer):
+    ids = tokenizer.encode("Go on")
+    response = complete(client, prompt=["Say hi", ids, "Third"], max_tokens=5, echo=True)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+    assert [choice["text"] for choice in body["choices"]] == [p + REPLY[:5] for p in ("Say hi", "Go on", "Third")]
+    assert all(choice["finish_reason"] == "length" for choice in body["choices"])
+    assert [r.prompt_ids for r in engine.requests] == [tokenizer.encode(p) for p in ("Say hi", "Go on", "Third")]
+    prompt_tokens = sum(len(r.prompt_ids) for r in engine.requests)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 15,
+                             "total_tokens": prompt_tokens + 15}
+
+
+def test_a_refused_prompt_of_a_batch_cancels_the_ones_submitted_before_it(client, engine, monkeypatch):
+    submit = engine.submit
+
+    def refuse_the_second(prompt_ids, params):
+        if engine.requests:
+            raise QueueFull("all 4 slots are busy")
+        return submit(prompt_ids, params)
+
+    monkeypatch.setattr(engine, "submit", refuse_the_second)
+    assert error_of(complete(client, prompt=["Say hi", "again", "and again"]), 429)["code"] == "queue_full"
+    assert len(engine.requests) == 1 and engine.requests[0].cancelled
+
+
+def test_an_engine_failure_on_a_batch_is_a_500_once_every_prompt_ended(client, engine):
+    engine.fail_after = 3
+    error = error_of(complete(client, prompt=["Say hi", "again"]), 500)
+    assert "the step failed" in error["message"]
+    assert [r.finish_reason for r in engine.requests] == ["error", "error"]
+    engine.fail_after = None
+
+
 def test_a_stop_string_cuts_the_text_and_frees_the_slot(client, engine):
     body = complete(client, max_tokens=40, stop=["How", "!"]).json()
     assert body["choices"][0]["text"] == "Hello, world" and body["choices"][0]["finish_reason"] == "stop"
@@ -189,7 +224,7 @@ BAD_COMPLETIONS = [
     ({"model": NAME, "prompt": 5}, "prompt"),
     ({"model": NAME, "prompt": ""}, "prompt"),
     ({"model": NAME, "prompt": []}, "prompt"),
-    ({"model": NAME, "prompt": ["a", "b"]}, "prompt"),
+    ({"model": NAME, "prompt": ["a", 7]}, "prompt"),
     ({"model": NAME, "prompt": [1, "a"]}, "prompt"),
     ({"model": NAME, "prompt": [5, 1000]}, "prompt"),  # not in the vocabulary
     ({"model": NAME, "prompt": [-1]}, "prompt"),
@@ -211,7 +246,10 @@ BAD_COMPLETIONS = [
     ({"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": NAME, "prompt": "hi", "stop": ["a"] * 17}, "stop"),
     ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream"),
-    ({"model": NAME, "prompt": [[5], [6]]}, "prompt"),
+    ({"model": NAME, "prompt": [[5], []]}, "prompt"),
+    ({"model": NAME, "prompt": [[5], ["6"]]}, "prompt"),
+    ({"model": NAME, "prompt": [[5], [-1]]}, "prompt"),  # nothing submitted, not even the first
+    ({"model": NAME, "prompt": [[5], [6]], "stream": True}, "stream"),
     ({"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs"),  # vLLM's bound: 20
     ({"model": NAME, "prompt": "hi", "logprobs": -1}, "logprobs"),
     ({"model": NAME, "prompt": "hi", "logprobs": True}, "logprobs"),

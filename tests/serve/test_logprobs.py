@@ -140,6 +140,23 @@ def test_lm_evals_local_completions_request_is_answered_in_the_shape_it_parses(c
     assert greedy == (rows.argmax(-1).tolist() == continuation)
 
 
+def test_lm_evals_batch_of_loglikelihood_requests_gets_one_choice_each_in_order(client, model):
+    """lm-eval's `batch_size` > 1: several token lists in one body, each choice scored as the prompt alone
+    (lm-eval matches them to its requests by `index`)."""
+    completions = pytest.importorskip("lm_eval.models.openai_completions")
+    api = completions.LocalCompletionsAPI.__new__(completions.LocalCompletionsAPI)
+    api.model = NAME
+    pairs = [(PROMPT[:9], PROMPT[9:]), (PROMPT[:3], PROMPT[3:5]), (PROMPT[4:12], PROMPT[12:])]
+    body = api._create_payload([context + continuation for context, continuation in pairs], generate=False)
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert [choice["index"] for choice in response.json()["choices"]] == [0, 1, 2]
+    answers = completions.LocalCompletionsAPI.parse_logprobs(response.json(), ctxlens=[len(c) for c, _ in pairs])
+    for (context, continuation), (loglikelihood, _) in zip(pairs, answers, strict=True):
+        rows = offline_logprobs(model, context + continuation)[len(context) - 1:-1]
+        assert loglikelihood == pytest.approx(rows.gather(1, torch.tensor(continuation)[:, None]).sum().item(), abs=1e-3)
+
+
 def test_chat_logprobs_give_each_token_and_its_top_alternatives(client, model, tokenizer):
     messages = [{"role": "user", "content": "Hello there"}]
     response = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "temperature": 0,
