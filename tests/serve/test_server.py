@@ -333,6 +333,7 @@ def test_a_second_ctrl_c_ends_the_requests_in_flight_with_an_error_and_exits_130
     assert "stopped by a second SIGINT" in log
 
 
+@pytest.mark.slow  # a real server over HTTP; tests/serve/test_prefix_cache.py covers the cache fast
 def test_a_conversation_restores_its_last_turn_from_the_prefix_cache(start_server, offline):
     """Turns of a conversation as token ids, each the last prompt, its reply and a new message: with blocks of
     8 tokens each later turn restores its last prompt, rounded down to a block, and gets its offline greedy
