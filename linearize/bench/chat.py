@@ -50,12 +50,11 @@ from .common import (
     options_note,
     peak_bytes,
     record_row,
-    reset_peak,
     size_label,
     write_outputs,
 )
 from .model import SOFTMAX, build
-from .serve import Interrupted, _client, percentile
+from .serve import Interrupted, _client, drive, percentile
 
 NAME = "serve_chat"
 # The targets read from one run: a later turn's TTFT with the prefix cache at most this share of the same
@@ -128,32 +127,11 @@ def run_chat(model, *, settings: dict, prefix_cache: bool, device: torch.device,
                 return
             history = prompt + record["request"].generated
 
-    async def cut_at_deadline():
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-        cut.append(time.perf_counter())
-        for record in (r for rs in records for r in rs):
-            if record["request"] is not None:
-                record["request"].cancel()
+    async def conversations_done():
+        await asyncio.gather(*(conversation(i) for i in range(conversations)))
 
-    async def run_conversations():
-        guard = asyncio.create_task(cut_at_deadline()) if math.isfinite(deadline) else None
-        try:
-            await asyncio.gather(*(conversation(i) for i in range(conversations)))
-        finally:
-            if guard is not None:
-                guard.cancel()
-
-    reset_peak(device)
-    engine.start()
-    started = time.perf_counter()
-    interrupted = False
-    try:
-        asyncio.run(run_conversations())
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        engine.stop(drain=False)
-    wall = time.perf_counter() - started
+    started, wall, interrupted = drive(engine, device, conversations_done, lambda: (r for rs in records for r in rs),
+                                       deadline, cut)
     flat = [r for rs in records for r in rs]
     errors = [r["finish_reason"] for r in flat if r["finish_reason"] not in ("length", "stop", "cancelled", None)]
     if errors and not interrupted:

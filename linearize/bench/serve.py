@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -104,6 +105,40 @@ class Interrupted(KeyboardInterrupt):
         self.point = point
 
 
+def drive(engine, device: torch.device, clients: Callable[[], Awaitable[None]], records: Callable[[], Iterable[dict]],
+          deadline: float, cut: list[float]) -> tuple[float, float, bool]:
+    """Start `engine` and run `clients()` on it until they end: (start time, wall seconds, interrupted).
+    At `deadline` (time.monotonic()) the cut's time goes into `cut` and every request `records()` holds
+    is cancelled, so the clients end with what had arrived; Ctrl-C stops it, `interrupted` then True."""
+
+    async def cut_at_deadline():
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        cut.append(time.perf_counter())
+        for record in records():
+            if record["request"] is not None:
+                record["request"].cancel()
+
+    async def run():
+        guard = asyncio.create_task(cut_at_deadline()) if math.isfinite(deadline) else None
+        try:
+            await clients()
+        finally:
+            if guard is not None:
+                guard.cancel()
+
+    reset_peak(device)
+    engine.start()
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        engine.stop(drain=False)
+    return started, time.perf_counter() - started, interrupted
+
+
 def measure_point(model, *, clients: int, prompt_length: int, settings: dict, device: torch.device,
                   deadline: float = math.inf) -> dict:
     """One (clients, prompt length) point on a fresh engine. At `deadline` (time.monotonic()) the
@@ -117,32 +152,10 @@ def measure_point(model, *, clients: int, prompt_length: int, settings: dict, de
     records = [{"arrivals": [], "finish_reason": None, "request": None} for _ in prompts]
     cut = []
 
-    async def cut_at_deadline():
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-        cut.append(time.perf_counter())
-        for record in records:
-            if record["request"] is not None:
-                record["request"].cancel()
+    async def clients_done():
+        await asyncio.gather(*(_client(engine, prompt, params, record) for prompt, record in zip(prompts, records)))
 
-    async def run_clients():
-        guard = asyncio.create_task(cut_at_deadline()) if math.isfinite(deadline) else None
-        try:
-            await asyncio.gather(*(_client(engine, prompt, params, record) for prompt, record in zip(prompts, records)))
-        finally:
-            if guard is not None:
-                guard.cancel()
-
-    reset_peak(device)
-    engine.start()
-    started = time.perf_counter()
-    interrupted = False
-    try:
-        asyncio.run(run_clients())
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        engine.stop(drain=False)
-    wall = time.perf_counter() - started
+    started, wall, interrupted = drive(engine, device, clients_done, lambda: records, deadline, cut)
     finished = [r for r in records if r["finish_reason"] in ("length", "stop")]
     errors = [r["finish_reason"] for r in records if r["finish_reason"] not in ("length", "stop", "cancelled", None)]
     if not interrupted and (errors or (not cut and len(finished) < clients)):
