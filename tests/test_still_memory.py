@@ -1,9 +1,10 @@
 """STILL with the delta-rule memory (`memory="delta"`): the layer's output is STILL's plus mu_h times the
 naive memory's read-out (values and gradients), generate == token by token == the static decoder,
-save/load, a constant decode cache, a silent memory at init, and the default STILL untouched."""
+save/load and a constant decode cache (with Lizard's, alike), a silent memory at init, and the default STILL untouched."""
 
 import pytest
 import torch
+from test_lizard_memory import with_memory as lizard_with_memory
 from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -102,8 +103,12 @@ def test_token_by_token_equals_the_full_sequence_and_the_memory_matters():
     assert all(layer.state["memory_S"].shape == (2, 4, 16, 16) for layer in cache.layers)
 
 
-def test_save_and_load_give_identical_logits(tmp_path):
-    model = with_memory()
+BUILDERS = {"lizard": lizard_with_memory, "still": with_memory}
+
+
+@pytest.mark.parametrize("method", sorted(BUILDERS))
+def test_save_and_load_give_identical_logits(method, tmp_path):
+    model = BUILDERS[method]()
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert all(layer.cfg.memory == "delta" for layer in attention_layers(reloaded))
@@ -112,11 +117,12 @@ def test_save_and_load_give_identical_logits(tmp_path):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_decode_cache_bytes_constant():
-    model = with_memory()
+@pytest.mark.parametrize("method", sorted(BUILDERS))
+def test_decode_cache_bytes_constant(method):
+    model = BUILDERS[method]()
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
     sizes = []
-    for new in (10, 60):
+    for new in (10, 120):
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  return_dict_in_generate=True)
