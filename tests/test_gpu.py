@@ -162,3 +162,25 @@ def test_graphed_static_prefill_equals_eager_and_captures(method, dtype):
         for mine, theirs in zip(graphed.cache.layers, eager.cache.layers, strict=True):
             for name, tensor in theirs.state.items():
                 torch.testing.assert_close(mine.state[name], tensor, **tolerance, msg=name)
+
+
+@pytest.mark.parametrize("method", ["lizard", "still"])
+def test_delta_memory_on_cuda_equals_the_cpu_model_and_decodes_as_it_prefills(method):
+    """fla's kernels (or the torch form where they do not take the call) against the CPU model, in values
+    and gradients, and token-by-token decode against the full forward."""
+    cpu = tiny_student(method, memory="delta")
+    gpu = tiny_student(method, memory="delta").cuda()
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, model in (("cpu", cpu), ("gpu", gpu)):
+        out = model(ids.to(next(model.parameters()).device)).logits
+        out.float().square().mean().backward()
+        logits[name] = out.detach().cpu()
+    torch.testing.assert_close(logits["gpu"], logits["cpu"], atol=2e-3, rtol=0)
+    for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters(), strict=True):
+        if "memory" in name and p_cpu.grad is not None:
+            torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, atol=2e-3, rtol=2e-2, msg=name)
+    cache = DynamicCache(config=gpu.config)
+    with torch.no_grad():
+        steps = torch.cat([gpu(ids[:, t : t + 1].cuda(), past_key_values=cache).logits for t in range(70)], 1)
+    torch.testing.assert_close(steps.cpu(), logits["gpu"], atol=2e-3, rtol=0)
