@@ -121,7 +121,7 @@ def restored_cache(config, snapshot: Snapshot) -> DynamicCache:
             layer.seen = snapshot.tokens
             layer.is_initialized = True
             continue
-        layer = cache.layers[index]
+        layer = cache.layers[index] if index < len(cache.layers) else None
         if not isinstance(layer, DynamicLayer) or layer.is_sliding != part.sliding:
             raise ValueError(f"a prefix snapshot of another model (layer {index}: "
                              f"{'sliding' if part.sliding else 'full'} attention keys for a {type(layer).__name__})")
