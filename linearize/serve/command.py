@@ -82,16 +82,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
                    help="for a softmax model (the teacher): the most memory its requests' keys and values may take, "
                         "e.g. 40GiB or 40GB: KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024 "
-                        "(default: 90%% of the GPU memory free at start; no limit on a CPU)")
+                        "(default: 90%% of the GPU memory free at start less --prefix-cache-memory; no limit on a CPU)")
     p.add_argument("--prefix-block", type=positive_int, default=DEFAULTS["prefix_block"], metavar="TOKENS",
-                   help="for a fully linearized model: keep the prefilled state at every this many prompt tokens "
-                        "that a prefill call ends on, so that a later prompt starting with the same tokens prefills "
-                        "only the rest (a prefill call ends on these boundaries)")
+                   help="keep the prefilled cache (linearized states, softmax keys and values) at every this many "
+                        "prompt tokens that a prefill call ends on, so that a later prompt starting with the same "
+                        "tokens prefills only the rest (a prefill call ends on these boundaries)")
     p.add_argument("--prefix-cache-memory", type=memory_size, default=None, metavar="SIZE",
-                   help="the most memory the kept prefix states take, least recently used dropped first, sizes as "
-                        "--kv-memory's (default: 1GiB on a GPU, 256MiB on a CPU)")
+                   help="the most memory the kept prefix snapshots take, least recently used dropped first, sizes as "
+                        "--kv-memory's, apart from that budget (default: 1GiB on a GPU, 256MiB on a CPU)")
     p.add_argument("--no-prefix-cache", action="store_true",
-                   help="keep no prefix states: every prompt is prefilled whole")
+                   help="keep no prefix snapshots: every prompt is prefilled whole")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     p.add_argument("--served-model-name", default=None,

@@ -18,9 +18,11 @@ A request that asks for log-probabilities gets them with each token (`logprobs.t
 logits before temperature and top-p); one that asks for its prompt's is prefilled on its own cache keeping
 every position's logits, which no other request pays for. `max_tokens` 0 ends a request after its prefill.
 
-In slots mode a prompt's prefill keeps copies of its state at block boundaries in a prefix cache
-(`prefix_cache`): a later prompt that starts with a cached prefix restores that state and prefills only the
-rest. The prefill calls end at those boundaries: the last one a chunk reaches, the prompt's end rounded down
+A prompt's prefill keeps copies of its prefill cache at block boundaries in a prefix cache (`prefix_cache`),
+in every mode: per layer a linearized state, a sliding layer's last window of keys and values, a full
+layer's keys and values of the whole prefix. A later prompt that starts with a cached prefix restores it
+(into its own prefill cache, or into the fixed-shape one of `static_prefill`) and prefills only the rest.
+The prefill calls end at those boundaries: the last one a chunk reaches, the prompt's end rounded down
 to a block, and where the prompt parts from a cached one.
 
 A finished, cancelled or failed request frees its row on the next turn. How the rows are held depends
@@ -40,7 +42,8 @@ on the model (`Engine.mode`):
   A request's keys and values grow with every token, so admission counts memory: a request waits
   until the buffers that all admitted requests can reach, rows x the longest prompt + `max_tokens` of
   them (up to the window, in a sliding layer; nothing for a linearized one), plus the prefill in
-  progress, fit `kv_budget_bytes`; one that could never fit alone fails at once.
+  progress, fit `kv_budget_bytes`; one that could never fit alone fails at once. The prefix cache's
+  snapshots are not counted there: they have their own budget, `prefix_cache_bytes`.
 
 This module is the scheduler alone. Each mode's rows are a policy object of the same few methods
 (`load` a finished prefill into a row, `step` the running rows, `free` a row, `abandon` them all after a
@@ -97,17 +100,17 @@ class Engine:
     is the thread's alone: its attention layers keep per-call state, so no other thread may run it.
 
     `kv_budget_bytes` (kv and hybrid modes): the most bytes of keys and values the admitted requests may reach;
-    None: on a GPU, 90% of the memory free when the engine starts, less a step's working room; on a CPU,
-    no limit.
+    None: on a GPU, 90% of the memory free when the engine starts less the prefix cache's budget, less a
+    step's working room; on a CPU, no limit.
 
     `static_prefill` (slots mode only): prefill the prompts through one fixed-shape cache in chunks of
     power-of-two sizes up to `prefill_chunk`, each replayed from a CUDA graph (`linearize.prefill`), so
     that a small paced chunk costs its tokens and not an eager forward's launches. None: on where it pays,
     with `prefill_budget` > 0 and the decode steps replayed from graphs (on a GPU).
 
-    `prefix_cache` (slots mode only; off in the others): keep prefilled states at every `prefix_block`
-    tokens of the prompts, within `prefix_cache_bytes` (None: 1 GiB on a GPU, 256 MiB on a CPU), and
-    start a prompt from its longest cached prefix (`prefix_cache.PrefixCache`)."""
+    `prefix_cache`: keep prefilled caches at every `prefix_block` tokens of the prompts, within
+    `prefix_cache_bytes` (None: 1 GiB on a GPU, 256 MiB on a CPU; apart from `kv_budget_bytes`), and start
+    a prompt from its longest cached prefix (`prefix_cache.PrefixCache`)."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
                  prefill_budget: float = 0.0, eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
@@ -141,9 +144,8 @@ class Engine:
             self._rows = KVRows(model, self.kv_budget)
         # The prefix cache, or why there is none.
         self.prefix_cache: PrefixCache | None = None
-        self.prefix_cache_off = ("turned off" if not prefix_cache else None if self._mode == "slots" else
-                                 "slots mode only (a fully linearized model)")
-        if self.prefix_cache_off is None:
+        self.prefix_cache_off = None if prefix_cache else "turned off"
+        if prefix_cache:
             budget = prefix_cache_bytes or DEFAULT_BUDGET_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
             self.prefix_cache = PrefixCache(prefix_block, budget)
         self.peak_running = 0  # the most requests that generated at once
@@ -204,7 +206,8 @@ class Engine:
 
     def start(self) -> None:
         if self._kv_rows and self.kv_budget.limit is None and self.device.type == "cuda":
-            self.kv_budget.limit = self.kv_budget.default_for(self.device)
+            set_aside = self.prefix_cache.budget_bytes if self.prefix_cache is not None else 0
+            self.kv_budget.limit = self.kv_budget.default_for(self.device, set_aside)
         if self.static_prefill and self._prefill is None and self._thread is None:
             # Before any request, in this thread: the decoder first (it fuses the projections the prefill's
             # graphs then read), then every chunk size's graphs, so that no turn waits for a capture.
@@ -422,7 +425,7 @@ class Engine:
         return boundary if boundary > start else end
 
     def _keep_prefix(self, active: Active) -> None:
-        """Keep a copy of the prefilled state, whose prompt tokens so far end on a block boundary."""
+        """Keep a copy of the prefill cache, whose prompt tokens so far end on a block boundary."""
         prefix = active.request.prompt_ids[:active.done]
         if self.prefix_cache.holds(prefix):
             return

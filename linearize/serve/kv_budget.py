@@ -42,11 +42,12 @@ class KVBudget:
         self.window = sliding_window_of(config) or 0
         self.step_bytes_per_token = kv_slots.step_bytes_per_token(config, dtype)
 
-    def default_for(self, device: torch.device) -> int:
+    def default_for(self, device: torch.device, set_aside: int = 0) -> int:
         """KV_MEMORY_SHARE of the memory this process can still take on `device` (a GPU: free, and what
-        torch holds cached unused), of which a step's attention keeps its working room."""
+        torch holds cached unused) less `set_aside` bytes (what the prefix cache may fill, on its own
+        budget), of which a step's attention keeps its working room."""
         free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - set_aside
         per_token = self.bytes_per_token + self.window_bytes_per_token
         return max(1, int(KV_MEMORY_SHARE * free * per_token / (per_token + self.step_bytes_per_token)))
 

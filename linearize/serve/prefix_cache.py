@@ -1,11 +1,21 @@
-"""Prefix caching for slots mode: prefilled states of prompt prefixes, kept so that a later prompt that
-starts with one of them prefills only the rest.
+"""Prefix caching: the prefilled caches of prompt prefixes, kept so that a later prompt that starts with one
+of them prefills only the rest.
 
-A fully linearized model's state after n tokens has one size whatever n is, so a cached prefix costs the
-same whatever its length, and it is the whole of what the prefix left behind (every layer's recurrent
-state, window ring, validity and scores: each `LinearizeCacheLayer.state` tensor, copied). A state
-cannot be cut back to a shorter prefix, so one is kept only at the lengths it was taken at: the block
-boundaries (multiples of `block` tokens) that a prefill call ends on.
+A snapshot is a copy of a batch-1 prefill's cache after the first n tokens of a prompt, layer by layer,
+whatever the model (`take_snapshot`; `restored_cache` builds a prefill cache from it as if it had
+prefilled those n tokens):
+
+- a linearized layer: its state, every `LinearizeCacheLayer.state` tensor (recurrent state, window ring,
+  validity, scores), of one size whatever n is;
+- a sliding-window softmax layer: the keys and values HF's sliding layer keeps (the last window - 1
+  positions), at most a window's worth;
+- a full softmax layer: the keys and values of all n positions, so its bytes grow with the prefix.
+
+A state cannot be cut back to a shorter prefix, and a sliding layer's keys of the positions before its
+window are gone, so a snapshot is kept only at the length it was taken at: the block boundaries
+(multiples of `block` tokens) that a prefill call ends on. (A full layer's keys could be cut back, and
+shared between the snapshots of one prompt; they are copied whole instead, one code path for every kind
+of layer.)
 
 The snapshots hang in a tree of blocks: each node is one more block of tokens, its children keyed by the
 next block's tokens (exact keys, so two prefixes never share a node by a hash collision), and a node holds
@@ -14,9 +24,10 @@ cached prefix as well, but the tree also tells how far a prompt follows any cach
 last snapshot: there another prompt with the same start went on differently (a shared system prompt, most
 often), and the engine ends a prefill call there so that the state at that point is kept too.
 
-Memory: the snapshots' bytes stay within `budget_bytes`, the least recently used whole snapshots dropped
-first; they stay on the model's device (no host tier). Token keys are not counted: a node without a
-snapshot lives only as long as one below it.
+Memory: the snapshots' bytes (every tensor of every layer, a full layer's growing with its prefix) stay
+within `budget_bytes`, the least recently used whole snapshots dropped first; they stay on the model's
+device (no host tier). Token keys are not counted: a node without a snapshot lives only as long as one
+below it.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import dataclasses
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..cache import LinearizeCacheLayer, claim_cache_layer
 
@@ -35,47 +47,88 @@ DEFAULT_BLOCK = 256
 
 
 @dataclasses.dataclass
-class Snapshot:
-    """Every layer's state after the first `tokens` tokens of a prompt: (its mask window, its tensors)."""
+class LayerSnapshot:
+    """One layer's part of a snapshot: a linearized layer's state tensors (`linear`, with the layer's mask
+    window), or a softmax layer's "keys" and "values" [1, KV heads, positions, head dim] (`sliding`: the
+    last window - 1 positions of a sliding-window layer; else every position)."""
 
-    tokens: int
-    layers: list[tuple[int | None, dict[str, torch.Tensor]]]
+    tensors: dict[str, torch.Tensor]
+    linear: bool = False
+    mask_window: int | None = None
+    sliding: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, state in self.layers for t in state.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Every layer's cache after the first `tokens` tokens of a prompt."""
+
+    tokens: int
+    layers: list[LayerSnapshot]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+def _layer_snapshot(layer, tokens: int) -> LayerSnapshot:
+    if isinstance(layer, LinearizeCacheLayer) and layer.state is not None:
+        return LayerSnapshot({name: t.clone() for name, t in layer.state.items()}, linear=True,
+                             mask_window=layer.mask_window)
+    if isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys.shape[0] == 1:
+        if layer.get_seq_length() != tokens:
+            raise ValueError(f"a prefix snapshot of {tokens} tokens found a softmax layer of {layer.get_seq_length()}")
+        # `clone` also compacts a sliding layer's keys, a view of its last prefill call's.
+        return LayerSnapshot({"keys": layer.keys.clone(), "values": layer.values.clone()},
+                             sliding=isinstance(layer, DynamicSlidingWindowLayer))
+    raise ValueError("a prefix snapshot needs a batch-1 prefilled cache: linearized states or HF's dynamic "
+                     "key/value layers, every layer filled")
 
 
 def take_snapshot(cache, tokens: int) -> Snapshot:
-    """A copy of the state in `cache` (a batch-1 prefill of a fully linearized model) after `tokens`
-    tokens: copies, because later calls write the state in place."""
-    layers = list(cache.layers)
-    if not all(isinstance(layer, LinearizeCacheLayer) and layer.state is not None for layer in layers):
-        raise ValueError("a prefix snapshot needs the prefilled cache of a fully linearized model")
-    return Snapshot(tokens, [(layer.mask_window, {name: t.clone() for name, t in layer.state.items()})
-                             for layer in layers])
+    """A copy of `cache` (a batch-1 prefill, of any model the engine serves) after `tokens` tokens: copies,
+    because later calls write a linearized state in place and a softmax layer's keys grow."""
+    return Snapshot(tokens, [_layer_snapshot(layer, tokens) for layer in cache.layers])
 
 
 def restore_into_layers(layers: list[LinearizeCacheLayer], snapshot: Snapshot) -> None:
-    """Write `snapshot` into the frozen layers of a fixed-shape cache (`StaticPrefill`), which then continues
-    the sequence after its `tokens`."""
-    for layer, (_, state) in zip(layers, snapshot.layers, strict=True):
+    """Write `snapshot` (of a fully linearized model) into the frozen layers of a fixed-shape cache
+    (`StaticPrefill`), which then continues the sequence after its `tokens`."""
+    for layer, part in zip(layers, snapshot.layers, strict=True):
+        if not part.linear:
+            raise ValueError("a fixed-shape prefill cache restores the snapshots of fully linearized models only")
         for name, tensor in layer.state.items():
-            if state[name].shape != tensor.shape:
-                raise ValueError(f"a prefix snapshot of another shape ({name}: {tuple(state[name].shape)} for "
+            saved = part.tensors[name]
+            if saved.shape != tensor.shape:
+                raise ValueError(f"a prefix snapshot of another shape ({name}: {tuple(saved.shape)} for "
                                  f"{tuple(tensor.shape)})")
-            tensor.copy_(state[name])
+            tensor.copy_(saved)
         layer.seen = snapshot.tokens
 
 
 def restored_cache(config, snapshot: Snapshot) -> DynamicCache:
-    """A new cache holding a copy of `snapshot`, to prefill the rest of the prompt into."""
+    """A new prefill cache of the model of `config` holding a copy of `snapshot`, as if it had prefilled its
+    `tokens`: the rest of the prompt is prefilled into it."""
     cache = DynamicCache(config=config)
-    for index, (mask_window, state) in enumerate(snapshot.layers):
-        layer = claim_cache_layer(cache, index, mask_window)
-        layer.state = {name: t.clone() for name, t in state.items()}
-        layer.seen = snapshot.tokens
-        layer.is_initialized = True
+    for index, part in enumerate(snapshot.layers):
+        copies = {name: t.clone() for name, t in part.tensors.items()}
+        if part.linear:
+            layer = claim_cache_layer(cache, index, part.mask_window)
+            layer.state = copies
+            layer.seen = snapshot.tokens
+            layer.is_initialized = True
+            continue
+        layer = cache.layers[index] if index < len(cache.layers) else None
+        if not isinstance(layer, DynamicLayer) or layer.is_sliding != part.sliding:
+            raise ValueError(f"a prefix snapshot of another model (layer {index}: "
+                             f"{'sliding' if part.sliding else 'full'} attention keys for a {type(layer).__name__})")
+        layer.lazy_initialization(copies["keys"], copies["values"])
+        layer.keys, layer.values = copies["keys"], copies["values"]
+        if part.sliding:
+            layer.cumulative_length = snapshot.tokens  # the positions seen, of which the last window - 1 are kept
     return cache
 
 

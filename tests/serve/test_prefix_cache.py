@@ -1,21 +1,48 @@
-"""Prefix caching in slots mode: a prompt that starts with a cached prefix restores its state and prefills
-only the rest, and gets the same greedy tokens as without the cache."""
+"""Prefix caching in every mode: a prompt that starts with a cached prefix restores its prefill cache
+(linearized states, sliding rings, full keys and values) and prefills only the rest, and gets the same
+greedy tokens as without the cache."""
 
 import asyncio
 
 import pytest
 import torch
 from tiny_models import METHODS, tiny_student, tiny_teacher
+from transformers import DynamicCache
 
-from linearize.decode import greedy_decode
+from linearize.decode import fully_linearized, greedy_decode
 from linearize.serve.engine import Engine, SamplingParams
-from linearize.serve.prefix_cache import PrefixCache, Snapshot
+from linearize.serve.prefix_cache import LayerSnapshot, PrefixCache, Snapshot, restored_cache, take_snapshot
 
 BLOCK = 8
 
 
+# Models with softmax layers (kv and hybrid modes): a Llama and a Gemma 3 teacher (two sliding layers of
+# window 6, which the shared prefixes pass, so their rings wrap), a Lizard hybrid with one softmax layer,
+# and a Gemma 3 student whose sliding layers stay softmax (`layers=full`).
+SOFTMAX_MODELS = {
+    "llama-teacher": lambda: tiny_teacher(),
+    "gemma3-teacher": lambda: tiny_teacher("gemma3_text"),
+    "lizard-hybrid": lambda: tiny_student("lizard", softmax_layers=[1]),
+    "gemma3-layers-full": lambda: tiny_student("lizard", "gemma3_text", layers="full"),
+}
+MODES = {"llama-teacher": "kv", "gemma3-teacher": "kv", "lizard-hybrid": "hybrid", "gemma3-layers-full": "hybrid"}
+
+
 def offline(model, prompt, n):
-    return greedy_decode(model, torch.tensor([prompt]), n, cuda_graph=False)[0].tolist()
+    """Greedy decoding of `prompt` alone: the library's for a fully linearized model, HF's for the others."""
+    if fully_linearized(model):
+        return greedy_decode(model, torch.tensor([prompt]), n, cuda_graph=False)[0].tolist()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def _prefill(model, prompt, cache=None):
+    """A batch-1 prefill cache of `prompt` (continued from `cache`, if given)."""
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    return cache
 
 
 def tokens(count, seed):
@@ -60,10 +87,26 @@ def test_prompts_sharing_a_prefix_restore_it_and_get_their_offline_tokens(method
     assert engine.prefilled_tokens == 3 * 40 - (16 + 24)
 
 
-def test_a_multi_turn_conversation_restores_each_turns_prompt():
+@pytest.mark.parametrize("name", list(SOFTMAX_MODELS))
+def test_softmax_and_hybrid_models_restore_shared_prefixes_and_get_their_offline_tokens(name):
+    """The three prompts of the test above, on models with softmax layers: the same restores (16, then 24),
+    the same greedy tokens as HF's generation of each prompt alone."""
+    model = SOFTMAX_MODELS[name]()
+    shared = tokens(30, seed=1)
+    prompts = [shared + tokens(10, seed=2 + i) for i in range(3)]
+    engine = engine_for(model)
+    assert engine.mode == MODES[name]
+    assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
+    stats = engine.stats()["prefix_cache"]
+    assert stats["enabled"] and stats["hit_tokens"] == 16 + 24
+    assert engine.prefilled_tokens == 3 * 40 - (16 + 24)
+
+
+@pytest.mark.parametrize("name", ["lizard-student", "gemma3-teacher", "lizard-hybrid"])
+def test_a_multi_turn_conversation_restores_each_turns_prompt(name):
     """Each turn's prompt is the last one, its reply and a new message: it restores the last prompt's end
     rounded down to a block, and prefills the rest."""
-    model = tiny_student()
+    model = tiny_student() if name == "lizard-student" else SOFTMAX_MODELS[name]()
     engine = engine_for(model)
     engine.start()
     history, expected, hits = [], [], []
@@ -101,13 +144,14 @@ def test_a_prompt_as_long_as_a_cached_prefix_restores_a_shorter_one():
     assert engine.stats()["prefix_cache"]["hit_tokens"] == 8 + 8
 
 
-@pytest.mark.parametrize("method", ["lizard", "still"])
-def test_a_tiny_budget_evicts_the_least_recently_used_and_keeps_outputs_identical(method):
-    """With room for one snapshot, each new one drops the last: the prompts still get their offline
-    tokens, and a prompt whose prefix was dropped prefills it again."""
-    model = tiny_student(method)
+@pytest.mark.parametrize("name", ["lizard", "still", "llama-teacher", "gemma3-teacher"])
+def test_a_tiny_budget_evicts_the_least_recently_used_and_keeps_outputs_identical(name):
+    """With room for one snapshot (of 16 tokens: a full layer's keys and values count by the token), each
+    new one drops the last: the prompts still get their offline tokens, and a prompt whose prefix was
+    dropped prefills it again."""
+    model = SOFTMAX_MODELS[name]() if name in SOFTMAX_MODELS else tiny_student(name)
     probe = engine_for(model)
-    run_in_turn(probe, [tokens(9, seed=4)], max_tokens=1)
+    run_in_turn(probe, [tokens(17, seed=4)], max_tokens=1)  # kept at 16
     one = probe.prefix_cache.nbytes
     shared, other = tokens(20, seed=5), tokens(20, seed=6)
     prompts = [shared + [5], other + [6], shared + [7], shared + [8]]
@@ -119,17 +163,66 @@ def test_a_tiny_budget_evicts_the_least_recently_used_and_keeps_outputs_identica
     assert stats["hit_tokens"] == 16
 
 
-def test_without_the_cache_every_prompt_is_prefilled_whole_and_other_modes_have_none():
-    model = tiny_student()
+@pytest.mark.parametrize("name", ["lizard-student", "llama-teacher"])
+def test_without_the_cache_every_prompt_is_prefilled_whole(name):
+    model = tiny_student() if name == "lizard-student" else SOFTMAX_MODELS[name]()
     shared = tokens(30, seed=1)
     prompts = [shared + [4], shared + [5]]
     engine = engine_for(model, prefix_cache=False)
     assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
     assert engine.prefilled_tokens == 62
+    assert engine.prefix_cache is None
     assert engine.stats()["prefix_cache"] == {"enabled": False, "why": "turned off"}
-    teacher = Engine(tiny_teacher(), cuda_graph=False)
-    assert teacher.prefix_cache is None
-    assert teacher.stats()["prefix_cache"] == {"enabled": False, "why": "slots mode only (a fully linearized model)"}
+
+
+def test_every_mode_has_the_cache_by_default():
+    for model, mode in [(tiny_student(), "slots"), (tiny_teacher(), "kv"), (SOFTMAX_MODELS["lizard-hybrid"](), "hybrid")]:
+        engine = Engine(model, cuda_graph=False)
+        assert engine.mode == mode and engine.stats()["prefix_cache"]["enabled"] is True
+
+
+@pytest.mark.parametrize("name", ["lizard-student", *SOFTMAX_MODELS])
+def test_a_restored_snapshot_continues_as_the_prefill_it_was_taken_from(name):
+    """A snapshot of a prefill after 24 tokens (calls of 16 and 8), restored into a new cache: the next
+    7 tokens' logits are those of the prefill that went on, and the snapshot, a copy, is unchanged by
+    either. Per layer it holds a linearized layer's state, a sliding layer's last window - 1 keys and
+    values (window 6: its ring has wrapped), a full layer's keys and values of all 24 positions."""
+    model = tiny_student() if name == "lizard-student" else SOFTMAX_MODELS[name]()
+    prompt = tokens(31, seed=7)
+    cache = _prefill(model, prompt[16:24], _prefill(model, prompt[:16]))
+    snapshot = take_snapshot(cache, 24)
+    saved = [{k: t.clone() for k, t in part.tensors.items()} for part in snapshot.layers]
+    kinds = [("linear" if part.linear else "sliding" if part.sliding else "full") for part in snapshot.layers]
+    for part, kind in zip(snapshot.layers, kinds):
+        if kind != "linear":
+            assert part.tensors["keys"].shape[2] == (5 if kind == "sliding" else 24)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([prompt[24:]]), past_key_values=cache, use_cache=True).logits
+        for _ in range(2):
+            restored = restored_cache(model.config, snapshot)
+            logits = model(input_ids=torch.tensor([prompt[24:]]), past_key_values=restored, use_cache=True).logits
+            torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    for part, before in zip(snapshot.layers, saved):
+        assert all(torch.equal(part.tensors[k], before[k]) for k in before)
+    expected_kinds = {"lizard-student": {"linear"}, "llama-teacher": {"full"}, "gemma3-teacher": {"sliding", "full"},
+                      "lizard-hybrid": {"linear", "full"}, "gemma3-layers-full": {"linear", "sliding"}}
+    assert set(kinds) == expected_kinds[name]
+
+
+def test_a_full_layers_snapshot_grows_with_its_prefix_and_a_sliding_layers_does_not():
+    model = tiny_teacher("gemma3_text")  # two sliding layers, then a full one
+    prompt = tokens(32, seed=8)
+    short, long = (take_snapshot(_prefill(model, prompt[:n]), n) for n in (16, 32))
+    assert [p.nbytes for p in long.layers[:2]] == [p.nbytes for p in short.layers[:2]]
+    assert long.layers[2].nbytes == 2 * short.layers[2].nbytes
+    cache = PrefixCache(block=16, budget_bytes=short.nbytes)
+    assert cache.insert(prompt[:16], short) and not cache.insert(prompt, long)  # counted whole, by the token
+
+
+def test_a_snapshot_restores_only_into_the_model_it_was_taken_from():
+    snapshot = take_snapshot(_prefill(tiny_teacher("gemma3_text"), tokens(8, seed=9)), 8)
+    with pytest.raises(ValueError, match="another model"):
+        restored_cache(tiny_teacher().config, snapshot)
 
 
 def test_a_request_for_its_prompts_logprobs_neither_reads_nor_feeds_the_cache():
@@ -152,7 +245,7 @@ def test_a_request_for_its_prompts_logprobs_neither_reads_nor_feeds_the_cache():
 
 
 def snapshot(tokens_in: int, size: int = 4) -> Snapshot:
-    return Snapshot(tokens_in, [(None, {"s": torch.zeros(size)})])  # `size` float32s: 4 * size bytes
+    return Snapshot(tokens_in, [LayerSnapshot({"s": torch.zeros(size)}, linear=True)])  # `size` float32s: 4 * size bytes
 
 
 def test_the_tree_finds_the_longest_cached_prefix_and_how_far_a_prompt_follows_cached_ones():
