@@ -94,20 +94,6 @@ def test_a_vector_gate_is_refused():
         linearize.convert(tiny_teacher(), "lizard", **{**OPTIONS, "gate": "vector"})
 
 
-def test_the_write_strength_joins_the_fused_decode_projections():
-    from linearize.fused_projections import fuse_projections
-
-    model = with_memory()
-    ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids).logits
-        fuse_projections(model)
-        fused = model(ids).logits
-    layer = attention_layers(model)[0]
-    assert layer.fused_qkv.linears[3:] == [layer.gate, layer.memory_write]
-    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_the_memory_keeps_its_checkpoint_names():
     """Lizard's memory lives on the attention module under the names its checkpoints hold (it decays by
     the gate, so it has no decay parameter of its own)."""

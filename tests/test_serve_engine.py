@@ -278,6 +278,17 @@ def test_requests_whose_event_loop_has_closed_do_not_stop_the_engine():
 
 # The kv mode: softmax teachers, their requests' keys and values in the rows of one BatchedKVCache.
 
+def greedy_batch(engine, batch, lengths):
+    """Each prompt's (tokens, finish reason) for `n` greedy tokens past any end of sequence, the requests
+    submitted 3 ms apart so that they join a batch already running."""
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=n, ignore_eos=True), 0.003 * i)
+                                      for i, (p, n) in enumerate(zip(batch, lengths))))
+
+    return serve(engine, main())
+
+
 def teacher_greedy(model, prompt, n):
     """HF's own greedy generation of `prompt` alone, n tokens past any end-of-sequence token."""
     with torch.no_grad():
@@ -323,12 +334,7 @@ def test_softmax_teachers_batch_their_requests_and_give_each_its_offline_greedy_
     expected = [teacher_greedy(model, p, n) for p, n in zip(batch, lengths)]
     engine = Engine(model, max_batch=4, max_queue=16, prefill_chunk=7)
     assert engine.mode == "kv" and engine.stats()["mode"] == "kv"
-
-    async def main():
-        return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=n, ignore_eos=True), 0.003 * i)
-                                      for i, (p, n) in enumerate(zip(batch, lengths))))
-
-    results = serve(engine, main())
+    results = greedy_batch(engine, batch, lengths)
     assert [tokens for tokens, _ in results] == expected
     assert {reason for _, reason in results} == {"length"}
     assert 2 <= engine.peak_running <= 4  # batched, within the rows
@@ -451,12 +457,7 @@ def test_hybrids_batch_their_requests_and_give_each_its_offline_greedy_tokens(hy
     expected = [teacher_greedy(model, p, n) for p, n in zip(batch, lengths)]
     engine = Engine(model, max_batch=rows, max_queue=16, prefill_chunk=7)
     assert engine.mode == "hybrid" and engine.stats()["mode"] == "hybrid"
-
-    async def main():
-        return await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=n, ignore_eos=True), 0.003 * i)
-                                      for i, (p, n) in enumerate(zip(batch, lengths))))
-
-    results = serve(engine, main())
+    results = greedy_batch(engine, batch, lengths)
     assert [tokens for tokens, _ in results] == expected
     assert {reason for _, reason in results} == {"length"}
     assert min(rows, 2) <= engine.peak_running <= rows  # batched, within the rows

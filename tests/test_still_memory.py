@@ -159,10 +159,11 @@ def test_gradients_reach_exactly_the_new_parameters_and_the_memory_has_head_scal
                                                      id(layer.memory_decay)]
 
 
-def test_the_write_strength_joins_the_fused_decode_projections_after_the_gate():
+@pytest.mark.parametrize("method", sorted(BUILDERS))
+def test_the_write_strength_joins_the_fused_decode_projections_after_the_gate(method):
     from linearize.fused_projections import fuse_projections
 
-    model = with_memory()
+    model = BUILDERS[method]()
     ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).logits
