@@ -89,17 +89,10 @@ class ReadCounter(_Metric):
         return [f"{self.name}{_labels(self.labels)} {_number(self.read())}"]
 
 
-class Gauge(_Metric):
-    """A value read when scraped, from `read`."""
+class Gauge(ReadCounter):
+    """A value read when scraped, from `read`: it may go down as well as up."""
 
     kind = "gauge"
-
-    def __init__(self, name: str, help: str, read: Callable[[], float], labels: dict[str, str] | None = None):
-        super().__init__(name, help, labels)
-        self.read = read
-
-    def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(self.labels)} {_number(self.read())}"]
 
 
 class Histogram(_Metric):
