@@ -111,6 +111,12 @@ def test_a_recall_share_outside_zero_to_one_is_refused_by_its_flag(work, capsys,
             *TRAIN, "--recall-share", value, names="--recall-share")
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "far", ""])
+def test_a_far_weight_below_zero_or_not_a_number_is_refused_by_its_flag(work, capsys, value):
+    refused(capsys, work, "distill", "--model", "teacher", "--method", "lizard", "--out", "run", "--data", "data.txt",
+            *TRAIN, "--far-weight", value, names="--far-weight")
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_a_negative_or_non_finite_temperature_is_refused(work, capsys, value):
     refused(capsys, work, "generate", "--model", "teacher", "--prompt", "hi", "--temperature", value,

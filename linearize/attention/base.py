@@ -17,6 +17,7 @@ from ..architectures import architecture_of, sliding_window_of
 from ..cache import claim_cache_layer
 from ..ops.common import repeat_kv
 from ..ops.features.naive import rotate
+from .far_mass import far_mass, far_position_weights, weighted_mse
 
 
 def token_validity(attention_mask, batch: int, length: int, device) -> torch.Tensor:
@@ -92,6 +93,10 @@ class LinearizedAttention(nn.Module):
         # and keep the MSE of our own output against it: the first of each step (`stage_loss` clears it).
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
+        # Stage 1: DistillConfig.far_weight (`train.student.prepare_stage` sets it). Above 0, each position's
+        # squared error is weighted by how much of the teacher's attention lies beyond `softmax_reach`
+        # (`far_mass`); 0: every position counts alike, `mse_loss` itself.
+        self.far_weight = 0.0
         # Stage 1: q and k with RoPE as `attend` computed them for its own use (`keep_rotated`); the
         # target starts from them instead of rotating again (~10 kernels a layer and step).
         self.rotated: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -178,11 +183,13 @@ class LinearizedAttention(nn.Module):
 
         if self.attention_transfer:
             with torch.no_grad():
-                target = self.softmax_attention(q, k, v, position_embeddings, attention_mask)
+                q, k = self.teacher_query_keys(q, k, v.dtype, position_embeddings)
+                target = self.softmax_attention(q, k, v, attention_mask)
+                weights = self.far_position_weights(q, k, attention_mask) if self.far_weight else None
             # In the outputs' dtype: mse_loss squares and sums in float32 either way (its gradient too);
             # float32 copies of both [B, L, hidden] outputs cost ~4% of a bf16 stage-1 step. The value
             # itself is then rounded to bf16 (~0.2%).
-            loss = nn.functional.mse_loss(out, target)
+            loss = nn.functional.mse_loss(out, target) if weights is None else weighted_mse(out, target, weights)
             # Activation checkpointing runs this forward again in the backward: a loss kept from that
             # run would hold the recomputed activations of every layer until the next step (at the 8B
             # shape, ~2 GiB a layer). The recomputation must still form it: its saved tensors are the
@@ -200,14 +207,36 @@ class LinearizedAttention(nn.Module):
             self.rotated = (q, k)
         return q, k
 
-    def softmax_attention(self, q, k, v, position_embeddings, attention_mask) -> torch.Tensor:
-        """The teacher's own attention output, from the same projections."""
-        B, _, L, _ = q.shape
+    def teacher_query_keys(self, q, k, dtype: torch.dtype, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's q and k with RoPE, in `dtype` (the values'): those `attend` kept (`keep_rotated`),
+        else rotated here from the projections."""
         if self.rotated is not None:
-            q, k = (t.to(v.dtype) for t in self.rotated)
+            q, k = (t.to(dtype) for t in self.rotated)
             self.rotated = None
-        else:
-            q, k = rotate(q, k, position_embeddings)
+            return q, k
+        return rotate(q, k, position_embeddings)
+
+    def softmax_reach(self) -> int:
+        """How many of the most recent keys (the query's own among them) this method attends with exact
+        softmax: its window (`cfg.window`; STILL's recent slots, not its salient ones, which hold no fixed
+        positions). 0 for a method without a window: every key then counts as far, so `far_weight`
+        weights all positions alike."""
+        return getattr(self.cfg, "window", 0)
+
+    def far_position_weights(self, q, k, attention_mask) -> torch.Tensor:
+        """[B, L] stage-1 loss weights (`far_position_weights`) from the teacher's rotated q and k: its
+        attention mass beyond `softmax_reach`, averaged over heads."""
+        L = q.shape[2]
+        allowed = None
+        if attention_mask is not None:
+            mask = attention_mask[..., -L:].to(q.device)
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+        far = far_mass(q, k, scale=self.scaling, reach=self.softmax_reach(), softcap=self.softcap, allowed=allowed)
+        return far_position_weights(far, self.far_weight)
+
+    def softmax_attention(self, q, k, v, attention_mask) -> torch.Tensor:
+        """The teacher's own attention output, from its rotated q and k (`teacher_query_keys`) and v."""
+        B, _, L, _ = q.shape
         if self.softcap is not None:
             y = softcapped_attention(q, k, v, attention_mask, self.scaling, self.softcap)
         elif attention_mask is None:

@@ -39,6 +39,18 @@ def _recall_share(text: str) -> float:
     return share
 
 
+def _far_weight(text: str) -> float:
+    from .config import check_far_weight
+
+    try:
+        weight = float(text)
+        check_far_weight(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number at least 0 (e.g. 4; 0: every position alike), "
+                                         f"got {text!r}") from None
+    return weight
+
+
 def register(subparsers) -> None:
     from ..cli_args import StoreGiven, add_method_arguments, non_negative_int, parse_int_list, positive_int, seed
     from ..config import LAYER_CHOICES, LAYERS_HELP, PRESETS
@@ -51,6 +63,10 @@ def register(subparsers) -> None:
                    help="share of each stage's training tokens given to seeded synthetic recall documents "
                         "(key-value lists, passkeys, multi-key needles in filler and in the data's own text, "
                         "each question followed by its answer), e.g. 0.2 (default 0: the data alone)")
+    p.add_argument("--far-weight", type=_far_weight, default=0.0, metavar="W",
+                   help="stage 1: weight each position's attention-transfer error by 1 + W x the teacher's "
+                        "attention mass beyond the method's window (mean over heads), normalised to mean 1 a "
+                        "sequence, e.g. 4 (default 0: every position alike)")
     p.add_argument("--out", required=True, help="run directory; ends up holding the distilled model")
     p.add_argument("--stage", default="both", choices=["1", "2", "both"],
                    help="1: attention transfer (the new attention's parameters learn the teacher's outputs), "
@@ -119,6 +135,7 @@ def config_from_args(args):
             if second is not None:
                 lrs["lr_stage2"] = second
     return DistillConfig(model=args.model, method=args.method, out=args.out, data=args.data, recall_share=args.recall_share,
+                         far_weight=args.far_weight,
                          stage=args.stage,
                          max_tokens=args.max_tokens, seq_len=args.seq_len, batch=args.batch,
                          grad_accum=args.grad_accum, head_lr_scale=args.head_lr_scale, options=options,

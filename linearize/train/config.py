@@ -36,6 +36,13 @@ def check_recall_share(share) -> None:
                          f"below 1 (e.g. 0.2), got {share!r}")
 
 
+def check_far_weight(weight) -> None:
+    """A stage-1 emphasis on far-attending positions: a finite number >= 0 (ValueError naming it)."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"far_weight (--far-weight) must be a number at least 0 (e.g. 4; 0: every position "
+                         f"alike), got {weight!r}")
+
+
 def check_trainable_length(method: str, options: dict, seq_len: int, stages: list[int]) -> None:
     """Refuse (ValueError naming seq_len and the method's option) a training length on which the run would
     learn nothing: one token (every attention, softmax or linear, returns that token's value, so every loss
@@ -62,6 +69,10 @@ class DistillConfig:
     # The share of each stage's training tokens given to seeded synthetic recall documents (key-value lists,
     # passkeys and multi-key needles, each question followed by its answer: `linearize.data.recall`); 0: none.
     recall_share: float = 0.0
+    # Stage 1 weights each position's attention-transfer error by w_t = 1 + far_weight * far_t, far_t the
+    # teacher's softmax mass (mean over heads) on keys beyond the method's window, and w divided by its mean
+    # over the sequence (`linearize.attention.far_mass`); 0: every position alike, the plain MSE.
+    far_weight: float = 0.0
     stage: str = "both"  # "1", "2" or "both"; Liger's published recipe is stage 2 alone
     max_tokens: int = 20_000_000  # training tokens per stage
     seq_len: int = 2048
@@ -127,6 +138,7 @@ class DistillConfig:
             if not math.isfinite(value) or value <= 0:  # NaN passes `<= 0`
                 raise ValueError(f"{name} must be > 0, got {value}")
         check_recall_share(self.recall_share)
+        check_far_weight(self.far_weight)
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.batch % self.grad_accum:

@@ -77,6 +77,7 @@ def prepare_stage(model, cfg: DistillConfig, stage: int):
     returns (model to call, names of trained parameters)."""
     for layer in linearized_layers(model):
         layer.attention_transfer = stage == 1
+        layer.far_weight = cfg.far_weight if stage == 1 else 0.0
     if stage == 1:
         names = new_parameter_names(model)
     else:

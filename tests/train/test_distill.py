@@ -255,6 +255,33 @@ def test_the_recall_share_replaces_that_share_of_the_training_blocks(workspace, 
     assert not (tmp_path / "plain").exists() and not (tmp_path / "mixed").exists()
 
 
+@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf"), "4", True])
+def test_a_far_weight_below_zero_or_not_a_number_is_rejected(weight):
+    with pytest.raises(ValueError, match="far_weight"):
+        DistillConfig(model="m", method="lizard", out="o", far_weight=weight)
+
+
+def test_the_far_weight_reweights_stage_1_alone_and_a_run_resumes_or_shares_stage_1_only_with_its_own(workspace):
+    """prepare_stage hands far_weight to the layers in stage 1 (0 in stage 2, whose loss is next-token); the
+    stage-1 loss then moves off the plain one; a run with another far_weight is another stage 1."""
+    from linearize.train.losses import stage_loss
+    from linearize.train.student import build_student, linearized_layers, prepare_stage
+
+    ids = torch.randint(3, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for weight in (0.0, 4.0):
+        cfg = config(workspace, workspace / "unused", far_weight=weight)
+        model, _ = prepare_stage(build_student(cfg, None), cfg, 1)
+        assert all(layer.far_weight == weight for layer in linearized_layers(model))
+        with torch.no_grad():
+            losses[weight] = stage_loss(model, ids, 1)
+        model, _ = prepare_stage(build_student(cfg, None), cfg, 2)
+        assert all(layer.far_weight == 0 for layer in linearized_layers(model))
+    assert torch.isfinite(losses[4.0]) and losses[4.0] != losses[0.0]
+    plain, far = config(workspace, workspace / "a"), config(workspace, workspace / "a", far_weight=4.0)
+    assert far.same_run(plain) == ["far_weight"]
+
+
 def test_head_scalars_get_their_own_stage1_learning_rate(workspace):
     from linearize.train.student import build_student, parameter_groups, prepare_stage
 
