@@ -45,6 +45,10 @@ class LizardConfig:
     # (docs/methods.md): y = y_gla + alpha * y_win + mu_h * o_delta, mu starting at `memory_weight_init`.
     memory: Literal["gla", "delta"] = "gla"
     memory_weight_init: float = 0.0
+    # > 0 keeps beside the window a cache of this many tokens per KV head that left it, those the linear
+    # state recalls worst, attended exactly under the window's softmax (LoLA's sparse cache,
+    # `linearize.ops.sparse_cache`, docs/methods.md); 0: off.
+    sparse_slots: int = 0
 
 
 @dataclass
@@ -207,6 +211,8 @@ def _validate(cfg: MethodConfig) -> None:
             positive(field)
     if isinstance(cfg, LizardConfig) and cfg.num_sinks < 0:
         raise ConfigError(f"num_sinks must be >= 0, got {cfg.num_sinks}")
+    if isinstance(cfg, LizardConfig) and cfg.sparse_slots < 0:
+        raise ConfigError(f"sparse_slots must be >= 0, got {cfg.sparse_slots}")
     if isinstance(cfg, LizardConfig) and cfg.memory == "delta" and cfg.gate == "vector":
         raise ConfigError("memory=delta decays by the scalar gate: use gate=scalar or gate=none")
     if isinstance(cfg, StillConfig):

@@ -1,5 +1,6 @@
 """Lizard: gated linear attention (Hedgehog phi, data-dependent gate, no RoPE) + anchor window with sinks,
-and, with `memory="delta"`, a gated delta-rule retrieval memory beside them (docs/methods.md)."""
+with `sparse_slots` a cache of the tokens past the window the linear state recalls worst, and, with
+`memory="delta"`, a gated delta-rule retrieval memory beside them (docs/methods.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..config import LizardConfig
 from ..feature_maps import HedgehogFeatureMap
 from ..ops.features import lizard_features
 from ..ops.gla_window import GlaWindowOptions, chunk_gla_window, continue_gla_window, gla_window_step
+from ..ops.sparse_cache import SparseCacheOptions, chunk_sparse_cache, continue_sparse_cache, sparse_cache_step
 from .base import LinearizedAttention, Pass
 from .delta_memory import DeltaMemory
 
@@ -69,6 +71,9 @@ class LizardAttention(DeltaMemory, LinearizedAttention):
         log_g = self.log_gate(q.shape[0], q.shape[2], q.device)
 
         def branches(branch_state):
+            if self.cfg.sparse_slots:
+                options = SparseCacheOptions(self.op_options(), self.cfg.sparse_slots)
+                return sparse_cache_pass(fq, fk, log_g, qw, kw, v, valid, branch_state, options, call)
             return gla_window_pass(fq, fk, log_g, qw, kw, v, valid, branch_state, self.op_options(), call)
 
         if self.cfg.memory == "gla":
@@ -92,3 +97,13 @@ def gla_window_pass(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOp
         return continue_gla_window(fq, fk, log_g, qw, kw, v, options, state=state, valid=padding, dtype=call.dtype)
     return chunk_gla_window(fq, fk, log_g, qw, kw, v, options, valid=padding, dtype=call.dtype,
                             output_final_state=call.caching)
+
+
+def sparse_cache_pass(fq, fk, log_g, qw, kw, v, valid, state, options: SparseCacheOptions, call: Pass):
+    """The op with the sparse cache in the form this call takes, as `gla_window_pass` picks them."""
+    if state is not None and fq.shape[2] == 1:
+        return sparse_cache_step(fq, fk, log_g, qw, kw, v, state, options, valid=valid)
+    padding = None if call.unpadded else valid
+    if state is not None or (call.caching and not torch.is_grad_enabled()):
+        return continue_sparse_cache(fq, fk, log_g, qw, kw, v, options, state=state, valid=padding)
+    return chunk_sparse_cache(fq, fk, log_g, qw, kw, v, options, valid=padding, output_final_state=call.caching)

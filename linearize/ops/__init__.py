@@ -5,6 +5,7 @@
     still/        STILL's routed softmax budget + gated linear state
     lolcats/      LoLCATs' sliding window + linear attention
     delta_rule/   a gated delta-rule retrieval memory (fla's kernels on CUDA)
+    sparse_cache/ gla_window plus a fixed-size cache of the tokens the linear state recalls worst (LoLA)
 
 Each folder has `naive.py`, the obviously-correct reference (any length, an optional carried state),
 its faster implementations (`chunk.py` in PyTorch, `triton.py` kernels, a decode step), and in
@@ -15,6 +16,7 @@ frozen object:
     still       chunk_still, continue_still, still_step                  (StillOptions)
     lolcats     chunk_lolcats, continue_lolcats, lolcats_step            (LolcatsOptions)
     delta_rule  chunk_delta_rule, continue_delta_rule, delta_rule_step   (DeltaRuleOptions)
+    sparse_cache  chunk_sparse_cache, continue_sparse_cache, sparse_cache_step  (SparseCacheOptions)
     features    lizard_features
 
 `chunk_*` is a multi-token pass from an empty state (differentiable), `continue_*` one continuing a

@@ -8,7 +8,7 @@ import pkgutil
 import pytest
 
 import linearize.ops
-from linearize.ops import backend, delta_rule, features, gla_window, lolcats, still
+from linearize.ops import backend, delta_rule, features, gla_window, lolcats, sparse_cache, still
 
 MAX_PARAMETERS = 12
 
@@ -63,3 +63,12 @@ def test_the_forms_are_public_in_each_package():
     assert {"chunk_still", "continue_still", "still_step", "StillOptions"} <= set(still.__all__)
     assert {"chunk_lolcats", "continue_lolcats", "lolcats_step", "LolcatsOptions"} <= set(lolcats.__all__)
     assert {"chunk_delta_rule", "continue_delta_rule", "delta_rule_step", "DeltaRuleOptions"} <= set(delta_rule.__all__)
+    assert {"chunk_sparse_cache", "continue_sparse_cache", "sparse_cache_step", "SparseCacheOptions"} <= set(
+        sparse_cache.__all__)
+
+
+def test_the_sparse_cache_forms_run_their_pytorch_implementation_alone():
+    for name, form in sparse_cache.FORMS.items():
+        assert form.name == name and name in sparse_cache.__all__
+        (only,) = form.implementations
+        assert only.name == "torch" and not only.kernels and only.supports is backend.always
