@@ -27,28 +27,24 @@ def _softmax_by(text: str) -> str:
     return f"{rule}:{count}"
 
 
-def _recall_share(text: str) -> float:
-    from .config import check_recall_share
+def _checked_float(check: str, expected: str):
+    """An argparse type: a float that `config.<check>` accepts, else the one line `expected ..., got TEXT`."""
 
-    try:
-        share = float(text)
-        check_recall_share(share)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a share of the training tokens, at least 0 and below 1 "
-                                         f"(e.g. 0.2), got {text!r}") from None
-    return share
+    def parse(text: str) -> float:
+        from . import config
+
+        try:
+            value = float(text)
+            getattr(config, check)(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        return value
+
+    return parse
 
 
-def _far_weight(text: str) -> float:
-    from .config import check_far_weight
-
-    try:
-        weight = float(text)
-        check_far_weight(weight)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number at least 0 (e.g. 4; 0: every position alike), "
-                                         f"got {text!r}") from None
-    return weight
+_recall_share = _checked_float("check_recall_share", "a share of the training tokens, at least 0 and below 1 (e.g. 0.2)")
+_far_weight = _checked_float("check_far_weight", "a number at least 0 (e.g. 4; 0: every position alike)")
 
 
 def register(subparsers) -> None:
