@@ -4,7 +4,13 @@ Lizard untouched."""
 
 import pytest
 import torch
-from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import (
+    TINY_OPTIONS,
+    assert_left_padded_generates_like_unpadded,
+    parameters_that_learn_alone,
+    perturb_new_parameters,
+    tiny_teacher,
+)
 from transformers import DynamicCache
 
 import linearize
@@ -54,25 +60,13 @@ def test_prefill_then_decode_equals_full_sequence_and_the_memory_matters():
 
 
 def test_left_padded_batch_generates_like_unpadded():
-    model = with_memory()
-    ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
-    padded, mask = ids.clone(), torch.ones_like(ids)
-    padded[1, :5], mask[1, :5] = 0, 0
-    with torch.no_grad():
-        batch = model.generate(padded, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        alone = model.generate(ids[1:, 5:], max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert torch.equal(batch[1, 14:], alone[0, 9:])
+    assert_left_padded_generates_like_unpadded(with_memory())
 
 
 def test_gradients_reach_exactly_the_new_parameters():
     model = with_memory()
     new = {id(p) for m in attention_layers(model) for p in m.new_parameters()}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in new)
-    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    got = {id(p) for p in model.parameters() if p.grad is not None and p.grad.abs().sum() > 0}
-    assert got == new
+    assert parameters_that_learn_alone(model, [p for m in attention_layers(model) for p in m.new_parameters()]) == new
     layer = attention_layers(model)[0]
     assert {id(layer.memory_weight), id(layer.memory_write.weight)} <= new
 

@@ -3,7 +3,12 @@ save/load, a constant decode cache, and `sparse_slots=0` the default Lizard exac
 
 import pytest
 import torch
-from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import (
+    TINY_OPTIONS,
+    assert_left_padded_generates_like_unpadded,
+    perturb_new_parameters,
+    tiny_teacher,
+)
 from transformers import DynamicCache
 
 import linearize
@@ -55,14 +60,7 @@ def test_the_decode_cache_keeps_its_size():
 
 
 def test_left_padded_batch_generates_like_unpadded():
-    model = with_cache()
-    ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
-    padded, mask = ids.clone(), torch.ones_like(ids)
-    padded[1, :5], mask[1, :5] = 0, 0
-    with torch.no_grad():
-        batch = model.generate(padded, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        alone = model.generate(ids[1:, 5:], max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert torch.equal(batch[1, 14:], alone[0, 9:])
+    assert_left_padded_generates_like_unpadded(with_cache())
 
 
 def test_save_and_load_keep_the_cache_and_the_logits(tmp_path):

@@ -5,7 +5,12 @@ save/load and a constant decode cache (with Lizard's, alike), a silent memory at
 import pytest
 import torch
 from test_lizard_memory import with_memory as lizard_with_memory
-from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
+from tiny_models import (
+    TINY_OPTIONS,
+    parameters_that_learn_alone,
+    perturb_new_parameters,
+    tiny_teacher,
+)
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
@@ -148,12 +153,7 @@ def test_the_memory_starts_silent_so_the_student_is_the_default_still():
 def test_gradients_reach_exactly_the_new_parameters_and_the_memory_has_head_scalars():
     model = with_memory()
     new = {id(p) for m in attention_layers(model) for p in m.new_parameters()}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in new)
-    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    got = {id(p) for p in model.parameters() if p.grad is not None and p.grad.abs().sum() > 0}
-    assert got == new
+    assert parameters_that_learn_alone(model, [p for m in attention_layers(model) for p in m.new_parameters()]) == new
     layer = attention_layers(model)[0]
     assert [id(p) for p in layer.head_scalars()] == [id(layer.memory_weight), id(layer.memory_write.bias),
                                                      id(layer.memory_decay)]

@@ -91,3 +91,24 @@ def covering(archs: list[str], methods: list[str]) -> list:
     fast = {(arch, methods[i % len(methods)]) for i, arch in enumerate(archs)}
     return [pytest.param(arch, method, marks=() if (arch, method) in fast else pytest.mark.slow)
             for arch in archs for method in methods]
+
+
+def assert_left_padded_generates_like_unpadded(model):
+    """Greedy generation of a left-padded row equals that of the same prompt alone, without padding."""
+    ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
+    padded, mask = ids.clone(), torch.ones_like(ids)
+    padded[1, :5], mask[1, :5] = 0, 0
+    with torch.no_grad():
+        batch = model.generate(padded, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        alone = model.generate(ids[1:, 5:], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(batch[1, 14:], alone[0, 9:])
+
+
+def parameters_that_learn_alone(model, new_parameters) -> set[int]:
+    """The ids of the parameters a loss reaches when only `new_parameters` train."""
+    new = {id(p) for p in new_parameters}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in new)
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    return {id(p) for p in model.parameters() if p.grad is not None and p.grad.abs().sum() > 0}
