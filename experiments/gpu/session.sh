@@ -6,7 +6,7 @@
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
-# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # experiments/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
@@ -133,8 +133,14 @@ case $part in
       --methods lizard --set combine=shared --set rope_in_window=true --contexts 1k,2k,4k,8k,16k,32k,64k,128k \
       --batches 1 --time-limit 460 --out "$res/memory-$1-$2" ;;
   rows|distill)
+    # KEY=VALUE words override the recipes' settings, + for commas (together.sh splits parts at commas):
+    # `rows lizard-window-256-delta eval.tasks=ppl+passkey`.
     recipes=()
-    for name in "$@"; do recipes+=("$name"); done
+    names=()
+    for word in "$@"; do
+      if [[ $word == *=* ]]; then recipes+=("${word//+/,}"); else recipes+=("$word"); names+=("$word"); fi
+    done
+    set -- "${names[@]}"
     only=()
     [ "$part" = distill ] && only=(--no-eval)
     # Under background.sh, the set's rows so far: its polls bring back these runs, not a set's beside it.
@@ -167,6 +173,16 @@ case $part in
     lengths=${3:?lengths}
     step eval 500 python -m linearize.cli eval --model "/tmp/runs/${1:?row}/model" --tasks "${tasks//+/,}" \
       --lengths "${lengths//+/,}" --batch 32 --dtype bfloat16 "${sets[@]}" --out "$res/eval.json" ;;
+  promptsweep)
+    # A teacher's retrieval under each prompt shape (experiments/retrieval/prompt_sweep.py), + for commas:
+    # `promptsweep gemma3 4k+8k+16k+32k v1+space+landmark 3`.
+    lengths=${2:?lengths}
+    shapes=${3:-v1+space+landmark}
+    step promptsweep 570 python experiments/retrieval/prompt_sweep.py --model "${1:?model}" --device cuda \
+      --dtype bfloat16 --lengths "${lengths//+/,}" --shapes "${shapes//+/,}" --samples "${4:-3}" \
+      --out "$res/sweep.json"
+    tar czf "$OUT/$tag.tgz" -C /tmp/res "$tag"
+    exit ;;
   teacher)
     step teacher 570 bash experiments/gpu/teacher_eval.sh "$res/teacher" mmlu longcontext ;;
   *)
