@@ -1,5 +1,5 @@
 """Does inductor compile STILL's fresh-pass routing correctly on this machine? Eager against
-`torch.compile` (inductor) for the wavelet search `_kth_ranked_above` alone and for the whole
+`torch.compile` (inductor) for the wavelet search `kth_ranked_above` alone and for the whole
 `fresh_routing`, on random inputs at STILL's default shape (3 KV heads of 64, 896-token budget):
 
     python experiments/scripts/check_compiled_routing.py [--lengths 1024,4096] [--device cpu|cuda] [--kth-eager]
@@ -9,7 +9,7 @@ dynamic shapes serves every length, as it would serve a prefill's prompts.
 
 Compiling the routing would cut a prefill's ~100 small ops a layer (the eager pass is bound by their
 dispatch); it is only worth trying where this prints no mismatch. On the project's CPU (torch 2.13)
-`_kth_ranked_above` comes out wrong at 4,096 tokens: every intermediate of its
+`kth_ranked_above` comes out wrong at 4,096 tokens: every intermediate of its
 loop matches eager, the final gather does not; and the compiled `fresh_routing` aborts the
 process ("index out of bounds" from inductor's generated C++, which no `except` catches), so the
 lengths run in order and each prints as it ends (docs/kernels.md).
@@ -22,6 +22,7 @@ import argparse
 import torch
 
 from linearize.config import StillConfig
+from linearize.ops.ranking import kth_ranked_above
 from linearize.ops.still import StillOptions
 from linearize.ops.still import naive as still
 from linearize.ops.still import routing as still_routing
@@ -57,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {args.device}" + (", the search uncompiled" if args.kth_eager else ""))
     if args.kth_eager:
-        still_routing._kth_ranked_above = torch.compiler.disable(still_routing._kth_ranked_above)
+        still_routing.kth_ranked_above = torch.compiler.disable(kth_ranked_above)
         routing_compiled = torch.compile(still_routing.fresh_routing, backend="inductor", dynamic=True)
     for length in map(int, args.lengths.split(",")):
         inputs, fk, options, slots = random_inputs(length, args.device)
@@ -68,9 +69,9 @@ def main() -> None:
             rank = torch.randperm(N, generator=g, device=args.device).expand(1, 3, N)
             rank = torch.where(torch.rand(1, 3, N, generator=g, device=args.device) < 0.7, rank, -1).to(torch.int32)
             torch._dynamo.reset()
-            kth = mismatches(still_routing._kth_ranked_above(rank, slots),
-                             torch.compile(still_routing._kth_ranked_above, backend="inductor")(rank, slots))
-            print(f"L={length}: _kth_ranked_above {kth} of {rank.numel()} wrong", flush=True)
+            kth = mismatches(kth_ranked_above(rank, slots),
+                             torch.compile(kth_ranked_above, backend="inductor")(rank, slots))
+            print(f"L={length}: kth_ranked_above {kth} of {rank.numel()} wrong", flush=True)
             torch._dynamo.reset()
             routing_compiled = torch.compile(still_routing.fresh_routing, backend="inductor")
         with torch.no_grad():
