@@ -1,7 +1,8 @@
 """Gated linear attention, a sliding softmax window and a sparse cache of the tokens the linear state
 recalls worst (LoLA: McDermott et al. 2025, "Low-Rank Linear Attention With Sparse Caching"),
 token by token over the whole history: the obviously-correct reference (each query masks the whole
-history, O(L^2); `recurrent.py` runs the same on a constant state, O(L * (window + slots))).
+history, O(L^2); `recurrent.py` runs the same on a constant state, O(L * (window + slots)), and
+`parallel.py` over all tokens at once).
 
 The linear state, as Lizard's linear branch keeps it (`linearize.ops.gla_window`):
 
@@ -14,10 +15,12 @@ The cache, per KV head, holds at most `slots` tokens that have left the window. 
      score e_s = the mean over the query heads sharing the KV head of ||v_s - read(S_t, phi_k(k_s))||^2,
      the linear state's recall error for it as the state stands after token t. Scores are computed
      once, without gradients, and never recomputed.
-  3. s enters the cache if it holds fewer than `slots` tokens, or if e_s is strictly greater than the
-     lowest score in it; that token (of the lowest score, the earliest position among equal ones)
-     is evicted. A token that does not enter, or is evicted, is gone for good (the linear state
-     still holds it, as it holds every token).
+  3. s enters the cache if it holds fewer than `slots` tokens, or if e_s is at least the lowest score
+     in it; that token (of the lowest score, the earliest position among equal ones) is evicted. A
+     token that does not enter, or is evicted, is gone for good (the linear state still holds it,
+     as it holds every token). Ranking tokens by (score, position), the newer winning ties, the
+     cache after step t is thus exactly the top `slots` of the valid tokens that have left the
+     window by then: `parallel.py` computes it that way, for every t at once.
   4. Query t attends under one softmax to the window keys (t - w, t], the cached keys (all at
      positions <= t - w: the two sets never overlap) and the sink logits, and combines that with
      the linear read-out of phi_q(q_t) as `linearize.ops.gla_window` does. With `shared`, one normaliser:
@@ -92,7 +95,7 @@ def _admit(cached, score, s, error, leaving_valid, slots):
     lowest_scores = score.masked_fill(~cached, float("inf"))
     victim = lowest_scores.argmin(-1)  # the first of equal minima: the earliest position
     lowest = lowest_scores.gather(-1, victim[..., None])[..., 0]
-    enter = leaving_valid[:, None] & (room | (error > lowest))
+    enter = leaving_valid[:, None] & (room | (error >= lowest))  # s, the newest, wins a tie
     evicted = (enter & ~room)[..., None] & (positions == victim[..., None])
     entered = enter[..., None] & (positions == s)
     return (cached & ~evicted) | entered, torch.where(entered, error[..., None], score)

@@ -1,15 +1,20 @@
-"""The sparse-cache op on a constant-size state: one decode step, and a multi-token pass as a loop of
-steps (the PyTorch form; the kernel is left to the GPU work). Same semantics as `naive.py`.
+"""The sparse-cache op on a constant-size state: one decode step (what decoding runs), and a multi-token
+pass as a loop of those steps (what the decode state is checked against; passes run `parallel.py`).
+Same semantics as `naive.py`.
 
 State (fixed shapes, whatever the number of tokens seen):
     S [B, H, F, d], z [B, H, F]          the linear state
     ring_fk [B, H, w, F], ring_k, ring_v [B, H_kv, w, d], ring_valid [B, w]
                                           the last w tokens, oldest first (the window of the last
                                           query; the oldest is the next to leave, scored by phi_k)
-    cache_k, cache_v [B, H_kv, slots, d]  the cached tokens
+    cache_k, cache_v [B, H_kv, slots, d]  the cached tokens, from the lowest ranked to the highest by
+                                          (score, position): empty slots first, the next victim in slot 0
     cache_score [B, H_kv, slots]          their scores (-inf: an empty slot)
-    cache_pos [B, H_kv, slots]            their positions (-1: empty), to evict the earliest of equal scores
+    cache_pos [B, H_kv, slots]            their positions (-1: empty)
     seen [B]                              the tokens (padding included) taken so far
+
+The slots' order is a function of the tokens alone (not of the steps that filled them), so
+`parallel.py`, which ranks every departed token at once, leaves the same state.
 """
 
 from __future__ import annotations
@@ -44,20 +49,21 @@ def init_state(batch, num_heads, num_kv_heads, feature_dim, head_dim, options: S
 
 def _admit(state, leaving_k, leaving_v, leaving_valid, error, position):
     """The cache entries after the token at `position` [B] leaves the window with `error` [B, H_kv]:
-    it replaces the slot of the lowest score (an empty one first, then the earliest position among
-    equal scores) where there is room or it scores higher."""
-    score, pos = state["cache_score"], state["cache_pos"]
-    lowest = score.amin(-1, keepdim=True)
-    tied_positions = pos.masked_fill(score != lowest, torch.iinfo(pos.dtype).max)
-    victim = tied_positions.argmin(-1, keepdim=True)  # empty slots (pos -1) first, then the earliest
-    enter = leaving_valid[:, None] & (error > lowest[..., 0])
-    slot = (torch.arange(score.shape[-1], device=score.device) == victim) & enter[..., None]  # [B, H_kv, slots]
-    return {
-        "cache_k": torch.where(slot[..., None], leaving_k[:, :, None], state["cache_k"]),
-        "cache_v": torch.where(slot[..., None], leaving_v[:, :, None], state["cache_v"]),
-        "cache_score": torch.where(slot, error[..., None].to(score.dtype), score),
-        "cache_pos": torch.where(slot, position[:, None, None], pos),
-    }
+    where it is valid and scores at least slot 0's (the lowest ranked, an empty slot while there is
+    one), slot 0 goes and the token takes its place in the order, after the equal scores (it is the
+    newest)."""
+    score = state["cache_score"]
+    enter = leaving_valid[:, None] & (error >= score[..., 0])
+    kept_score = torch.cat([score[..., 1:], error[..., None].to(score.dtype)], -1)
+    order = kept_score.argsort(dim=-1, stable=True)  # slots 1.. are in order, the newcomer last among equals
+    new = {"cache_score": kept_score.gather(-1, order)}
+    pos = torch.cat([state["cache_pos"][..., 1:], position[:, None, None].expand_as(score[..., :1])], -1)
+    new["cache_pos"] = pos.gather(-1, order)
+    for name, leaving in (("cache_k", leaving_k), ("cache_v", leaving_v)):
+        kept = torch.cat([state[name][:, :, 1:], leaving[:, :, None]], 2)
+        new[name] = kept.gather(2, order[..., None].expand_as(kept))
+    return {name: torch.where(enter.view(*enter.shape, *[1] * (value.dim() - 2)), value, state[name])
+            for name, value in new.items()}
 
 
 def sparse_cache_step_recurrent(fq, fk, log_g, qw, kw, v, valid, state, options: SparseCacheOptions):
