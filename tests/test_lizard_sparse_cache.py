@@ -81,6 +81,20 @@ def test_gradients_reach_the_cached_tokens():
     assert layer.feature_map_q.weight.grad.abs().sum() > 0 and layer.sinks.grad.abs().sum() > 0
 
 
+def test_a_long_sequence_trains_through_the_parallel_form():
+    """A training step at 256 tokens runs the parallel pass (no loop of decode steps), and its gradients
+    reach every new parameter in use (`alpha` is not, under the shared normaliser)."""
+    model = with_cache()
+    ids = torch.randint(3, 128, (1, 256), generator=torch.Generator().manual_seed(5))
+    with backend.recording() as ran:
+        model(ids, labels=ids).loss.backward()
+    assert {form for form, _ in ran if "sparse_cache" in form} == {"chunk_sparse_cache"}
+    layer = next(m for m in model.modules() if isinstance(m, linearize.attention.LinearizedAttention))
+    for name, parameter in layer.named_parameters():
+        if "proj" not in name and name != "alpha":
+            assert torch.isfinite(parameter.grad).all() and parameter.grad.abs().sum() > 0, name
+
+
 def test_no_slots_is_the_default_lizard_bit_for_bit():
     ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
-"""The sparse-cache op: the decode step and the multi-token forms == the token-by-token reference over
-the whole history, in values and gradients; the selection follows its rule; the decode state keeps
-its size."""
+"""The sparse-cache op: the parallel form (one pass, or continuing a carried state) and the decode
+step == the token-by-token reference over the whole history, in values and gradients; the parallel
+form leaves the decode loop's state; the selection follows its rule, ties included; the decode state
+keeps its size."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from linearize.ops.sparse_cache import (
     sparse_cache_naive,
     sparse_cache_step,
 )
+from linearize.ops.sparse_cache.recurrent import sparse_cache_loop
 
 B, H, HKV, F, D = 2, 4, 2, 6, 5
 TIGHT = {"atol": 1e-10, "rtol": 1e-9}
@@ -36,25 +38,43 @@ def inputs(L, seed=0, gate_dim=1, padded=True, dtype=torch.float64):
     return [t.requires_grad_() for t in (fq, fk, log_g, qw, kw, v)], valid
 
 
-def make_options(window=3, slots=2, shared=True, sinks=True, normalize=True):
+def make_options(window=3, slots=2, shared=True, sinks=True, normalize=True, chunk=4):
     branches = GlaWindowOptions(window=window, scale=0.6, alpha=torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64),
                                 sinks=torch.linspace(-1, 1, H * 2, dtype=torch.float64).view(H, 2) if sinks else None,
-                                shared=shared, normalize=normalize)
+                                shared=shared, normalize=normalize, chunk=chunk)
     return SparseCacheOptions(branches=branches, slots=slots)
+
+
+def with_ties(params, positions, value):
+    """The inputs with the tokens at `positions` given no key features and the value `value` in every
+    coordinate: the state reads 0 for each, so all score ||v||^2 = D value^2 exactly, in any form."""
+    fq, fk, log_g, qw, kw, v = (p.detach().clone() for p in params)
+    fk[:, :, positions] = 0
+    v[:, :, positions] = value
+    return [t.requires_grad_() for t in (fq, fk, log_g, qw, kw, v)]
+
+
+def assert_states_equal(state, reference):
+    for name, expected in reference.items():
+        if expected.is_floating_point():
+            torch.testing.assert_close(state[name], expected, **TIGHT)
+        else:
+            assert torch.equal(state[name], expected), name
 
 
 CASES = [
     {"window": 3, "slots": 2},                        # more tokens leave than fit: evictions
     {"window": 2, "slots": 5, "shared": False},       # beta * linear + alpha * softmax
     {"window": 4, "slots": 1, "sinks": False, "normalize": False},
-    {"window": 1, "slots": 3},                        # only the current token in the window
+    {"window": 1, "slots": 3, "chunk": 3},            # only the current token in the window
+    {"window": 3, "slots": 2, "chunk": 64},           # one block of queries
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("gate_dim", [1, F])
 def test_one_pass_equals_the_reference_in_values_and_gradients(case, gate_dim):
-    params, valid = inputs(13, gate_dim=gate_dim)
+    params, valid = inputs(23, gate_dim=gate_dim)
     options = make_options(**case)
     y_ref, _ = sparse_cache_naive(*params, valid, options)
     y, _ = chunk_sparse_cache(*params, options, valid=valid)
@@ -66,21 +86,39 @@ def test_one_pass_equals_the_reference_in_values_and_gradients(case, gate_dim):
         torch.testing.assert_close(a, b, **TIGHT)
 
 
+@pytest.mark.parametrize("case", CASES[:4])
+def test_one_pass_leaves_the_decode_loops_state(case):
+    """The state after a parallel pass is the one the loop of decode steps leaves, slot for slot."""
+    params, valid = inputs(23, seed=1)
+    options = make_options(**case)
+    _, state = chunk_sparse_cache(*params, options, valid=valid, output_final_state=True)
+    empty = sparse_cache.init_state(B, H, HKV, F, D, options, device="cpu", dtype=torch.float64)
+    with torch.no_grad():
+        _, reference = sparse_cache_loop(*params, valid, empty, options)
+    assert_states_equal(state, reference)
+
+
 @pytest.mark.parametrize("case", CASES[:2])
 def test_decode_steps_and_continued_passes_equal_the_reference(case):
-    params, valid = inputs(12, seed=3)
+    params, valid = inputs(16, seed=3)
     options = make_options(**case)
     y_ref, cached = sparse_cache_naive(*params, valid, options)
-    # A prefill of 5 tokens, one of 4 continuing it, then three decode steps.
+    # A prefill of 5 tokens, passes of 4, 1 and 2 continuing it (shorter than the window too), then
+    # four decode steps.
     pieces, state = [], None
-    for start, stop in ((0, 5), (5, 9)):
+    for start, stop in ((0, 5), (5, 9), (9, 10), (10, 12)):
         part = [t[:, :, start:stop] for t in params]
         y, state = continue_sparse_cache(*part, options, state=state, valid=valid[:, start:stop])
         pieces.append(y)
-    for t in range(9, 12):
+    for t in range(12, 16):
         y, state = sparse_cache_step(*[p[:, :, t:t + 1] for p in params], state, options, valid=valid[:, t:t + 1])
         pieces.append(y)
     torch.testing.assert_close(torch.cat(pieces, 2), y_ref, **TIGHT)
+    weights = torch.randn_like(y_ref)
+    grads_ref = torch.autograd.grad((y_ref * weights).sum(), params)
+    grads = torch.autograd.grad((torch.cat(pieces, 2) * weights).sum(), params)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, **TIGHT)
     # The slots hold exactly the positions the reference keeps.
     for b in range(B):
         for h in range(HKV):
@@ -116,7 +154,57 @@ def test_the_cache_keeps_the_worst_recalled_tokens():
             assert max(left_out) <= state["cache_score"][b, h].min()
 
 
-def test_a_token_enters_only_by_beating_the_lowest_score():
+def test_ties_go_to_the_newer_token():
+    """Four tokens of one high score: the cache keeps the two newest (a newcomer enters on a tie and the
+    earlier of equal scores leaves), in the parallel pass, the decode loop and the reference alike."""
+    L, tied = 16, [1, 3, 4, 7]
+    params, _ = inputs(L, seed=11, padded=False)
+    params = with_ties(params, tied, 4.0)
+    options = make_options(window=2, slots=2)
+    y_ref, cached = sparse_cache_naive(*params, None, options)
+    y, state = chunk_sparse_cache(*params, options, output_final_state=True)
+    torch.testing.assert_close(y, y_ref, **TIGHT)
+    assert (state["cache_pos"] == torch.tensor([4, 7])).all()
+    assert (state["cache_score"] == D * 16.0).all()
+    assert cached.nonzero()[:, 2].view(B, HKV, 2).eq(torch.tensor([4, 7])).all()
+    empty = sparse_cache.init_state(B, H, HKV, F, D, options, device="cpu", dtype=torch.float64)
+    with torch.no_grad():
+        _, reference = sparse_cache_loop(*params, torch.ones(B, L, dtype=torch.bool), empty, options)
+    assert_states_equal(state, reference)
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_zero_error_and_repeated_tokens_equal_the_reference(case):
+    """Tokens the state recalls exactly (no features, zero value: score 0) and a run of repeated
+    tokens of one score, filling the cache and then evicted: values and gradients as the reference's,
+    one pass and in pieces, and the loop's state."""
+    L = 23
+    params, valid = inputs(L, seed=6)
+    params = with_ties(params, [2, 3, 4, 9], 0.0)
+    params = with_ties(params, [12, 13, 14, 15, 16], 0.5)
+    options = make_options(**case)
+    y_ref, _ = sparse_cache_naive(*params, valid, options)
+    y, state = chunk_sparse_cache(*params, options, valid=valid, output_final_state=True)
+    torch.testing.assert_close(y, y_ref, **TIGHT)
+    weights = torch.randn_like(y)
+    grads_ref = torch.autograd.grad((y_ref * weights).sum(), params)
+    grads = torch.autograd.grad((y * weights).sum(), params)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, **TIGHT)
+    pieces, carried = [], None
+    for start, stop in ((0, 4), (4, 13), (13, 14), (14, L)):
+        part = [t[:, :, start:stop] for t in params]
+        y_part, carried = continue_sparse_cache(*part, options, state=carried, valid=valid[:, start:stop])
+        pieces.append(y_part)
+    torch.testing.assert_close(torch.cat(pieces, 2), y_ref, **TIGHT)
+    empty = sparse_cache.init_state(B, H, HKV, F, D, options, device="cpu", dtype=torch.float64)
+    with torch.no_grad():
+        _, reference = sparse_cache_loop(*params, valid, empty, options)
+    assert_states_equal(state, reference)
+    assert_states_equal(carried, reference)
+
+
+def test_a_token_enters_by_matching_the_lowest_score():
     """With one slot, the cached token's score never decreases and is the running maximum."""
     params, _ = inputs(16, seed=7, padded=False)
     options = make_options(window=2, slots=1)

@@ -4,21 +4,26 @@ recalls worst (LoLA's sparse caching, McDermott et al. 2025), in three forms.
     y_t = combine(phi_q^T S_t, softmax over window (t - w, t] + cached keys + sinks)
 
 Tokens leave the window in order; each is scored by the linear state's recall error for it as it
-leaves, and the cache keeps the `slots` highest-scoring ones per KV head (`naive.py` has the exact
-rule, the combining and the shapes, as `linearize.ops.gla_window`'s).
+leaves, and the cache holds, per KV head, the `slots` highest of the tokens that have left, ranked by
+(score, position), the newer winning ties (`naive.py` has the exact rule, the combining and the
+shapes, as `linearize.ops.gla_window`'s).
 
 The forms (the options in one `SparseCacheOptions`):
   chunk_sparse_cache     a multi-token pass from an empty state, differentiable (training, a first prefill)
-  continue_sparse_cache  a multi-token pass continuing a carried state
+  continue_sparse_cache  a multi-token pass continuing a carried state (a prompt prefilled in pieces)
   sparse_cache_step      one token after a state (decoding), on a state of constant size
 
-Each lists its implementations (`linearize.ops.backend`); there is only the PyTorch one so far:
+Each lists its implementations (`linearize.ops.backend`); PyTorch only so far:
   naive.py      `sparse_cache_naive`: the reference over the whole history, token by token
-  recurrent.py  `sparse_cache_step_recurrent` on the constant state, and `sparse_cache_loop`, the
-                multi-token passes as a loop of those steps (O(L * (w + slots)), one token at a time:
-                a chunked kernel, with the selection run first and the attention in parallel, is
-                left to the GPU work)
-tested against `naive` in values and gradients (tests/ops/test_sparse_cache.py).
+  parallel.py   `sparse_cache_parallel`, the two pass forms: every token's score from one chunked
+                linear pass, each key's eviction from a ranking (`linearize.ops.ranking`), then the
+                window and cache attention over each key's visible interval in blocks of queries,
+                O(L * (window + slots + chunk)); it leaves the decode state
+  recurrent.py  `sparse_cache_step_recurrent` on the constant state (the step form), and
+                `sparse_cache_loop`, passes as a loop of those steps, O(L * (window + slots)) one
+                token at a time (the decode state's check)
+tested against `naive` in values and gradients, and the state against the loop's
+(tests/ops/test_sparse_cache.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .. import backend
 from ..backend import Form, Implementation
 from .naive import sparse_cache_naive
 from .options import SparseCacheOptions
+from .parallel import sparse_cache_parallel
 from .recurrent import init_state, sparse_cache_loop
 
 __all__ = ["FORMS", "SparseCacheOptions", "chunk_sparse_cache", "continue_sparse_cache", "init_state",
@@ -47,8 +53,8 @@ def chunk_sparse_cache(fq, fk, log_g, qw, kw, v, options: SparseCacheOptions, *,
 
 
 def continue_sparse_cache(fq, fk, log_g, qw, kw, v, options: SparseCacheOptions, *, state=None, valid=None):
-    """The op over L tokens continuing `state` (None: an empty one): (y, the state after them).
-    Computed in the state's dtype."""
+    """The op over L tokens continuing `state` (None: an empty one): (y, the state after them), the
+    parallel form from the carried state. Computed in the state's dtype."""
     return CONTINUE(_Call(fq, fk, log_g, qw, kw, v, options, state=state, valid=valid, output_final_state=True))
 
 
@@ -85,16 +91,28 @@ class _Call:
         return torch.ones(self.fq.shape[0], self.fq.shape[2], dtype=torch.bool, device=self.fq.device)
 
 
-def _loop(call: _Call):
+def _operands(call: _Call):
+    """The call's state, tensors and options in the state's dtype (float32, float64 for float64 inputs)."""
     state = call.carried()
     work = state["S"].dtype
-    operands = (t.to(work) for t in (call.fq, call.fk, call.log_g, call.qw, call.kw, call.v))
+    operands = [t.to(work) for t in (call.fq, call.fk, call.log_g, call.qw, call.kw, call.v)]
     options = call.options.replace(branches=call.options.branches.head_scalars_in(work))
+    return state, operands, options
+
+
+def _parallel(call: _Call):
+    state, operands, options = _operands(call)
+    y, new_state = sparse_cache_parallel(*operands, call.valid_mask(), state, options)
+    return y.to(call.qw.dtype), new_state if call.output_final_state else None
+
+
+def _loop(call: _Call):
+    state, operands, options = _operands(call)
     y, new_state = sparse_cache_loop(*operands, call.valid_mask(), state, options)
     return y.to(call.qw.dtype), new_state if call.output_final_state else None
 
 
-CHUNK = Form("chunk_sparse_cache", (Implementation("torch", backend.always, _loop, kernels=False),))
-CONTINUE = Form("continue_sparse_cache", (Implementation("torch", backend.always, _loop, kernels=False),))
+CHUNK = Form("chunk_sparse_cache", (Implementation("torch", backend.always, _parallel, kernels=False),))
+CONTINUE = Form("continue_sparse_cache", (Implementation("torch", backend.always, _parallel, kernels=False),))
 STEP = Form("sparse_cache_step", (Implementation("torch", backend.always, _loop, kernels=False),))
 FORMS = {form.name: form for form in (CHUNK, CONTINUE, STEP)}
