@@ -6,7 +6,7 @@ import torch
 
 from linearize.feature_maps import NormPreservingFeatureMap
 from linearize.ops.common import repeat_kv
-from linearize.ops.still import StillOptions
+from linearize.ops.still import StillOptions, chunked
 from linearize.ops.still import naive as still
 from linearize.ops.still.chunked import fold_events, still_chunked
 from linearize.ops.still.routing import ROUTINGS, fresh_routing
@@ -38,8 +38,7 @@ def _chunked(q, k, v, gate, valid, phi_q, phi_k, options, slots, C):
     with torch.no_grad():
         fold, _ = fresh_routing(q, k, v, valid, _state(q.shape[1], k.shape[1], options.window, slots, q.dtype),
                                 options, start=0)
-    return still_chunked(q, k, v, fq, fk, gate, fold, valid, window=options.window, slots=slots,
-                         scale=options.scale, eps=options.eps, chunk=C)
+    return still_chunked(q, k, v, fq, fk, gate, fold, valid, options, slots=slots, chunk=C)
 
 
 def _reference(q, k, v, gate, valid, phi_q, phi_k, options, slots):
@@ -76,6 +75,18 @@ def test_chunked_equals_the_reference_values_and_gradients(L, H, HKV, window, ch
     torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-11)
     for a, b in zip(_grads(ours, leaves, L), _grads(ref, leaves, L), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+def test_groups_of_blocks_carry_the_linear_state(monkeypatch):
+    """Blocks go in groups bounded by GROUP_ELEMENTS scores; the linear state carries from group to group."""
+    L, slots, C = 50, 3, 4
+    q, k, v, g, valid, phi_q, phi_k = _inputs(L, 4, 2, gate=True, pad=3, seed=5)
+    options = _options(6, 4, 2, "saliency")
+    ref = _reference(q, k, v, g, valid, phi_q, phi_k, options, slots)
+    for elements in (1, 2 * 4 * C * (slots + 6 - 1 + C) * 3):  # one block a group; three
+        monkeypatch.setattr(chunked, "GROUP_ELEMENTS", elements)
+        torch.testing.assert_close(_chunked(q, k, v, g, valid, phi_q, phi_k, options, slots, C), ref,
+                                   rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)

@@ -29,7 +29,8 @@ query (`triton.py`). The salient lists cost O(L^2 / C) integer work (a mask over
 no products. 16-bit operands are computed in float32, y returned in q's dtype.
 
 Reference: `naive.still_parallel(fresh=True, keep_state=False)`. `linearize.ops.still`'s CHUNK form
-runs it, as "torch-chunked", for fresh calls.
+runs it ("torch-chunked") for fresh calls where the kernels do not: on CPU it was at least as fast as
+`still_parallel` in blocks at STILL's default budget from 512 tokens on, forward and backward.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ from __future__ import annotations
 import torch
 
 from ..common import exp_weights
+from .options import StillOptions
 
 CHUNK = 64  # queries a block
 GROUP_ELEMENTS = 1 << 24  # scores per group of blocks: bounds the softmax part's memory without gradients
 
 
-def still_chunked(q, k, v, fq, fk, gate, fold, valid, *, window, slots, scale, eps=1e-6, chunk=CHUNK):
+def still_chunked(q, k, v, fq, fk, gate, fold, valid, options: StillOptions, *, slots, chunk=CHUNK):
     """y [B, H, L, d] in q's dtype. q [B,H,L,d], k, v [B,H_kv,L,d] (RoPE applied); fq, fk [B,H,L,F];
     gate [B,H,L,d] or None; fold [B,H_kv,L] each key's fold time relative to the pass (>= L: never
-    within it); valid [B,L]; `window` W and `slots` K as the routing ran them; `chunk` queries a block.
-    Differentiable in q, k, v, fq, fk and gate."""
+    within it); valid [B,L]; `options` the routing's (the window, scale and eps are read here) and
+    `slots` K its salient slots; `chunk` queries a block. Differentiable in q, k, v, fq, fk and gate."""
+    window, scale, eps = options.window, options.scale, options.eps
     B, H, L, d = q.shape
     Hkv = k.shape[1]
     n_rep = H // Hkv
@@ -59,21 +62,28 @@ def still_chunked(q, k, v, fq, fk, gate, fold, valid, *, window, slots, scale, e
     fold = fold.clamp(max=L).to(torch.long)  # a time past the pass's last query: never within it
 
     fold_at = fold_events(fold, valid, Lp)  # [B, H_kv, Lp], L where no key folds
-    lin_num, lin_den = _linear_part(fq, fk, v, fold_at, n_rep, C)
+    # Key side of the fold events, with a zero row at index L for the steps where no key folds.
+    F = fk.shape[-1]
+    fk_ext = torch.nn.functional.pad(fk, (0, 0, 0, 1)).view(B, Hkv, n_rep, L + 1, F)
+    v_ext = torch.nn.functional.pad(v, (0, 0, 0, 1))
 
-    def pad(t, value=0):  # queries to a whole number of blocks
-        return torch.nn.functional.pad(t, (0, 0, 0, Lp - L), value=value)
+    def blocked(t):  # [B, H, L, x] -> [B, H_kv, n_rep, blocks, C, x], queries padded to whole blocks
+        t = torch.nn.functional.pad(t, (0, 0, 0, Lp - L))
+        return t.view(B, Hkv, n_rep, blocks, C, t.shape[-1])
 
-    q_blocks = pad(q).view(B, Hkv, n_rep, blocks, C, d)
+    q_blocks, fq_blocks = blocked(q), blocked(fq)
     N = slots + window - 1 + C
     group = max(1, GROUP_ELEMENTS // (B * H * C * N))
-    outputs = []
+    S = fq.new_zeros(B, Hkv, n_rep, 1, F, d)  # the linear state carried from group to group
+    z = fq.new_zeros(B, Hkv, n_rep, 1, F)
+    parts = []
     for b0 in range(0, blocks, group):
         b1 = min(blocks, b0 + group)
+        events = fold_at[..., b0 * C : b1 * C]
+        lin_num, lin_den, S, z = _linear_part(fq_blocks[:, :, :, b0:b1], fk_ext, v_ext, events, S, z)
         num, den = _softmax_part(q_blocks[:, :, :, b0:b1], k, v, fold, valid, b0, b1, window, slots, C, scale)
-        outputs.append((num, den))
-    num = torch.cat([o[0] for o in outputs], 3).view(B, H, Lp, d)[:, :, :L]
-    den = torch.cat([o[1] for o in outputs], 3).view(B, H, Lp)[:, :, :L]
+        parts.append((num, den, lin_num, lin_den))
+    num, den, lin_num, lin_den = (torch.cat(p, 3).flatten(3, 4).flatten(1, 2)[:, :, :L] for p in zip(*parts))
     if gate is not None:
         lin_num = gate.to(dtype) * lin_num
     y = (num + lin_num) / (den + lin_den + eps)[..., None]
@@ -91,41 +101,39 @@ def fold_events(fold, valid, length):
     return fold_at.scatter(-1, torch.where(folds, fold, length), keys)[..., :length]
 
 
-def _linear_part(fq, fk, v, fold_at, n_rep, C):
-    """Numerator [B,H,L,d] and denominator [B,H,L] of the linear part: the state before each block
-    (an exclusive cumulative sum of the blocks' fold events) read by fq, plus the folds within the
-    block up to each query."""
-    B, H, L, F = fq.shape
-    Hkv, Lp, d = v.shape[1], fold_at.shape[-1], v.shape[-1]
-    blocks = Lp // C
-    # Key side, with a zero row at index L for the steps where no key folds.
-    fk_ext = torch.nn.functional.pad(fk, (0, 0, 0, 1)).view(B, Hkv, n_rep, L + 1, F)
-    v_ext = torch.nn.functional.pad(v, (0, 0, 0, 1))
-    fk_ev = fk_ext.gather(3, fold_at[:, :, None, :, None].expand(B, Hkv, n_rep, Lp, F)).view(B, Hkv, n_rep, blocks, C, F)
-    v_ev = v_ext.gather(2, fold_at[..., None].expand(B, Hkv, Lp, d)).view(B, Hkv, blocks, C, d)
+def _linear_part(fq_blocks, fk_ext, v_ext, events, S, z):
+    """The linear part's numerator [B, H_kv, n_rep, G, C, d] and denominator [.., G, C] for a group of
+    G blocks (fq_blocks [B, H_kv, n_rep, G, C, F]; `events` [B, H_kv, G C] its steps' fold_at entries,
+    into fk_ext [B, H_kv, n_rep, L + 1, F] and v_ext [B, H_kv, L + 1, d]), given the state before the
+    group (S [B, H_kv, n_rep, 1, F, d], z [.., 1, F]); and the state after it. Each block reads the
+    state before it (the carried one plus an exclusive cumulative sum of the group's blocks' folds)
+    and the folds within it up to each query."""
+    B, Hkv, n_rep, G, C, F = fq_blocks.shape
+    d = v_ext.shape[-1]
+    fk_ev = fk_ext.gather(3, events[:, :, None, :, None].expand(B, Hkv, n_rep, G * C, F)).view(B, Hkv, n_rep, G, C, F)
+    v_ev = v_ext.gather(2, events[..., None].expand(B, Hkv, G * C, d)).view(B, Hkv, 1, G, C, d)
 
-    # The state before each block: the blocks' own folds, summed over the blocks before it.
-    dS = torch.einsum("bkrncf,bkncd->bkrnfd", fk_ev, v_ev)
+    dS = fk_ev.transpose(-1, -2) @ v_ev  # [B, H_kv, n_rep, G, F, d]: each block's folds
     dz = fk_ev.sum(-2)
-    S = dS.cumsum(3) - dS
-    z = dz.cumsum(3) - dz
-
-    fq_blocks = torch.nn.functional.pad(fq, (0, 0, 0, Lp - L)).view(B, Hkv, n_rep, blocks, C, F)
+    S_after, z_after = S + dS.cumsum(3), z + dz.cumsum(3)
+    S_before, z_before = torch.cat([S, S_after[:, :, :, :-1]], 3), torch.cat([z, z_after[:, :, :, :-1]], 3)
     # A fold at step t counts for the queries i >= t of the block.
-    causal = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
-    A = (fq_blocks @ fk_ev.transpose(-1, -2)) * causal.to(fq.dtype)
-    num = A @ v_ev[:, :, None] + fq_blocks @ S
-    den = A.sum(-1) + (fq_blocks @ z[..., None])[..., 0]
-    return num.view(B, H, Lp, d)[:, :, :L], den.view(B, H, Lp)[:, :, :L]
+    causal = torch.ones(C, C, dtype=torch.bool, device=fq_blocks.device).tril()
+    A = (fq_blocks @ fk_ev.transpose(-1, -2)) * causal.to(fq_blocks.dtype)
+    num = A @ v_ev + fq_blocks @ S_before
+    den = A.sum(-1) + (fq_blocks @ z_before[..., None])[..., 0]
+    return num, den, S_after[:, :, :, -1:], z_after[:, :, :, -1:]
 
 
 def salient_lists(fold, valid, b0, b1, C, window, slots):
     """The salient slot holders at the start s of each block b0..b1 - 1 (of C queries): the keys
     j <= s - W with E_j > s (valid), at most `slots` of them, in key order, as indices into the keys
-    ([B, H_kv, b1 - b0, slots]; L fills unused places)."""
+    ([B, H_kv, b1 - b0, min(slots, span)], span the keys j <= the last start - W; L fills unused
+    places)."""
     B, Hkv, L = fold.shape
     starts = torch.arange(b0, b1, device=fold.device) * C
     span = max(0, (b1 - 1) * C - window + 1)  # keys any of these blocks can find in a slot
+    slots = min(slots, span)  # early blocks: fewer keys have left the window than there are slots
     keys = torch.arange(span, device=fold.device)
     held = ((keys <= starts[:, None] - window) & (fold[:, :, None, :span] > starts[:, None])
             & valid[:, None, None, :span])  # [B, H_kv, G, span]
