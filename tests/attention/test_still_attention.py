@@ -10,7 +10,9 @@ from tiny_models import TINY_OPTIONS, perturb_new_parameters, tiny_teacher
 from transformers import DynamicCache
 
 import linearize
+from linearize.ops import backend
 from linearize.ops import still as still_attention
+from linearize.ops.backend import Form
 from linearize.ops.still.routing import ROUTINGS
 
 
@@ -30,9 +32,15 @@ def still_model(routing, memory="np_map"):
 
 @pytest.mark.parametrize("routing", ["saliency", "diagonal", "dot", "key_norm", "uniform"])
 def test_blocked_parallel_calls_equal_one_call(monkeypatch, routing):
+    """The naive form in blocks continuing each other's state gives the fresh call's logits and
+    gradients (which the chunked form computes in one call)."""
     model = still_model(routing)
     ids = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(0))
-    whole, whole_grads = forward(model, ids)
+    with backend.use_backend("torch"), backend.recording() as ran:
+        whole, whole_grads = forward(model, ids)
+    assert {impl for form, impl in ran if form == "chunk_still"} == {"torch-chunked"}
+    naive_only = tuple(impl for impl in still_attention.CHUNK.implementations if impl.name != "torch-chunked")
+    monkeypatch.setattr(still_attention, "CHUNK", Form("chunk_still", naive_only))
     monkeypatch.setattr(still_attention, "MAX_PARALLEL", 10)
     blocked, blocked_grads = forward(model, ids)
     torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=1e-5)

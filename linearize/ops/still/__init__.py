@@ -9,12 +9,16 @@ Each multi-token form lists its implementations in order of preference
 (`linearize.ops.backend.Implementation`): where the backend allows the kernels and they take the
 inputs, the kernels in blocks of KERNEL_BLOCK tokens without gradients (the first block fresh when the
 call is, each next one continuing from the state the previous left, so a prefill's cost grows linearly
-with its length), or a fresh pass in one differentiable call when gradients are wanted; the naive form
-in blocks of MAX_PARALLEL tokens otherwise (which includes a continued call that needs gradients).
+with its length), or a fresh pass in one differentiable call when gradients are wanted; else, in
+PyTorch, a fresh call in the chunked form (blocks of queries carrying the linear state, differentiable)
+and any other call (a continued one) in the naive form in blocks of MAX_PARALLEL tokens.
   routing.py  the routing every form shares (which keys take the softmax slots, and when each folds
               into the linear state); `fresh_routing` and `continued_routing` (the fold times of a
               fresh or a continued call, and the state after it) for the kernels
   naive.py    `still_parallel` (the reference), `still_step` (one decode step)
+  chunked.py  the attention of a fresh pass given the fold times, in blocks of C queries: the window,
+              the salient slot holders and the linear state carried between blocks, so its work
+              grows linearly with L (PyTorch, differentiable; a kernel's blueprint)
   triton.py   the attention over a sequence given each key's fold time, in fused kernels: a fresh
               pass (differentiable), or the forward's parts for a continued call (inference only)
 each tested against `naive.still_parallel` in values (and gradients where they have any).
@@ -124,6 +128,27 @@ def _fresh_pass(call: _Call):
                                        caching=call.caching, dtype=call.operand_dtype)
 
 
+def _fresh_only(call: _Call) -> str | None:
+    return None if call.fresh else "a continued call: the chunked form starts from an empty state"
+
+
+def _chunked_pass(call: _Call):
+    """A fresh pass in blocks of `chunked.CHUNK` queries (`chunked.still_chunked`), differentiable:
+    the routing in PyTorch (`fresh_routing`, which gives the state after it when caching), then the
+    attention with the linear state carried from block to block."""
+    from .chunked import still_chunked
+
+    q, k, options = call.q, call.k, call.options
+    fq = call.phi_q(q)
+    fk = call.phi_k(repeat_kv(k, q.shape[1] // k.shape[1]))
+    with torch.no_grad():
+        fold, next_state = fresh_routing(q, k, call.v, call.valid, call.state, options, start=call.start,
+                                         fk=fk.detach() if call.caching else None)
+    y = still_chunked(q, k, call.v, fq, fk, call.gate, fold, call.valid, options,
+                      slots=call.state["sal_used"].shape[-1])
+    return y, next_state
+
+
 def _parallel_blocks(call: _Call):
     """The naive form; long inputs in blocks too (the same results, bounded memory)."""
     def parallel(*block, start, fresh, keep):
@@ -137,6 +162,7 @@ def _parallel_blocks(call: _Call):
 CHUNK = Form("chunk_still", (
     Implementation("triton", _kernels_without_gradients, _kernel_blocks),
     Implementation("triton-differentiable", _kernels_supported, _fresh_pass),
+    Implementation("torch-chunked", _fresh_only, _chunked_pass, kernels=False),
     Implementation("torch", backend.always, _parallel_blocks, kernels=False)))
 CONTINUE = Form("continue_still", (
     Implementation("triton", _kernels_without_gradients, _kernel_blocks),
