@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from linearize.cli_args import write_text_atomic
+from linearize.cli_args import compact_json, write_text_atomic
 from linearize.ops.delta_rule import DeltaRuleOptions, chunk_delta_rule
 
 FORMAT = "linearize-memory-capacity/1"
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     results = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out, json.dumps(results, indent=1) + "\n")
+    write_text_atomic(args.out, compact_json(results) + "\n")
     write_text_atomic(args.out.with_suffix(".md"), table(results))
     print(table(results))
     return 0

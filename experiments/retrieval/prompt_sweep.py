@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from linearize.cli_args import write_text_atomic
+from linearize.cli_args import compact_json, write_text_atomic
 from linearize.eval.prompt_shapes import SHAPES, contains_score, first_match_score
 
 TASKS = ("passkey", "niah_single")
@@ -110,7 +110,8 @@ def tables(results: dict) -> str:
     records, settings = results["samples"], results["settings"]
     from linearize.eval.report import length_label
 
-    about = (f"Greedy, batch 1, {settings['dtype']} on {settings['device']}; up to {settings['samples']} prompts per "
+    where = settings.get("gpu") or settings["device"]  # a GPU's name, so its figures say which card ran them
+    about = (f"Greedy, batch 1, {settings['dtype']} on {where}; up to {settings['samples']} prompts per "
              f"(task, shape, length, depth), depths {settings['depths']}; {len(records)} prompts answered. Each cell: "
              "accuracy with the answer anywhere in the prediction / with the prediction's first number the answer "
              f"(`first`). Command: `{settings['command']}`.")
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from functools import partial
 
+    import torch
+
     from linearize.eval.generation import greedy_generate
     from linearize.eval.longcontext import build_sample
     from linearize.eval.tasks import haystack_essay
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 "niah_variants": variants, "lengths": lengths, "depths": depths, "samples": args.samples,
                 "seed": args.seed, "command": " ".join(["python", *sys.argv]),
                 "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    if torch.device(args.device).type == "cuda":
+        settings["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     kept = {}
     if args.resume and args.out.exists():
         kept = {cell_key(r): r for r in json.loads(args.out.read_text())["samples"]}
@@ -195,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                                "contains": contains_score(prediction, sample.answers),
                                "first": first_match_score(prediction, sample.answers)})
         results = {"format": FORMAT, "settings": settings, "samples": records}
-        write_text_atomic(args.out, json.dumps(results, indent=1) + "\n")
+        write_text_atomic(args.out, compact_json(results) + "\n")
         print(f"[{number}/{len(todo)}] {cell['shape']} {cell['task']} {cell['length']} {cell['depth']:g}%: "
               f"{records[-1]['contains']:.0f}/{records[-1]['first']:.0f} {prediction.strip()[:60]!r}", flush=True)
     results = {"format": FORMAT, "settings": settings, "samples": records}
-    write_text_atomic(args.out, json.dumps(results, indent=1) + "\n")
+    write_text_atomic(args.out, compact_json(results) + "\n")
     write_text_atomic(args.out.with_suffix(".md"), tables(results))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
