@@ -353,3 +353,17 @@ def test_an_eval_without_tasks_is_refused_before_a_run(tmp_path):
     path = write(tmp_path / "r.yaml", "eval:\n  samples: 1\n")
     with pytest.raises(RecipeError, match=r"r.yaml: eval: no 'tasks' to evaluate"):
         Recipe.load(path).check_eval()
+
+
+# Each teacher's passkey prompt layout, chosen on its own sweep (docs/evaluation.md, "Prompt shapes"): SmolLM2
+# finds more keys in v1 (docs/results/cpu/prompt-sweep/smollm2.md), Gemma-3 in space at every length to 32K
+# (docs/results/h100/prompt-sweep/gemma3.md).
+TEACHER_SHAPES = {"smollm2": "v1", "gemma3": "space"}
+
+
+@pytest.mark.parametrize("recipe", shipped(), ids=lambda r: r.name)
+def test_every_row_evaluates_with_its_teachers_prompt_shape(recipe):
+    from linearize.eval.config import EvalConfig
+
+    shape = recipe.eval.get("prompt_shape", EvalConfig("passkey").prompt_shape)
+    assert shape == TEACHER_SHAPES[recipe.model or "smollm2"]
