@@ -183,14 +183,12 @@ def answers_digest(records: list[dict]) -> str:
 
 
 def warm_up(net, settings: dict, device: torch.device, deadline: float) -> float:
-    """An untimed small chat before a model's runs (one conversation of two short turns, the prefix cache
-    on), so that kernel compilation, graph capture and the first prefix restore are not counted. Returns
-    its seconds."""
+    """An untimed chat before a model's runs (one conversation of two turns of the scenario's message
+    lengths and 4-token answers, the prefix cache on), so that kernel compilation and tuning at the
+    prefill calls' real sizes, graph capture and the first prefix restore are not counted in the first
+    run's turn 1 (kernels tuned per size on short prompts would tune again there). Returns its seconds."""
     started = time.perf_counter()
-    block = settings["prefix_block"]
-    small = settings | {"conversations": 1, "turns": 2, "max_tokens": min(4, settings["max_tokens"]),
-                        "system_tokens": min(settings["system_tokens"], settings["prefill_chunk"], 2 * block),
-                        "user_tokens": min(settings["user_tokens"], block)}
+    small = settings | {"conversations": 1, "turns": 2, "max_tokens": min(4, settings["max_tokens"])}
     run_chat(net, settings=small, prefix_cache=True, device=device, deadline=deadline)
     free_memory()
     return time.perf_counter() - started
