@@ -6,7 +6,7 @@
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
-# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | servehybrid [SHAPE] (a 50% hybrid batched and one at a time) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # experiments/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
@@ -117,6 +117,14 @@ case $part in
     # 32K tokens, the best Lizard with its prefix cache on and off against the batched teacher.
     step "servechat_${1:-llama3-8b}" 570 python -m linearize.cli bench serve --scenario chat --shape "${1:-llama3-8b}" \
       --set combine=shared --set rope_in_window=true --time-limit 540 --out "$res/serve-chat-${1:-llama3-8b}" ;;
+  servehybrid)
+    # The hybrid serving target: a 50% Lizard hybrid (16 of the 8B shape's 32 layers softmax, evenly
+    # spaced) at 16 clients x 4K prompts, in one batch and then one request at a time (`--max-batch 1`).
+    for batch in 256 1; do
+      step "servehybrid_${1:-llama3-8b}_$batch" 280 python -m linearize.cli bench serve --shape "${1:-llama3-8b}" \
+        --softmax-layers even:16 --clients 16 --prompt-lengths 4k --max-batch "$batch" --set combine=shared \
+        --set rope_in_window=true --time-limit 260 --out "$res/serve-hybrid-${1:-llama3-8b}-max-batch-$batch"
+    done ;;
   trainshape)
     # `bench train` at a shape (llama3-8b, mistral-7b, qwen3-8b): the LoRA reference, stages 1 and 2,
     # 2K and 8K, checkpointing on and off, the best Lizard. Further words narrow it to what is left of a

@@ -38,6 +38,14 @@ def names_among(what: str, choices, *, unique: bool = False):
     return parse
 
 
+def even_count(text: str) -> int:
+    """`--softmax-layers even:N`: N >= 1 layers kept softmax, evenly spaced."""
+    rule, _, count = text.partition(":")
+    if rule != "even" or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected even:N with N >= 1 (e.g. even:16), got {text!r}")
+    return int(count)
+
+
 methods = names_among("methods", METHOD_CONFIGS)
 SERVE_SCENARIOS = ("points", "chat")
 # The flags of one scenario of `bench serve` alone (the others are shared).
@@ -167,6 +175,8 @@ def add_models(p) -> None:
     p.add_argument("--methods", type=methods, help="linear methods to compare with softmax (default lizard)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a method option for every method (repeatable)")
     p.add_argument("--layers", choices=LAYER_CHOICES, help=f"{LAYERS_HELP.removesuffix(')')}; default all)")
+    p.add_argument("--softmax-layers", type=even_count, metavar="even:N",
+                   help="a hybrid: keep N of the layers softmax, evenly spaced (with --layers all)")
 
 
 def wrote(paths) -> None:
@@ -187,7 +197,16 @@ def run_kernels(args) -> None:
     wrote(kernels.bench(args.out, quick=args.quick, ops=args.ops))
 
 
+def check_hybrid(args) -> None:
+    """A one-line error for --softmax-layers beside --layers full (which keeps the sliding layers already)."""
+    from ..cli_args import CommandError
+
+    if args.softmax_layers and args.layers == "full":
+        raise CommandError("--softmax-layers picks among all the layers: use it with --layers all")
+
+
 def run_model(args) -> None:
+    check_hybrid(args)
     from ..config import parse_set_options
     from . import model
 
@@ -197,7 +216,8 @@ def run_model(args) -> None:
                       options=options, quick=args.quick, profile=args.profile,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
-                      time_limit=args.time_limit, compile_decode=args.compile_decode, layers=args.layers))
+                      time_limit=args.time_limit, compile_decode=args.compile_decode, layers=args.layers,
+                      softmax_layers=args.softmax_layers))
 
 
 def run_serve(args) -> None:
@@ -207,6 +227,7 @@ def run_serve(args) -> None:
         given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag) is not None]
         if scenario != args.scenario and given:
             raise CommandError(f"{given[0]} belongs to --scenario {scenario}, not --scenario {args.scenario}")
+    check_hybrid(args)
     import torch
 
     from ..config import parse_set_options
@@ -226,12 +247,13 @@ def run_serve(args) -> None:
                          target_context=args.target_context, max_tokens=args.max_tokens, max_batch=args.max_batch,
                          prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                          prefix_block=args.prefix_block, prefix_cache_bytes=args.prefix_cache_memory,
-                         time_limit=args.time_limit, layers=args.layers))
+                         time_limit=args.time_limit, layers=args.layers, softmax_layers=args.softmax_layers))
         return
     wrote(serve.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods, options=options,
                       quick=args.quick, clients=args.clients, prompt_lengths=args.prompt_lengths,
                       max_tokens=args.max_tokens, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                      prefill_budget=args.prefill_budget, time_limit=args.time_limit, layers=args.layers))
+                      prefill_budget=args.prefill_budget, time_limit=args.time_limit, layers=args.layers,
+                      softmax_layers=args.softmax_layers))
 
 
 def run_train(args) -> None:

@@ -187,9 +187,13 @@ def size_label(n: int) -> str:
 
 
 def options_note(settings: dict) -> str:
-    """" Method options: `k=v`, ...." for the --set options in `settings`, or ""."""
+    """" Method options: `k=v`, ...." for the --set options in `settings`, and the layers a hybrid keeps
+    softmax (`--softmax-layers`), or ""."""
     options = ", ".join(f"`{k}={v}`" for k, v in settings.get("options", {}).items())
-    return f" Method options: {options}." if options else ""
+    note = f" Method options: {options}." if options else ""
+    if settings.get("softmax_layers"):
+        note += f" A hybrid: {settings['softmax_layers']} layers kept softmax, evenly spaced (`--softmax-layers`)."
+    return note
 
 
 # What names a row or point in its line on stderr, in this order; lengths as 2K, 32K.

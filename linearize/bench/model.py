@@ -79,11 +79,22 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
     else:
         model = random_model(settings["shape"], device=device, dtype=dtype)
     if variant != SOFTMAX:
-        convert(model, variant, layers=settings.get("layers") or "all", **settings.get("options", {}))
+        convert(model, variant, softmax_layers=hybrid_softmax_layers(model, settings.get("softmax_layers")),
+                layers=settings.get("layers") or "all", **settings.get("options", {}))
         # Once for the whole sweep, prefill and decode alike: fused anew per decoder, every point's new fused
         # weights could fail the compiled step's guards and compile it again (~1 min each at the 8B shape).
         fuse_projections(model)
     return model.eval()
+
+
+def hybrid_softmax_layers(model, even: int | None) -> list[int]:
+    """The layers a hybrid keeps softmax: `even` of them, evenly spaced over the decoder (as the recipes'
+    `softmax_by: even` picks them); none without it."""
+    if not even:
+        return []
+    from ..train.layer_selection import even_layers
+
+    return even_layers(list(range(model.config.num_hidden_layers)), even)
 
 
 def prefill_chunk(variant: str, context: int, batch: int, settings: dict) -> int:

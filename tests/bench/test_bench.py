@@ -480,3 +480,34 @@ def test_serve_at_full_size_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "pass --quick" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_serve_runs_a_hybrid_that_keeps_evenly_spaced_layers_softmax(teacher_dir, tmp_path):
+    """`--softmax-layers even:N`: the method is converted with N layers kept softmax, evenly spaced (as a
+    recipe's `softmax_by: even`), and served in hybrid rows; the Markdown says it is a hybrid."""
+    from linearize.bench import serve as serve_bench
+
+    serve_bench.bench(tmp_path / "serve", model=str(teacher_dir), methods=["lizard"], quick=True,
+                      options={"window": 8}, clients=[2], prompt_lengths=[32], softmax_layers=1)
+    results = json.loads((tmp_path / "serve" / "serve.json").read_text())
+    from linearize.train.layer_selection import even_layers
+
+    num_layers = json.loads((teacher_dir / "config.json").read_text())["num_hidden_layers"]
+    assert results["models"][1]["linearize"]["softmax_layers"] == even_layers(list(range(num_layers)), 1)
+    lizard = [p for p in results["points"] if p["model"] == "lizard"]
+    assert lizard and all(p["mode"] == "hybrid" and p["status"] == "ok" for p in lizard)
+    assert "1 layers kept softmax" in (tmp_path / "serve" / "serve.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--softmax-layers", "even:0"], "expected even:N with N >= 1"),
+    (["--softmax-layers", "kl:2"], "expected even:N with N >= 1"),
+    (["--softmax-layers", "even:2", "--layers", "full"], "use it with --layers all"),
+])
+def test_bench_softmax_layers_refuses_bad_input_in_one_line(tmp_path, capsys, flags, message):
+    from linearize.cli import main
+
+    assert main(["bench", "serve", "--quick", "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
