@@ -45,6 +45,10 @@ class LizardConfig:
     # (docs/methods.md): y = y_gla + alpha * y_win + mu_h * o_delta, mu starting at `memory_weight_init`.
     memory: Literal["gla", "delta"] = "gla"
     memory_weight_init: float = 0.0
+    # None: the memory decays by the scalar gate (log gamma, none without a gate). A number in (0, 1): the
+    # memory decays by a learned per-head a_h = sigmoid(w_h) of its own, starting there, so it can keep a
+    # fact longer than the gate lets the linear state; gate_temperature divides the gate's log gamma only.
+    memory_decay_init: float | None = None
     # > 0 keeps beside the window a cache of this many tokens per KV head that left it, those the linear
     # state recalls worst, attended exactly under the window's softmax (LoLA's sparse cache,
     # `linearize.ops.sparse_cache`, docs/methods.md); 0: off.
@@ -213,8 +217,15 @@ def _validate(cfg: MethodConfig) -> None:
         raise ConfigError(f"num_sinks must be >= 0, got {cfg.num_sinks}")
     if isinstance(cfg, LizardConfig) and cfg.sparse_slots < 0:
         raise ConfigError(f"sparse_slots must be >= 0, got {cfg.sparse_slots}")
-    if isinstance(cfg, LizardConfig) and cfg.memory == "delta" and cfg.gate == "vector":
-        raise ConfigError("memory=delta decays by the scalar gate: use gate=scalar or gate=none")
+    if isinstance(cfg, LizardConfig) and cfg.memory_decay_init is not None:
+        if cfg.memory != "delta":
+            raise ConfigError("memory_decay_init is the delta memory's decay: set memory=delta, or leave it unset")
+        if not 0.0 < cfg.memory_decay_init < 1.0:
+            raise ConfigError(f"memory_decay_init must be in (0, 1), got {cfg.memory_decay_init}")
+    if (isinstance(cfg, LizardConfig) and cfg.memory == "delta" and cfg.memory_decay_init is None
+            and cfg.gate == "vector"):
+        raise ConfigError("memory=delta decays by the scalar gate: use gate=scalar or gate=none, "
+                          "or give the memory its own decay (memory_decay_init)")
     if isinstance(cfg, StillConfig):
         if cfg.window < cfg.chunk_size:
             raise ConfigError(f"window ({cfg.window}) must be >= chunk_size ({cfg.chunk_size})")

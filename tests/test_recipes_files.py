@@ -15,7 +15,7 @@ from linearize.recipes import RECIPES_DIR, Recipe, RecipeError, find, shipped
 # The rows the README and the results table lead with; everything else is an ablation.
 MAIN_ROWS = {"teacher", "lizard", "lizard-window-256", "lizard-window-256-10m", "lizard-hybrid-50-error", "still",
              "still-uncapped-seq4096-10m", "lolcats", "liger", "lizard-window-256-recall", "lizard-window-256-delta",
-             "lizard-window-256-delta-recall", "still-recall", "still-delta",
+             "lizard-window-256-delta-recall", "lizard-window-256-delta-decay-recall", "still-recall", "still-delta",
              "still-delta-recall"}
 BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
 # The rows on the second teacher: their own folder and their own evaluation block, to 128K.

@@ -34,8 +34,9 @@ class DeltaMemory:
                      W_b = 0, c = 0 (b = 1/2: stage 1 learns which tokens to keep). The method lists it
                      LAST among its `input_projections` (it joins the fused decode GEMM there).
       memory_weight  [H]: mu_h, the read-out's weight in the output, from `memory_weight_init`.
-      memory_decay   [H], only for a method without a scalar gate to decay by: the decay
-                     a_h = sigmoid(memory_decay_h), constant over tokens, from `decay_init` (near 1).
+      memory_decay   [H], only with a `decay_init` (a method without a scalar gate to decay by, or one
+                     that gives the memory its own): the decay a_h = sigmoid(memory_decay_h), constant
+                     over tokens, from `decay_init` (near 1).
     """
 
     memory_write: nn.Linear

@@ -29,8 +29,8 @@ class LizardAttention(DeltaMemory, LinearizedAttention):
             nn.init.constant_(self.gate.bias, cfg.gate_bias_init)
         self.sinks = nn.Parameter(torch.zeros(H, cfg.num_sinks))
         self.alpha = nn.Parameter(torch.full((H,), cfg.alpha_init))
-        if cfg.memory == "delta":  # decays by the scalar gate: no decay parameter of its own
-            self.add_delta_memory(model_config.hidden_size, cfg.memory_weight_init)
+        if cfg.memory == "delta":  # without memory_decay_init it decays by the scalar gate: no parameter
+            self.add_delta_memory(model_config.hidden_size, cfg.memory_weight_init, decay_init=cfg.memory_decay_init)
         self._param_like(self)
 
     def input_projections(self) -> list[nn.Linear]:
@@ -80,8 +80,13 @@ class LizardAttention(DeltaMemory, LinearizedAttention):
             return branches(state)
         # The memory reads the raw (pre-RoPE) q and k, as the linear branch does; the Hedgehog features,
         # all positive, would make every two keys overlap and each write disturb the others. Its decay is
+        # its own learned per-head one where it has one (the gate's temperature does not touch it), else
         # the scalar gate's (none without a gate).
-        return self.attend_with_memory(branches, q, k, v, log_g[..., 0], valid, state, call)
+        if self.cfg.memory_decay_init is not None:
+            log_a = self.memory_log_decay(q.shape[0], q.shape[2])
+        else:
+            log_a = log_g[..., 0]
+        return self.attend_with_memory(branches, q, k, v, log_a, valid, state, call)
 
 
 def gla_window_pass(fq, fk, log_g, qw, kw, v, valid, state, options: GlaWindowOptions, call: Pass):
