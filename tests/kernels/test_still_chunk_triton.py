@@ -58,7 +58,7 @@ def _check(case: StillCase, out: dict):
     assert out["ran"] == ["triton-chunked"] and out["dtype"] == str(case.dtype), out
     assert out["dispatched"] < (2e-2 if case.dtype == bf16 else 1e-5), out
     # The routing and the state run in float32 PyTorch either way: the same state, up to rounding.
-    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-6, out
+    assert out["state_names"] and out["state_exact"] and out["state"] < 1e-5, out
 
 
 @pytest.mark.parametrize("name", cases(INTERPRETER_CASES, FAST_CASES))
