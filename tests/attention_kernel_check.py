@@ -239,11 +239,13 @@ def check_still(device, dtype=torch.float32, length=45):
     (slots, window and linear state) and greedy tokens decoded from it. Left padding in row 1."""
     from tiny_models import TINY_OPTIONS
 
-    calls = []
+    calls, chunk_calls = [], []
+    from linearize.ops.still import chunk_triton
     from linearize.ops.still import triton as still_kernels
 
-    counted = still_kernels.still_attention_triton
+    counted, chunk_counted = still_kernels.still_attention_triton, chunk_triton.still_chunk_triton
     still_kernels.still_attention_triton = lambda *a, **k: calls.append(1) or counted(*a, **k)
+    chunk_triton.still_chunk_triton = lambda *a, **k: chunk_calls.append(1) or chunk_counted(*a, **k)
     try:
         model = tiny_teacher()
         linearize.convert(model, "still", **TINY_OPTIONS["still"])
@@ -271,16 +273,18 @@ def check_still(device, dtype=torch.float32, length=45):
         logits, grads = train_pass(True)
         with torch.no_grad():  # scoring, kernels on: the forward kernel's variant that saves nothing
             scored = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        out = {"calls": len(calls), "logits": _rel(logits, ref_logits), "scored": _rel(scored, ref_logits),
+        out = {"calls": len(calls), "chunk_calls": len(chunk_calls), "logits": _rel(logits, ref_logits), "scored": _rel(scored, ref_logits),
                "same_params": sorted(grads) == sorted(ref_grads),
                "grads": max(_rel(grads[n], ref_grads[n]) for n in ref_grads)}
-        before = len(calls)
+        before = len(calls) + len(chunk_calls)
         ref_first, ref_states, ref_tokens = prefill_and_decode(False)
         first, states, tokens = prefill_and_decode(True)
     finally:
         still_kernels.still_attention_triton = counted
+        chunk_triton.still_chunk_triton = chunk_counted
     pairs = [(s[n], r[n]) for s, r in zip(states, ref_states, strict=True) for n in r]
-    return out | {"prefill_calls": len(calls) - before, "prefill_logits": _rel(first, ref_first),
+    return out | {"prefill_calls": len(calls) + len(chunk_calls) - before,
+                  "prefill_chunk_calls": len(chunk_calls) - out["chunk_calls"], "prefill_logits": _rel(first, ref_first),
                   "state_names": all(sorted(s) == sorted(r) for s, r in zip(states, ref_states, strict=True)),
                   "state": max(_rel(a, b) for a, b in pairs if b.is_floating_point() and b.norm() > 0),
                   "state_exact": all(torch.equal(a, b) for a, b in pairs if not b.is_floating_point()),
@@ -290,12 +294,13 @@ def check_still(device, dtype=torch.float32, length=45):
 def check_still_pieces(device="cpu", length=40, piece=7, block=16):
     """A tiny STILL model under the default backend, without gradients: one cached call over a
     left-padded prompt against the same prompt in calls of `piece` tokens, each continuing the cache
-    (logits, and the state after), and against one call with KERNEL_BLOCK = `block`. Relative errors
-    and the kernel calls each way ran."""
+    (logits, and the state after), and against one call with KERNEL_BLOCK = `block` (the chunked
+    kernel set aside, so the fresh call goes in kernel blocks). Relative errors and the kernel calls
+    each way ran."""
     from tiny_models import TINY_OPTIONS
 
     from linearize.ops import still as dispatch
-    from linearize.ops.still.testing import counting_parts, state_errors
+    from linearize.ops.still.testing import counting_parts, state_errors, without_chunk_kernel
 
     model = tiny_teacher()
     linearize.convert(model, "still", **TINY_OPTIONS["still"])
@@ -320,7 +325,8 @@ def check_still_pieces(device="cpu", length=40, piece=7, block=16):
             piece_calls = len(calls)
             dispatch.KERNEL_BLOCK = block
             try:
-                blocked, blocked_states = run(length)
+                with without_chunk_kernel():
+                    blocked, blocked_states = run(length)
             finally:
                 dispatch.KERNEL_BLOCK = kept
     pairs = [(s, r) for s, r in zip(states, one_states, strict=True)] + list(zip(blocked_states, one_states,

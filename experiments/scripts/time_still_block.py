@@ -4,8 +4,9 @@ and each tiling of its forward kernel (`linearize.ops.still.triton.forward_launc
     python -m experiments.scripts.time_still_block [--shape llama3-8b] [--blocks 8192,4096,2048,1024]
         [--tiles 32x32/4/3,64x64/8/2] [--contexts 16k,128k] [--chunk 16k]
 
-A call without gradients runs STILL's kernels in blocks of KERNEL_BLOCK tokens, each continuing the
-state the previous one left. A block's attention covers its own tokens and the carried keys (at most
+A continued call without gradients runs STILL's kernels in blocks of KERNEL_BLOCK tokens, each
+continuing the state the previous one left (a fresh one runs the chunked kernel, `chunk_triton`,
+whatever the block size: only the calls after the first `--chunk` tokens depend on it). A block's attention covers its own tokens and the carried keys (at most
 the budget), so its cost grows with the block's square: smaller blocks do less attention work but
 route and launch more often. A tiling is queries a program x keys a step / warps / stages. This prints,
 for each block size and tiling, the batch-1 prefill time of each context (in calls of `--chunk` tokens

@@ -124,8 +124,9 @@ def test_the_forward_kernels_tiles_do_not_change_its_values(rows, columns, inter
 @pytest.mark.parametrize("name, block", [pytest.param("L130-gqa-gate", 48, marks=pytest.mark.interpreter),
                                          ("L100-mha-nogate-pad10", 64)])
 def test_a_long_fresh_call_in_kernel_blocks_equals_one_pass(name, block, interpreter):
-    """KERNEL_BLOCK made tiny: the first block fresh, the others continued, against one `still_parallel`
-    pass and against the one-call kernel pass (y and the state after)."""
+    """KERNEL_BLOCK made tiny (the chunked kernel set aside, which takes fresh calls whole): the first
+    block fresh, the others continued, against one `still_parallel` pass and against the one-call
+    kernel pass (y and the state after)."""
     case = {"L130-gqa-gate": "StillCase(L=130)", "L100-mha-nogate-pad10": "StillCase(L=100, HKV=4, gate=False, pad=10)"}
     code = ("from linearize.ops.still.testing import StillCase, compare_blocks\n"
             f"result = compare_blocks({case[name]}, {block}, 'cpu')")
@@ -152,9 +153,11 @@ def test_still_model_through_the_interpreted_kernels_equals_the_pytorch_path(int
     """Training and scoring passes; then a cached prefill, whose state (slots, window, linear state)
     the routing builds beside the kernel, and greedy decoding from it."""
     out = interpreter.run("import attention_kernel_check as c\nresult = c.check_still('cpu')", "still model")
-    assert out["calls"] == 4 and out["same_params"], out  # one fresh pass per layer, with and without gradients
+    # One fresh pass per layer: with gradients the one-pass kernel, without (scoring) the chunked one.
+    assert out["calls"] == 2 and out["chunk_calls"] == 2 and out["same_params"], out
     assert out["logits"] < 1e-5 and out["scored"] < 1e-5 and out["grads"] < 1e-4, out
-    assert out["prefill_calls"] == 4, out  # two prefills (a forward, then generate's), two layers
+    # Two prefills (a forward, then generate's), two layers, through the chunked kernel.
+    assert out["prefill_calls"] == 4 and out["prefill_chunk_calls"] == 4, out
     assert out["state_names"] and out["state_exact"] and out["state"] < 1e-5 and out["prefill_logits"] < 1e-5, out
     assert out["same_tokens"], out
 
@@ -191,7 +194,8 @@ def test_still_model_through_the_kernels_on_cuda_equals_the_pytorch_path(dtype):
     the greedy tokens are compared in float32 only (bf16 rounding may flip a near-tie)."""
     out = check_still("cuda", dtype, length=300)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert out["calls"] == 4 and out["same_params"] and out["prefill_calls"] == 4, out
+    assert out["calls"] == 2 and out["chunk_calls"] == 2 and out["same_params"], out
+    assert out["prefill_calls"] == 4 and out["prefill_chunk_calls"] == 4, out
     assert out["logits"] < tol and out["scored"] < tol and (dtype == bf16 or out["grads"] < tol), out
     assert out["state_names"] and out["state_exact"] and out["state"] < tol and out["prefill_logits"] < tol, out
     assert out["same_tokens"] or dtype == bf16, out

@@ -7,9 +7,11 @@ The forms (what the attention module calls; the method's options in one `StillOp
 
 Each multi-token form lists its implementations in order of preference
 (`linearize.ops.backend.Implementation`): where the backend allows the kernels and they take the
-inputs, the kernels in blocks of KERNEL_BLOCK tokens without gradients (the first block fresh when the
-call is, each next one continuing from the state the previous left, so a prefill's cost grows linearly
-with its length), or a fresh pass in one differentiable call when gradients are wanted; else, in
+inputs, a fresh call without gradients through the chunked form's kernel (blocks of queries carrying
+the linear state, linear in L), any other call without gradients through the kernels in blocks of
+KERNEL_BLOCK tokens (the first block fresh when the call is, each next one continuing from the state
+the previous left, so a prefill's cost grows linearly with its length), or a fresh pass in one
+differentiable call when gradients are wanted; else, in
 PyTorch, a fresh call in the chunked form (blocks of queries carrying the linear state, differentiable)
 and any other call (a continued one) in the naive form in blocks of MAX_PARALLEL tokens.
   routing.py  the routing every form shares (which keys take the softmax slots, and when each folds
@@ -19,6 +21,7 @@ and any other call (a continued one) in the naive form in blocks of MAX_PARALLEL
   chunked.py  the attention of a fresh pass given the fold times, in blocks of C queries: the window,
               the salient slot holders and the linear state carried between blocks, so its work
               grows linearly with L (PyTorch, differentiable; a kernel's blueprint)
+  chunk_triton.py  that attention's forward in one fused kernel a block (fresh calls, no gradients)
   triton.py   the attention over a sequence given each key's fold time, in fused kernels: a fresh
               pass (differentiable), or the forward's parts for a continued call (inference only)
 each tested against `naive.still_parallel` in values (and gradients where they have any).
@@ -112,6 +115,28 @@ def _kernels_without_gradients(call: _Call) -> str | None:
     return _kernels_supported(call)
 
 
+def _chunk_kernel_supported(call: _Call) -> str | None:
+    return _fresh_only(call) or _kernels_without_gradients(call)
+
+
+def _chunk_kernel_pass(call: _Call):
+    """A fresh pass without gradients: the routing in PyTorch (`fresh_routing`, which gives the state
+    after it when caching), the attention in the chunked form's kernel (`chunk_triton`), operands in
+    the call's dtype. No blocks of KERNEL_BLOCK tokens: its work and memory grow linearly with L."""
+    from .chunk_triton import still_chunk_triton
+
+    q, k, options = call.q, call.k, call.options
+    with torch.no_grad():
+        fq = call.phi_q(q)
+        fk = call.phi_k(repeat_kv(k, q.shape[1] // k.shape[1]))
+        fold, next_state = fresh_routing(q, k, call.v, call.valid, call.state, options, start=call.start,
+                                         fk=fk if call.caching else None)
+        dtype = call.operand_dtype
+        y = still_chunk_triton(q.to(dtype), k.to(dtype), call.v.to(dtype), fq, fk, call.gate, fold, call.valid,
+                               options, slots=call.state["sal_used"].shape[-1])
+    return y, next_state
+
+
 def _kernel_blocks(call: _Call):
     """The kernels in blocks of KERNEL_BLOCK tokens (no gradients)."""
     def through_kernels(*block, start, fresh, keep):
@@ -160,6 +185,7 @@ def _parallel_blocks(call: _Call):
 
 
 CHUNK = Form("chunk_still", (
+    Implementation("triton-chunked", _chunk_kernel_supported, _chunk_kernel_pass),
     Implementation("triton", _kernels_without_gradients, _kernel_blocks),
     Implementation("triton-differentiable", _kernels_supported, _fresh_pass),
     Implementation("torch-chunked", _fresh_only, _chunked_pass, kernels=False),

@@ -28,6 +28,9 @@ pass costs O(L (K + W + C) (d + F)) rather than the O(L^2 (d + F)) of walking ev
 query (`triton.py`). The salient lists cost O(L^2 / C) integer work (a mask over the keys per block),
 no products. 16-bit operands are computed in float32, y returned in q's dtype.
 
+The preparation (`prepare`: the fold table; `salient_lists`; `block_states`: the linear state before
+each block) is shared with the Triton forward (`chunk_triton.py`), which reads the same per block.
+
 Reference: `naive.still_parallel(fresh=True, keep_state=False)`. `linearize.ops.still`'s CHUNK form
 runs it ("torch-chunked") for fresh calls where the kernels do not: on CPU it was at least as fast as
 `still_parallel` in blocks at STILL's default budget from 512 tokens on, forward and backward.
@@ -59,13 +62,8 @@ def still_chunked(q, k, v, fq, fk, gate, fold, valid, options: StillOptions, *, 
     out_dtype = q.dtype
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
-    fold = fold.clamp(max=L).to(torch.long)  # a time past the pass's last query: never within it
-
-    fold_at = fold_events(fold, valid, Lp)  # [B, H_kv, Lp], L where no key folds
-    # Key side of the fold events, with a zero row at index L for the steps where no key folds.
-    F = fk.shape[-1]
-    fk_ext = torch.nn.functional.pad(fk, (0, 0, 0, 1)).view(B, Hkv, n_rep, L + 1, F)
-    v_ext = torch.nn.functional.pad(v, (0, 0, 0, 1))
+    fold, fold_at = prepare(fold, valid, C)
+    fk_ext, v_ext = event_sides(fk, v)
 
     def blocked(t):  # [B, H, L, x] -> [B, H_kv, n_rep, blocks, C, x], queries padded to whole blocks
         t = torch.nn.functional.pad(t, (0, 0, 0, Lp - L))
@@ -74,12 +72,13 @@ def still_chunked(q, k, v, fq, fk, gate, fold, valid, options: StillOptions, *, 
     q_blocks, fq_blocks = blocked(q), blocked(fq)
     N = slots + window - 1 + C
     group = max(1, GROUP_ELEMENTS // (B * H * C * N))
+    F = fk.shape[-1]
     S = fq.new_zeros(B, Hkv, n_rep, 1, F, d)  # the linear state carried from group to group
     z = fq.new_zeros(B, Hkv, n_rep, 1, F)
     parts = []
     for b0 in range(0, blocks, group):
         b1 = min(blocks, b0 + group)
-        events = fold_at[..., b0 * C : b1 * C]
+        events = fold_at[..., b0 * C : b1 * C].view(B, Hkv, b1 - b0, C)
         lin_num, lin_den, S, z = _linear_part(fq_blocks[:, :, :, b0:b1], fk_ext, v_ext, events, S, z)
         num, den = _softmax_part(q_blocks[:, :, :, b0:b1], k, v, fold, valid, b0, b1, window, slots, C, scale)
         parts.append((num, den, lin_num, lin_den))
@@ -101,28 +100,57 @@ def fold_events(fold, valid, length):
     return fold_at.scatter(-1, torch.where(folds, fold, length), keys)[..., :length]
 
 
-def _linear_part(fq_blocks, fk_ext, v_ext, events, S, z):
-    """The linear part's numerator [B, H_kv, n_rep, G, C, d] and denominator [.., G, C] for a group of
-    G blocks (fq_blocks [B, H_kv, n_rep, G, C, F]; `events` [B, H_kv, G C] its steps' fold_at entries,
-    into fk_ext [B, H_kv, n_rep, L + 1, F] and v_ext [B, H_kv, L + 1, d]), given the state before the
-    group (S [B, H_kv, n_rep, 1, F, d], z [.., 1, F]); and the state after it. Each block reads the
-    state before it (the carried one plus an exclusive cumulative sum of the group's blocks' folds)
-    and the folds within it up to each query."""
-    B, Hkv, n_rep, G, C, F = fq_blocks.shape
+def prepare(fold, valid, chunk):
+    """What the attention in blocks of `chunk` queries reads besides the projections, shared by
+    `still_chunked` and the kernel (`chunk_triton.py`): the fold times clamped to L (a time past the
+    pass's last query: never within it), as long, and the fold table over whole blocks (`fold_events`,
+    [B, H_kv, blocks * chunk], L where no key folds)."""
+    L = fold.shape[-1]
+    fold = fold.clamp(max=L).to(torch.long)
+    return fold, fold_events(fold, valid, -(-L // chunk) * chunk)
+
+
+def event_sides(fk, v):
+    """The key side of the fold events: fk [B, H, L, F] as [B, H_kv, n_rep, L + 1, F] and v [B, H_kv,
+    L, d] as [B, H_kv, L + 1, d], each with a zero row at index L for the steps where no key folds."""
+    B, Hkv, L, _ = v.shape
+    fk_ext = torch.nn.functional.pad(fk, (0, 0, 0, 1)).view(B, Hkv, -1, L + 1, fk.shape[-1])
+    return fk_ext, torch.nn.functional.pad(v, (0, 0, 0, 1))
+
+
+def block_states(fk_ext, v_ext, events, S, z):
+    """The linear state before each block of a group of G blocks of C steps, given the state before
+    the group (S [B, H_kv, n_rep, 1, F, d], z [.., 1, F]) and the group's fold table entries `events`
+    [B, H_kv, G, C] (into `event_sides`' fk_ext and v_ext): the carried state plus an exclusive
+    cumulative sum of the group's blocks' [F, C] x [C, d] fold products. Returns the events' fk
+    [B, H_kv, n_rep, G, C, F] and v [B, H_kv, 1, G, C, d], the states before each block (S [.., G, F,
+    d], z [.., G, F]) and the state after the group (S [.., 1, F, d], z [.., 1, F])."""
+    B, Hkv, G, C = events.shape
+    n_rep, F = fk_ext.shape[2], fk_ext.shape[-1]
     d = v_ext.shape[-1]
+    events = events.flatten(2)
     fk_ev = fk_ext.gather(3, events[:, :, None, :, None].expand(B, Hkv, n_rep, G * C, F)).view(B, Hkv, n_rep, G, C, F)
     v_ev = v_ext.gather(2, events[..., None].expand(B, Hkv, G * C, d)).view(B, Hkv, 1, G, C, d)
-
     dS = fk_ev.transpose(-1, -2) @ v_ev  # [B, H_kv, n_rep, G, F, d]: each block's folds
     dz = fk_ev.sum(-2)
     S_after, z_after = S + dS.cumsum(3), z + dz.cumsum(3)
     S_before, z_before = torch.cat([S, S_after[:, :, :, :-1]], 3), torch.cat([z, z_after[:, :, :, :-1]], 3)
+    return fk_ev, v_ev, S_before, z_before, S_after[:, :, :, -1:], z_after[:, :, :, -1:]
+
+
+def _linear_part(fq_blocks, fk_ext, v_ext, events, S, z):
+    """The linear part's numerator [B, H_kv, n_rep, G, C, d] and denominator [.., G, C] for a group of
+    G blocks (fq_blocks [B, H_kv, n_rep, G, C, F]; `events` [B, H_kv, G, C] its steps' fold_at
+    entries), given the state before the group (`block_states`); and the state after it. Each block
+    reads the state before it and the folds within it up to each query."""
+    C = fq_blocks.shape[-2]
+    fk_ev, v_ev, S_before, z_before, S, z = block_states(fk_ext, v_ext, events, S, z)
     # A fold at step t counts for the queries i >= t of the block.
     causal = torch.ones(C, C, dtype=torch.bool, device=fq_blocks.device).tril()
     A = (fq_blocks @ fk_ev.transpose(-1, -2)) * causal.to(fq_blocks.dtype)
     num = A @ v_ev + fq_blocks @ S_before
     den = A.sum(-1) + (fq_blocks @ z_before[..., None])[..., 0]
-    return num, den, S_after[:, :, :, -1:], z_after[:, :, :, -1:]
+    return num, den, S, z
 
 
 def salient_lists(fold, valid, b0, b1, C, window, slots):

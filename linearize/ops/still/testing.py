@@ -7,7 +7,9 @@ gradients are compared too. Relative Frobenius errors of y and of every gradient
 `compare_continued`: a call continuing a filled state through `still`'s kernel path, against
 `still_parallel(fresh=False)` on the same state and inputs: y and every entry of the state after.
 `compare_blocks`: a fresh call split into kernel blocks, against one `still_parallel` pass and the
-one-call kernel pass. `counting_parts` and `state_errors` serve the model-level check
+one-call kernel pass (the chunked kernel set aside: `without_chunk_kernel`).
+`compare_chunk_kernel`: the chunked form's kernel (`chunk_triton`) against the reference in y, and a
+fresh call through `chunk_still`'s dispatch (which implementation ran, y and the state after). `counting_parts` and `state_errors` serve the model-level check
 (tests/attention_kernel_check.py `check_still_pieces`), which needs the tests' tiny models.
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 
 import torch
 
+from .. import backend
 from .. import still as dispatch
 from ..gla_window.testing import _rel
 from . import naive as still
@@ -170,6 +173,60 @@ def compare_continued(case: StillCase, device="cpu", seed=0, requires_grad=False
             **state_errors(new_state, ref_state)}
 
 
+def compare_chunk_kernel(case: StillCase, device="cpu", seed=0, launch=None):
+    """The chunked kernel (`launch` its tiles, default `chunk_launch`'s) on the case's inputs against
+    `still_parallel(fresh=True, keep_state=False)` in float64: y's relative error beside float32
+    PyTorch's (`errors`, as `compare_still`'s); then a caching fresh call through `chunk_still` with
+    fixed feature maps, against `still_parallel` in float32 (y, every state entry) and the
+    implementation it ran."""
+    from .chunk_triton import still_chunk_triton
+
+    tensors, valid, _ = make_inputs(case, device, seed)
+    q, k, v, fq, fk, gate = tensors
+    options = _options(case)
+    with torch.no_grad():
+        fold, _ = fresh_routing(q.float(), k.float(), v.float(), valid, naive_init(case, device), options, start=0)
+        ours = still_chunk_triton(q, k, v, fq, fk, gate, fold, valid, options, slots=case.slots, launch=launch)
+
+        def reference(dtype):
+            t = [None if x is None else x.to(dtype) for x in tensors]
+            state = still.init_state(case.B, case.H, case.HKV, case.F, case.D, case.window, case.slots, device=device,
+                                     dtype=dtype)
+            y, _ = still.still_parallel(t[0], t[1], t[2], valid, t[5], state, lambda _: t[3], lambda _: t[4], options,
+                                        start=0, fresh=True, keep_state=False)
+            return y
+
+        exact = reference(torch.float64)
+        errors = {"y": (_rel(ours, exact), _rel(reference(torch.float32), exact))}
+
+        (q, k, v, _, _, gate), valid, _ = make_inputs(dataclasses.replace(case, dtype=torch.float32), device, seed)
+        phi_q, phi_k = FeatureMap(case.D, case.F, seed + 1).to(device), FeatureMap(case.D, case.F, seed + 2).to(device)
+        inputs = (q, k, v, valid, gate, naive_init(case, device), phi_q, phi_k)
+        ref_y, ref_state = still.still_parallel(*inputs, options, start=0, fresh=True)
+        with backend.recording() as ran:
+            y, new_state = dispatch.chunk_still(*inputs, options, dtype=case.dtype, output_final_state=True)
+    reason = unsupported_reason(q, k, case.F, case.dtype)
+    return {"path": reason or "kernel", "errors": errors, "ran": [impl for _, impl in ran], "dtype": str(y.dtype),
+            "dispatched": _rel(y, ref_y), **state_errors(new_state, ref_state)}
+
+
+def without_chunk_kernel():
+    """`chunk_still` without the chunked kernel while the context is open: fresh calls without
+    gradients take the kernels in blocks of KERNEL_BLOCK tokens, as where the chunked kernel refuses."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def context():
+        form = dispatch.CHUNK
+        dispatch.CHUNK = backend.Form(form.name, tuple(i for i in form.implementations if i.name != "triton-chunked"))
+        try:
+            yield
+        finally:
+            dispatch.CHUNK = form
+
+    return context()
+
+
 def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
     """A fresh call over `case.L` tokens through `chunk_still` with KERNEL_BLOCK = `block`, against one
     `still_parallel` fresh pass and against the one-call kernel pass: relative errors of y and of the
@@ -191,11 +248,12 @@ def compare_blocks(case: StillCase, block: int, device="cpu", seed=0):
         kernels.still_attention_triton = lambda *a, **k: fresh_calls.append(1) or one_call(*a, **k)
         dispatch.KERNEL_BLOCK = block
         try:
-            with counting_parts(calls):
+            with counting_parts(calls), without_chunk_kernel():
                 y, new_state = dispatch.chunk_still(*inputs, options, dtype=case.dtype, output_final_state=True)
             fresh_count = len(fresh_calls)
             # A scoring pass: no state kept after the last block.
-            y_scored, no_state = dispatch.chunk_still(*inputs, options, dtype=case.dtype)
+            with without_chunk_kernel():
+                y_scored, no_state = dispatch.chunk_still(*inputs, options, dtype=case.dtype)
         finally:
             dispatch.KERNEL_BLOCK = kept
             kernels.still_attention_triton = one_call
