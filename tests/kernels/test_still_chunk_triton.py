@@ -98,3 +98,18 @@ def test_the_chunked_kernel_takes_fresh_calls_without_gradients_only(monkeypatch
     assert dispatch._chunk_kernel_supported(call(True, grad=True)) == (
         "gradients wanted: only the fresh pass's kernels have a backward")
     assert [i.name for i in dispatch.CHUNK.implementations][:3] == ["triton-chunked", "triton", "triton-differentiable"]
+
+
+def test_on_a_gpu_the_chunked_kernel_waits_for_its_switch(monkeypatch):
+    """Checked in the interpreter only, the kernel takes no prefill on a CUDA device unless
+    LINEARIZE_STILL_CHUNK_KERNEL=1 (the GPU tests set it); the call goes on to the one-pass kernel."""
+    from linearize.ops import still as dispatch
+
+    monkeypatch.delenv(dispatch.CHUNK_KERNEL_ON_GPU, raising=False)
+    monkeypatch.setattr(dispatch, "_fresh_only", lambda call: None)
+    monkeypatch.setattr(dispatch, "_kernels_without_gradients", lambda call: None)
+    on_gpu = type("Call", (), {"q": type("Q", (), {"is_cuda": True})()})()
+    assert dispatch._chunk_kernel_supported(on_gpu) == (
+        "not yet checked compiled on a GPU (set LINEARIZE_STILL_CHUNK_KERNEL=1 to use it)")
+    monkeypatch.setenv(dispatch.CHUNK_KERNEL_ON_GPU, "1")
+    assert dispatch._chunk_kernel_supported(on_gpu) is None

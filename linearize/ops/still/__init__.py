@@ -29,6 +29,7 @@ each tested against `naive.still_parallel` in values (and gradients where they h
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ MAX_PARALLEL = 2048  # tokens per call of the parallel form: it holds [L, K + W 
 # (slots, window and new tokens), so long inputs go in blocks, each carrying the state on.
 KERNEL_BLOCK = 8192
 
-__all__ = ["FORMS", "KERNEL_BLOCK", "MAX_PARALLEL", "StillOptions", "chunk_still", "continue_still", "init_state",
+__all__ = ["CHUNK_KERNEL_ON_GPU", "FORMS", "KERNEL_BLOCK", "MAX_PARALLEL", "StillOptions", "chunk_still", "continue_still", "init_state",
            "still_step", "unsupported_reason"]
 
 
@@ -115,8 +116,16 @@ def _kernels_without_gradients(call: _Call) -> str | None:
     return _kernels_supported(call)
 
 
+# The chunked kernel is checked in the Triton interpreter only: on a GPU it waits for its compiled check
+# (`pytest -m gpu tests/kernels/test_still_chunk_triton.py`, which sets this) before it takes prefills.
+CHUNK_KERNEL_ON_GPU = "LINEARIZE_STILL_CHUNK_KERNEL"
+
+
 def _chunk_kernel_supported(call: _Call) -> str | None:
-    return _fresh_only(call) or _kernels_without_gradients(call)
+    reason = _fresh_only(call) or _kernels_without_gradients(call)
+    if reason is None and call.q.is_cuda and os.environ.get(CHUNK_KERNEL_ON_GPU) != "1":
+        return f"not yet checked compiled on a GPU (set {CHUNK_KERNEL_ON_GPU}=1 to use it)"
+    return reason
 
 
 def _chunk_kernel_pass(call: _Call):
