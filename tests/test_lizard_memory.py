@@ -125,17 +125,12 @@ def hidden(model, L=21, seed=0):
     return torch.randn(2, L, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
 
 
-def test_own_decay_is_the_naive_memory_on_that_decay_in_values_and_gradients():
-    model = with_memory(**OWN_DECAY)
-    layer = attention_layers(model)[0]
-    B, L, H, d = 2, 13, layer.num_heads, layer.head_dim
-    x = hidden(model, L).requires_grad_()
-    silent = copy.deepcopy(layer)
-    with torch.no_grad():
-        silent.memory_weight.zero_()
-    with backend.recording() as ran:
-        out = layer(x)[0]
-    assert ("chunk_delta_rule", "torch") in ran
+def assert_output_adds_the_naive_memory(layer, x, out, without_memory):
+    """`out` (the layer's output on x [B, L, hidden]) is `without_memory` (the same layer's output with no
+    memory) plus o_proj of mu_h times the recurrent delta rule on the layer's own decay, in values and in
+    the gradients of x and the memory's parameters."""
+    B, L = x.shape[:2]
+    H, d = layer.num_heads, layer.head_dim
 
     def heads(t):
         return t.view(B, L, -1, d).transpose(1, 2)
@@ -146,17 +141,30 @@ def test_own_decay_is_the_naive_memory_on_that_decay_in_values_and_gradients():
     o, _ = delta_rule_recurrent(q, k, v, log_a, b, None, init_state(B, H, d, d, device="cpu"),
                                 DeltaRuleOptions(eps=layer.cfg.eps))
     read = (layer.memory_weight[None, :, None, None] * o).transpose(1, 2).reshape(B, L, H * d)
-    expected = silent(x)[0] + layer.o_proj(read)
+    expected = without_memory + layer.o_proj(read)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     names = ["memory_write.weight", "memory_write.bias", "memory_weight", "memory_decay"]
     params = [x, *(layer.get_parameter(name) for name in names)]
-    got = torch.autograd.grad((out * weights).sum(), params)
+    got = torch.autograd.grad((out * weights).sum(), params, retain_graph=True)
     want = torch.autograd.grad((expected * weights).sum(), params)
     for name, a, b in zip(["x", *names], got, want, strict=True):
         assert b.abs().sum() > 0, name
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_own_decay_is_the_naive_memory_on_that_decay_in_values_and_gradients():
+    model = with_memory(**OWN_DECAY)
+    layer = attention_layers(model)[0]
+    x = hidden(model, 13).requires_grad_()
+    silent = copy.deepcopy(layer)
+    with torch.no_grad():
+        silent.memory_weight.zero_()
+    with backend.recording() as ran:
+        out = layer(x)[0]
+    assert ("chunk_delta_rule", "torch") in ran
+    assert_output_adds_the_naive_memory(layer, x, out, silent(x)[0])
 
 
 def test_own_decay_differs_from_the_gates_and_ignores_the_gate_and_its_temperature():

@@ -4,6 +4,7 @@ save/load and a constant decode cache (with Lizard's, alike), a silent memory at
 
 import pytest
 import torch
+from test_lizard_memory import assert_output_adds_the_naive_memory
 from test_lizard_memory import with_memory as lizard_with_memory
 from tiny_models import (
     TINY_OPTIONS,
@@ -19,8 +20,6 @@ from linearize.cache import cache_nbytes
 from linearize.config import ConfigError
 from linearize.decode import greedy_decode
 from linearize.ops import backend
-from linearize.ops.delta_rule import DeltaRuleOptions
-from linearize.ops.delta_rule.naive import delta_rule_recurrent, init_state
 
 OPTIONS = {**TINY_OPTIONS["still"], "memory": "delta"}
 
@@ -49,33 +48,12 @@ def test_the_output_is_still_plus_the_weighted_naive_memory_in_values_and_gradie
     model = with_memory()
     plain = without_memory_like(model)
     layer, twin = model.model.layers[0].self_attn, plain.model.layers[0].self_attn
-    B, L, H, d = 2, 13, layer.num_heads, layer.head_dim
-    x = torch.randn(B, L, model.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    rope = model.model.rotary_emb(x, torch.arange(L)[None])
+    x = torch.randn(2, 13, model.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    rope = model.model.rotary_emb(x, torch.arange(13)[None])
     with backend.recording() as ran:
         out = layer(x, position_embeddings=rope)[0]
     assert ("chunk_delta_rule", "torch") in ran
-
-    def heads(t):
-        return t.view(B, L, -1, d).transpose(1, 2)
-
-    q, k, v = heads(layer.q_proj(x)), heads(layer.k_proj(x)), heads(layer.v_proj(x))
-    log_a = torch.nn.functional.logsigmoid(layer.memory_decay)[None, :, None].expand(B, H, L)
-    b = torch.sigmoid(layer.memory_write(x)).transpose(1, 2)
-    options = DeltaRuleOptions(eps=layer.cfg.eps)
-    o, _ = delta_rule_recurrent(q, k, v, log_a, b, None, init_state(B, H, d, d, device="cpu"), options)
-    read = (layer.memory_weight[None, :, None, None] * o).transpose(1, 2).reshape(B, L, H * d)
-    expected = twin(x, position_embeddings=rope)[0] + layer.o_proj(read)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    params = [x, layer.memory_write.weight, layer.memory_write.bias, layer.memory_weight, layer.memory_decay]
-    got = torch.autograd.grad((out * weights).sum(), params)
-    want = torch.autograd.grad((expected * weights).sum(), params)
-    for name, a, b in zip(["x", "memory_write.weight", "memory_write.bias", "memory_weight", "memory_decay"],
-                          got, want, strict=True):
-        assert b.abs().sum() > 0, name
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    assert_output_adds_the_naive_memory(layer, x, out, twin(x, position_embeddings=rope)[0])
 
 
 def test_generate_equals_token_by_token_and_the_static_decoder():

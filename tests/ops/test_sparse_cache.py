@@ -71,6 +71,16 @@ CASES = [
 ]
 
 
+def assert_same_values_and_gradients(y, y_ref, params):
+    """y equals y_ref, and so do the gradients of one random projection of each with respect to `params`."""
+    torch.testing.assert_close(y, y_ref, **TIGHT)
+    weights = torch.randn_like(y)
+    grads = torch.autograd.grad((y * weights).sum(), params, retain_graph=True)
+    grads_ref = torch.autograd.grad((y_ref * weights).sum(), params, retain_graph=True)
+    for a, b in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, **TIGHT)
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("gate_dim", [1, F])
 def test_one_pass_equals_the_reference_in_values_and_gradients(case, gate_dim):
@@ -78,12 +88,7 @@ def test_one_pass_equals_the_reference_in_values_and_gradients(case, gate_dim):
     options = make_options(**case)
     y_ref, _ = sparse_cache_naive(*params, valid, options)
     y, _ = chunk_sparse_cache(*params, options, valid=valid)
-    torch.testing.assert_close(y, y_ref, **TIGHT)
-    weights = torch.randn_like(y)
-    grads_ref = torch.autograd.grad((y_ref * weights).sum(), params)
-    grads = torch.autograd.grad((y * weights).sum(), params)
-    for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, **TIGHT)
+    assert_same_values_and_gradients(y, y_ref, params)
 
 
 @pytest.mark.parametrize("case", CASES[:4])
@@ -185,12 +190,7 @@ def test_zero_error_and_repeated_tokens_equal_the_reference(case):
     options = make_options(**case)
     y_ref, _ = sparse_cache_naive(*params, valid, options)
     y, state = chunk_sparse_cache(*params, options, valid=valid, output_final_state=True)
-    torch.testing.assert_close(y, y_ref, **TIGHT)
-    weights = torch.randn_like(y)
-    grads_ref = torch.autograd.grad((y_ref * weights).sum(), params)
-    grads = torch.autograd.grad((y * weights).sum(), params)
-    for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, **TIGHT)
+    assert_same_values_and_gradients(y, y_ref, params)
     pieces, carried = [], None
     for start, stop in ((0, 4), (4, 13), (13, 14), (14, L)):
         part = [t[:, :, start:stop] for t in params]
