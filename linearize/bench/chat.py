@@ -65,10 +65,10 @@ RATE_TARGET = 10.0
 
 FULL = {"conversations": 8, "turns": 6, "system_tokens": 2048, "user_tokens": None, "target_context": 32768,
         "max_tokens": 256, "max_batch": None, "prefill_chunk": 16384, "prefill_budget": 0.0, "prefix_block": 256,
-        "prefix_cache_bytes": 8 << 30, "time_limit": 540.0}
+        "prefix_cache_bytes": 8 << 30, "prefix_cache_host_bytes": 0, "time_limit": 540.0}
 QUICK = {"conversations": 2, "turns": 3, "system_tokens": 32, "user_tokens": None, "target_context": 128,
          "max_tokens": 4, "max_batch": None, "prefill_chunk": 16, "prefill_budget": 0.0, "prefix_block": 8,
-         "prefix_cache_bytes": 64 * MIB, "time_limit": 120.0}
+         "prefix_cache_bytes": 64 * MIB, "prefix_cache_host_bytes": 0, "time_limit": 120.0}
 
 
 def user_tokens(settings: dict) -> int:
@@ -111,7 +111,8 @@ def run_chat(model, *, settings: dict, prefix_cache: bool, device: torch.device,
     engine = Engine(model, max_batch=min(conversations, settings["max_batch"] or conversations),
                     max_queue=conversations, prefill_chunk=settings["prefill_chunk"],
                     prefill_budget=settings["prefill_budget"], prefix_cache=prefix_cache,
-                    prefix_block=settings["prefix_block"], prefix_cache_bytes=settings["prefix_cache_bytes"])
+                    prefix_block=settings["prefix_block"], prefix_cache_bytes=settings["prefix_cache_bytes"],
+                    prefix_cache_host_bytes=settings["prefix_cache_host_bytes"])
     records: list[list[dict]] = [[] for _ in range(conversations)]  # [conversation][turn], as submitted
     cut = []
 

@@ -51,7 +51,7 @@ SERVE_SCENARIOS = ("points", "chat")
 # The flags of one scenario of `bench serve` alone (the others are shared).
 SCENARIO_FLAGS = {"points": ("clients", "prompt_lengths"),
                   "chat": ("conversations", "turns", "system_tokens", "user_tokens", "target_context", "prefix_block",
-                           "prefix_cache_memory")}
+                           "prefix_cache_memory", "prefix_cache_host_memory")}
 TRAIN_MODES = ("full", "lora", "stage1", "stage2")  # bench.train.MODES, named here without importing torch
 train_modes = names_among("modes", TRAIN_MODES, unique=True)
 
@@ -113,6 +113,8 @@ def register(subparsers) -> None:
                       help="the prefix cache's block: a prefilled state is kept every this many tokens (default 256)")
     chat.add_argument("--prefix-cache-memory", type=memory_size, metavar="SIZE",
                       help="the most memory the kept prefix states take, e.g. 8GiB (default 8GiB)")
+    chat.add_argument("--prefix-cache-host-memory", type=memory_size, metavar="SIZE",
+                      help="host memory for the prefix states the device's budget pushes out (default: none)")
     p.add_argument("--max-tokens", type=positive_int,
                    help="tokens generated per request (default 256; chat: per answer, default 256)")
     p.add_argument("--max-batch", type=positive_int,
@@ -247,6 +249,7 @@ def run_serve(args) -> None:
                          target_context=args.target_context, max_tokens=args.max_tokens, max_batch=args.max_batch,
                          prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                          prefix_block=args.prefix_block, prefix_cache_bytes=args.prefix_cache_memory,
+                         prefix_cache_host_bytes=args.prefix_cache_host_memory,
                          time_limit=args.time_limit, layers=args.layers, softmax_layers=args.softmax_layers))
         return
     wrote(serve.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods, options=options,

@@ -90,6 +90,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-memory", type=memory_size, default=None, metavar="SIZE",
                    help="the most memory the kept prefix snapshots take, least recently used dropped first, sizes as "
                         "--kv-memory's, apart from that budget (default: 1GiB on a GPU, 256MiB on a CPU)")
+    p.add_argument("--prefix-cache-host-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="host (CPU) memory for the prefix snapshots that --prefix-cache-memory pushes out: they move "
+                        "there, least recently used dropped first, and back to the device when a prompt needs one, "
+                        "sizes as --kv-memory's (default: none, they are dropped)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="keep no prefix snapshots: every prompt is prefilled whole")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, ... or auto (the checkpoint's)")
@@ -132,6 +136,8 @@ def run(args) -> None:
     name = args.model if args.served_model_name is None else args.served_model_name
     if not name.strip():
         raise CommandError("--served-model-name is empty: give the name clients will ask for")
+    if args.no_prefix_cache and args.prefix_cache_host_memory is not None:
+        raise CommandError("--prefix-cache-host-memory needs the prefix cache: leave out --no-prefix-cache")
     check_device(args.device)
     check_listen(args.host, args.port)
 
@@ -151,7 +157,8 @@ def run(args) -> None:
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                     prefill_budget=args.prefill_budget, eos_token_ids=end_tokens(model, tokenizer),
                     kv_budget_bytes=args.kv_memory, prefix_cache=not args.no_prefix_cache,
-                    prefix_block=args.prefix_block, prefix_cache_bytes=args.prefix_cache_memory)
+                    prefix_block=args.prefix_block, prefix_cache_bytes=args.prefix_cache_memory,
+                    prefix_cache_host_bytes=args.prefix_cache_host_memory or 0)
     app = create_app(engine, tokenizer, name, args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens)
     # h11 and asyncio, not whatever faster parser or loop happens to be installed: the server behaves the
     # same everywhere, and the engine, not the parser, sets the pace. No timeout on the graceful shutdown:

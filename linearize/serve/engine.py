@@ -43,7 +43,8 @@ on the model (`Engine.mode`):
   until the buffers that all admitted requests can reach, rows x the longest prompt + `max_tokens` of
   them (up to the window, in a sliding layer; nothing for a linearized one), plus the prefill in
   progress, fit `kv_budget_bytes`; one that could never fit alone fails at once. The prefix cache's
-  snapshots are not counted there: they have their own budget, `prefix_cache_bytes`.
+  snapshots are not counted there: they have their own budget, `prefix_cache_bytes` (and
+  `prefix_cache_host_bytes` of host memory).
 
 This module is the scheduler alone. Each mode's rows are a policy object of the same few methods
 (`load` a finished prefill into a row, `step` the running rows, `free` a row, `abandon` them all after a
@@ -109,13 +110,15 @@ class Engine:
     with `prefill_budget` > 0 and the decode steps replayed from graphs (on a GPU).
 
     `prefix_cache`: keep prefilled caches at every `prefix_block` tokens of the prompts, within
-    `prefix_cache_bytes` (None: 1 GiB on a GPU, 256 MiB on a CPU; apart from `kv_budget_bytes`), and start
-    a prompt from its longest cached prefix (`prefix_cache.PrefixCache`)."""
+    `prefix_cache_bytes` on the model's device (None: 1 GiB on a GPU, 256 MiB on a CPU; apart from
+    `kv_budget_bytes`), those it pushes out within `prefix_cache_host_bytes` of host memory (0: none), and
+    start a prompt from its longest cached prefix (`prefix_cache.PrefixCache`)."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 2048,
                  prefill_budget: float = 0.0, eos_token_ids: tuple[int, ...] = (), cuda_graph: bool | None = None,
                  kv_budget_bytes: int | None = None, static_prefill: bool | None = None, prefix_cache: bool = True,
-                 prefix_block: int = DEFAULT_BLOCK, prefix_cache_bytes: int | None = None):
+                 prefix_block: int = DEFAULT_BLOCK, prefix_cache_bytes: int | None = None,
+                 prefix_cache_host_bytes: int = 0):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
         if not (math.isfinite(prefill_budget) and prefill_budget >= 0):
@@ -147,7 +150,7 @@ class Engine:
         self.prefix_cache_off = None if prefix_cache else "turned off"
         if prefix_cache:
             budget = prefix_cache_bytes or DEFAULT_BUDGET_BYTES["cuda" if self.device.type == "cuda" else "cpu"]
-            self.prefix_cache = PrefixCache(prefix_block, budget)
+            self.prefix_cache = PrefixCache(prefix_block, budget, prefix_cache_host_bytes)
         self.peak_running = 0  # the most requests that generated at once
         self.prefill_calls = self.prefilled_tokens = 0  # how the prompts went in: calls, and tokens in all
         self._ids = itertools.count(1)

@@ -49,8 +49,19 @@ class ServeMetrics:
         self.prefix_hits = ReadCounter("linearize:prefix_cache_hits_total", "Prompt tokens restored from the "
                                        "prefix cache instead of prefilled.",
                                        lambda: stats().get("prefix_cache", {}).get("hit_tokens", 0), labels)
+        # The host tier (`--prefix-cache-host-memory`): what it holds, and the snapshots moved into it and back.
+        self.prefix_host_bytes = Gauge("linearize:prefix_cache_host_bytes", "Bytes of prefix cache snapshots "
+                                       "kept in host memory.",
+                                       lambda: stats().get("prefix_cache", {}).get("host_bytes", 0), labels)
+        self.prefix_offloads = ReadCounter("linearize:prefix_cache_offloads_total", "Prefix cache snapshots moved "
+                                           "from the device to host memory.",
+                                           lambda: stats().get("prefix_cache", {}).get("offloads", 0), labels)
+        self.prefix_reloads = ReadCounter("linearize:prefix_cache_reloads_total", "Prefix cache snapshots moved "
+                                          "back from host memory to the device.",
+                                          lambda: stats().get("prefix_cache", {}).get("reloads", 0), labels)
         self._all = [self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.success, self.ttft,
-                     self.inter_token, self.e2e, self.prefix_queries, self.prefix_hits]
+                     self.inter_token, self.e2e, self.prefix_queries, self.prefix_hits, self.prefix_host_bytes,
+                     self.prefix_offloads, self.prefix_reloads]
 
     def request_started(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -137,6 +137,8 @@ def test_a_run_past_the_time_limit_is_cut_and_the_tables_still_render(teacher_di
     ["--scenario", "chat", "--system-tokens", "x"],
     ["--scenario", "chat", "--user-tokens", "1k", "--target-context", "32k"],
     ["--scenario", "chat", "--prefix-cache-memory", "0"],
+    ["--scenario", "chat", "--prefix-cache-host-memory", "0"],
+    ["--quick", "--prefix-cache-host-memory", "1GiB"],
     ["--scenario", "chat", "--prefix-block", "0"],
     ["--scenario", "chat", "--quick", "--clients", "4"],
     ["--quick", "--turns", "4"],

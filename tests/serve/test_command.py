@@ -30,9 +30,16 @@ def refused(capsys, *argv: str) -> str:
                                              ("--prefill-budget", "fast"),
                                              ("--kv-memory", "0"), ("--kv-memory", "-2GiB"), ("--kv-memory", "lots"),
                                              ("--kv-memory", "4XB"), ("--kv-memory", "inf"), ("--prefix-block", "0"),
-                                             ("--prefix-cache-memory", "0"), ("--prefix-cache-memory", "big")])
+                                             ("--prefix-cache-memory", "0"), ("--prefix-cache-memory", "big"),
+                                             ("--prefix-cache-host-memory", "0"),
+                                             ("--prefix-cache-host-memory", "-1GiB")])
 def test_bad_numbers_are_refused_by_flag(capsys, flag, value):
     assert flag in refused(capsys, "--model", "nowhere", flag, value)
+
+
+def test_a_host_tier_without_the_prefix_cache_is_refused(capsys, tmp_path):
+    err = refused(capsys, "--model", str(tmp_path / "nowhere"), "--no-prefix-cache", "--prefix-cache-host-memory", "4GiB")
+    assert "--prefix-cache-host-memory needs the prefix cache" in err
 
 
 def test_memory_sizes_read_binary_units():

@@ -17,7 +17,9 @@ METRICS = {"linearize:num_requests_running": "gauge", "linearize:num_requests_wa
            "linearize:prompt_tokens_total": "counter", "linearize:generation_tokens_total": "counter",
            "linearize:request_success_total": "counter", "linearize:time_to_first_token_seconds": "histogram",
            "linearize:inter_token_latency_seconds": "histogram", "linearize:e2e_request_latency_seconds": "histogram",
-           "linearize:prefix_cache_queries_total": "counter", "linearize:prefix_cache_hits_total": "counter"}
+           "linearize:prefix_cache_queries_total": "counter", "linearize:prefix_cache_hits_total": "counter",
+           "linearize:prefix_cache_host_bytes": "gauge", "linearize:prefix_cache_offloads_total": "counter",
+           "linearize:prefix_cache_reloads_total": "counter"}
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*",?)*)\})? '
                     r'(\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
@@ -103,6 +105,18 @@ def test_the_prefix_cache_counters_read_the_engines_token_counts(client):
     _, samples = scrape(client)
     assert value(samples, "linearize:prefix_cache_queries_total") == 120
     assert value(samples, "linearize:prefix_cache_hits_total") == 40
+
+
+def test_the_prefix_cache_host_tier_metrics_read_the_engines_stats(client):
+    """The host tier's bytes, and the snapshots moved to it and back; 0 while there is none."""
+    _, samples = scrape(client)
+    assert [value(samples, f"linearize:prefix_cache_{name}") for name in
+            ("host_bytes", "offloads_total", "reloads_total")] == [0, 0, 0]
+    client.engine.prefix_cache.update(host_bytes=4096, offloads=3, reloads=2)
+    _, samples = scrape(client)
+    assert value(samples, "linearize:prefix_cache_host_bytes") == 4096
+    assert value(samples, "linearize:prefix_cache_offloads_total") == 3
+    assert value(samples, "linearize:prefix_cache_reloads_total") == 2
 
 
 def test_a_histogram_counts_cumulatively_up_to_inf_and_labels_are_escaped():

@@ -144,23 +144,35 @@ def test_a_prompt_as_long_as_a_cached_prefix_restores_a_shorter_one():
     assert engine.stats()["prefix_cache"]["hit_tokens"] == 8 + 8
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device-only", "host-tier"])
 @pytest.mark.parametrize("name", ["lizard", "still", "llama-teacher", "gemma3-teacher"])
-def test_a_tiny_budget_evicts_the_least_recently_used_and_keeps_outputs_identical(name):
-    """With room for one snapshot (of 16 tokens: a full layer's keys and values count by the token), each
-    new one drops the last: the prompts still get their offline tokens, and a prompt whose prefix was
-    dropped prefills it again."""
+def test_a_tiny_budget_evicts_the_least_recently_used_and_keeps_outputs_identical(name, host):
+    """With room for one snapshot on the device (of 16 tokens: a full layer's keys and values count by the
+    token), each new one pushes the last out: the prompts still get their offline tokens. Without a host
+    tier a prompt whose prefix was dropped prefills it again; with room for one more on the host (on a CPU
+    the same memory: the tiers differ in their accounting alone) the pushed-out one waits there and comes
+    back for the prompt that needs it."""
     model = SOFTMAX_MODELS[name]() if name in SOFTMAX_MODELS else tiny_student(name)
     probe = engine_for(model)
     run_in_turn(probe, [tokens(17, seed=4)], max_tokens=1)  # kept at 16
     one = probe.prefix_cache.nbytes
     shared, other = tokens(20, seed=5), tokens(20, seed=6)
     prompts = [shared + [5], other + [6], shared + [7], shared + [8]]
-    engine = engine_for(model, prefix_cache_bytes=one)
+    engine = engine_for(model, prefix_cache_bytes=one, prefix_cache_host_bytes=one if host else 0)
     assert run_in_turn(engine, prompts) == [offline(model, p, 5) for p in prompts]
     stats = engine.stats()["prefix_cache"]
-    assert stats["entries"] == 1 and stats["bytes"] == one and stats["evictions"] > 0
-    # The third prompt finds the first's prefix gone (the second's took its place), the fourth the third's.
-    assert stats["hit_tokens"] == 16
+    assert stats["bytes"] == one and stats["host_budget_bytes"] == (one if host else 0)
+    if not host:
+        assert stats["entries"] == 1 and stats["evictions"] > 0
+        assert stats["host_bytes"] == stats["offloads"] == stats["reloads"] == 0
+        # The third prompt finds the first's prefix gone (the second's took its place), the fourth the third's.
+        assert stats["hit_tokens"] == 16
+        return
+    # The second prompt's snapshot pushes the first's to the host; the third brings it back (pushing the
+    # second's out), and the fourth finds it on the device.
+    assert (stats["entries"], stats["host_entries"], stats["host_bytes"]) == (2, 1, one)
+    assert (stats["offloads"], stats["reloads"], stats["evictions"]) == (2, 1, 0)
+    assert stats["hit_tokens"] == 16 + 16
 
 
 @pytest.mark.parametrize("name", ["lizard-student", "llama-teacher"])
@@ -276,3 +288,116 @@ def test_eviction_drops_the_least_recently_used_and_prunes_the_paths_to_nothing(
     assert cache.entries == 2
     cache.clear()
     assert (cache.entries, cache.nbytes) == (0, 0) and not cache._root.children
+
+
+def test_a_full_device_tier_moves_its_least_recently_used_to_the_host_and_a_lookup_brings_it_back():
+    """Two tiers of room for two 16-byte snapshots each (on a CPU the host is the same memory: the test checks
+    the accounting and the order; `test_gpu_snapshots_move_to_host_memory_and_back` the moves)."""
+    cache = PrefixCache(block=2, budget_bytes=2 * 16, host_budget_bytes=2 * 16)
+    a, b, c = snapshot(2), snapshot(2), snapshot(2)
+    cache.insert([1, 2], a)
+    cache.insert([3, 4], b)
+    cache.insert([5, 6], c)  # pushes a, the least recently used, to the host
+    assert a.on_host and not b.on_host and not c.on_host
+    assert (cache.entries, cache.host_entries, cache.nbytes, cache.host_nbytes) == (3, 1, 32, 16)
+    assert cache.offloads == 1 and cache.evictions == 0
+    found = cache.lookup([1, 2, 0])  # a comes back as the most recently used, pushing b (now the least) out
+    assert found.snapshot is a and not a.on_host and b.on_host
+    assert (cache.offloads, cache.reloads, cache.nbytes, cache.host_nbytes) == (2, 1, 32, 16)
+    assert cache.hit_tokens == 2
+    cache.insert([7, 8], snapshot(2))  # pushes c out: the host holds b and c
+    assert c.on_host and (cache.host_entries, cache.host_nbytes) == (2, 32)
+    assert cache.holds([3, 4])  # b, kept on the host: now its most recently used there
+    cache.insert([9, 9], snapshot(2))  # pushes a out; the host drops c, its least recently used, for good
+    assert a.on_host and b.on_host and cache._find([5, 6]) is None  # c's path pruned
+    assert (cache.entries, cache.evictions, cache.offloads) == (4, 1, 4)
+    assert cache.stats() == {"enabled": True, "block": 2, "entries": 4, "bytes": 32, "budget_bytes": 32,
+                                  "host_entries": 2, "host_bytes": 32, "host_budget_bytes": 32, "query_tokens": 3,
+                                  "hit_tokens": 2, "evictions": 1, "offloads": 4, "reloads": 1}
+
+
+def test_a_reload_never_pushes_out_the_snapshot_it_brings_back_and_follows_the_pruned_tree():
+    """Bringing a back from the host pushes the device's only snapshot e out to the host, which drops d, the
+    host's least recently used, for good, never a: a is out of both tiers while room is made. The path to d,
+    which the prompt followed past a, goes with it, and the lookup's `followed` says so."""
+    cache = PrefixCache(block=2, budget_bytes=32, host_budget_bytes=32)
+    a, d, e = snapshot(2), snapshot(6), snapshot(2, size=8)
+    cache.insert([1, 2, 3, 4, 5, 6], d)
+    cache.insert([1, 2], a)
+    cache.insert([7, 7], e)  # 32 bytes: d, then a, to the host
+    assert d.on_host and a.on_host and not e.on_host
+    found = cache.lookup([1, 2, 3, 4, 9, 9, 9])  # follows [1, 2] (a) and [3, 4] (on the way to d)
+    assert found.snapshot is a and not a.on_host and e.on_host
+    assert found.followed == 2 and cache._find([1, 2, 3, 4]) is None  # d dropped, its path pruned
+    assert (cache.nbytes, cache.host_nbytes, cache.evictions, cache.reloads, cache.offloads) == (16, 32, 1, 1, 3)
+
+
+def test_a_snapshot_bigger_than_the_host_budget_is_dropped_and_a_failed_reload_leaves_it_on_the_host(monkeypatch):
+    cache = PrefixCache(block=2, budget_bytes=40, host_budget_bytes=16)
+    cache.insert([1, 2], snapshot(2, size=10))  # 40 bytes: no room on the host
+    cache.insert([3, 4], snapshot(2))
+    assert (cache.entries, cache.host_entries, cache.evictions, cache.offloads) == (1, 0, 1, 0)
+    small = snapshot(2)
+    cache.insert([5, 6], small)
+    cache.insert([7, 8], snapshot(2, size=8))  # 32 bytes: pushes [3, 4] to the host, then small, dropping [3, 4]
+    assert small.on_host and cache._find([3, 4]) is None
+    assert (cache.host_entries, cache.evictions, cache.offloads) == (1, 2, 2)
+
+    def no_memory(self):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(Snapshot, "to_device", no_memory)
+    found = cache.lookup([5, 6, 0])  # the device tier made room for it: [7, 8] is dropped (no room on the host)
+    assert found.snapshot is None and small.on_host and cache.holds([5, 6]) and cache.reloads == 0
+    assert (cache.entries, cache.host_entries, cache.host_nbytes, cache.nbytes) == (1, 1, 16, 0)
+
+
+def test_no_host_budget_drops_what_the_device_pushes_out_as_before():
+    cache = PrefixCache(block=2, budget_bytes=16)
+    first = snapshot(2)
+    cache.insert([1, 2], first)
+    cache.insert([3, 4], snapshot(2))
+    assert not first.on_host and cache._find([1, 2]) is None
+    assert (cache.entries, cache.evictions, cache.offloads, cache.host_nbytes) == (1, 1, 0, 0)
+    assert cache.stats()["host_budget_bytes"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_snapshots_move_to_host_memory_and_back():
+    """On CUDA a pushed-out snapshot's tensors really move to pinned CPU memory, and come back to the device
+    they were taken on with the same values; one restored while on the host lands on its device too."""
+    model = tiny_student().cuda()
+    prompt = tokens(17, seed=11)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prompt[:16]], device="cuda"), past_key_values=cache, use_cache=True)
+    taken = take_snapshot(cache, 16)
+    values = [{k: t.clone() for k, t in part.tensors.items()} for part in taken.layers]
+    prefix = PrefixCache(block=BLOCK, budget_bytes=taken.nbytes, host_budget_bytes=taken.nbytes)
+    prefix.insert(prompt[:16], taken)
+    prefix.insert(tokens(16, seed=12), take_snapshot(cache, 16))  # pushes `taken` to the host
+    assert taken.on_host and taken.device == torch.device("cuda", torch.cuda.current_device())
+    tensors = [t for part in taken.layers for t in part.tensors.values()]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+    restored = restored_cache(model.config, taken)  # from the host tier: copies on the device
+    assert all(t.is_cuda for layer in restored.layers for t in layer.state.values())
+    found = prefix.lookup(prompt)
+    assert found.snapshot is taken and not taken.on_host and prefix.reloads == 1
+    for part, before in zip(taken.layers, values):
+        assert all(t.is_cuda and torch.equal(t, before[k]) for k, t in part.tensors.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_engine_with_a_host_tier_gets_the_tokens_it_gets_without_a_cache():
+    model = tiny_student().cuda()
+    probe = engine_for(model)
+    run_in_turn(probe, [tokens(17, seed=4)], max_tokens=1)
+    one = probe.prefix_cache.nbytes
+    shared, other = tokens(20, seed=5), tokens(20, seed=6)
+    prompts = [shared + [5], other + [6], shared + [7], shared + [8]]
+    engine = engine_for(model, prefix_cache_bytes=one, prefix_cache_host_bytes=one)
+    assert run_in_turn(engine, prompts) == run_in_turn(engine_for(model, prefix_cache=False), prompts)
+    stats = engine.stats()["prefix_cache"]
+    assert stats["reloads"] == 1 and stats["offloads"] == 2 and stats["hit_tokens"] == 32

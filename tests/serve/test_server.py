@@ -337,9 +337,10 @@ def test_a_second_ctrl_c_ends_the_requests_in_flight_with_an_error_and_exits_130
 def test_a_conversation_restores_its_last_turn_from_the_prefix_cache(start_server, offline):
     """Turns of a conversation as token ids, each the last prompt, its reply and a new message: with blocks of
     8 tokens each later turn restores its last prompt, rounded down to a block, and gets its offline greedy
-    tokens; /health and /metrics count the tokens restored."""
-    server = start_server("--prefix-block", "8", "--prefix-cache-memory", "4MiB")
-    assert server.health()["prefix_cache"]["block"] == 8
+    tokens; /health and /metrics count the tokens restored, and show the host tier's budget and bytes."""
+    server = start_server("--prefix-block", "8", "--prefix-cache-memory", "4MiB", "--prefix-cache-host-memory", "2MiB")
+    health = server.health()["prefix_cache"]
+    assert health["block"] == 8 and health["host_budget_bytes"] == 2 << 20
     history: list[int] = []
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for turn in range(3):
@@ -354,3 +355,4 @@ def test_a_conversation_restores_its_last_turn_from_the_prefix_cache(start_serve
     cache = server.health()["prefix_cache"]
     assert cache["hit_tokens"] == 8 + 24 and cache["query_tokens"] == 13 + 31 + 49 and cache["entries"] > 0
     assert f'linearize:prefix_cache_hits_total{{model_name="{SERVED_NAME}"}} 32' in metrics
+    assert f'linearize:prefix_cache_host_bytes{{model_name="{SERVED_NAME}"}} 0' in metrics  # 4MiB held them all
