@@ -20,6 +20,7 @@ MAIN_ROWS = {"teacher", "lizard", "lizard-window-256", "lizard-window-256-10m", 
 BASE_EVAL = RECIPES_DIR / "base" / "eval.yaml"
 # The rows on the second teacher: their own folder and their own evaluation block, to 128K.
 GEMMA_ROWS = {"gemma3-teacher", "gemma3-lizard", "gemma3-lizard-full", "gemma3-still-full", "gemma3-lizard-full-seq8k",
+              "gemma3-lizard-full-delta-decay-recall",
               "gemma3-still-full-seq8k"}
 GEMMA_BASE = RECIPES_DIR / "base" / "gemma3.yaml"
 # The hybrid layer-selection rows (recipes/hybrids/): their own evaluation block over the shared one, RULER to 16K;
