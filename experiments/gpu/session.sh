@@ -6,7 +6,7 @@
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
-# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | servehybrid [SHAPE] (a 50% hybrid batched and one at a time) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | servehybrid [SHAPE] (a 50% hybrid batched and one at a time) | rowsstep (a batched softmax step by row count, profiled) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # experiments/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
@@ -125,6 +125,11 @@ case $part in
         --softmax-layers even:16 --clients 16 --prompt-lengths 4k --max-batch "$batch" --set combine=shared \
         --set rope_in_window=true --time-limit 260 --out "$res/serve-hybrid-${1:-llama3-8b}-max-batch-$batch"
     done ;;
+  rowsstep)
+    # Where a batched step of softmax rows goes (experiments/serve/rows_step.py): the 50% hybrid and the
+    # teacher at the 8B shape, 1 to 16 rows of 4K tokens, profiled at 16.
+    step rowsstep_hybrid 240 python -m experiments.serve.rows_step --rows 1,4,16 --out "$res/rows-step-hybrid"
+    step rowsstep_teacher 240 python -m experiments.serve.rows_step --teacher --rows 1,4,16 --out "$res/rows-step-teacher" ;;
   trainshape)
     # `bench train` at a shape (llama3-8b, mistral-7b, qwen3-8b): the LoRA reference, stages 1 and 2,
     # 2K and 8K, checkpointing on and off, the best Lizard. Further words narrow it to what is left of a
