@@ -38,10 +38,12 @@ def inputs(L, seed=0, gate_dim=1, padded=True, dtype=torch.float64):
     return [t.requires_grad_() for t in (fq, fk, log_g, qw, kw, v)], valid
 
 
-def make_options(window=3, slots=2, shared=True, sinks=True, normalize=True, chunk=4):
-    branches = GlaWindowOptions(window=window, scale=0.6, alpha=torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64),
-                                sinks=torch.linspace(-1, 1, H * 2, dtype=torch.float64).view(H, 2) if sinks else None,
-                                shared=shared, normalize=normalize, chunk=chunk)
+def make_options(window=3, slots=2, shared=True, sinks=True, normalize=True, chunk=4, dtype=torch.float64,
+                 device="cpu"):
+    alpha = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=dtype, device=device)
+    branches = GlaWindowOptions(window=window, scale=0.6, alpha=alpha,
+                                sinks=torch.linspace(-1, 1, H * 2, dtype=dtype, device=device).view(H, 2) if sinks
+                                else None, shared=shared, normalize=normalize, chunk=chunk)
     return SparseCacheOptions(branches=branches, slots=slots)
 
 
@@ -277,3 +279,27 @@ def test_the_last_query_reads_window_and_cache_under_one_normaliser():
             num = weights @ v[b, kv, positions] + fq[b, h, -1] @ S[b, h]
             den = weights.sum() + fq[b, h, -1] @ z[b, h] + options.branches.eps
             torch.testing.assert_close(y[b, h, -1], num / den, **TIGHT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_parallel_form_on_cuda_equals_the_cpu_in_values_and_gradients():
+    """The form training runs on a GPU (PyTorch ops only) against the same call on the CPU, float32, a
+    length of several query blocks with the slots overflowing."""
+    params, valid = inputs(300, seed=4, dtype=torch.float32)
+    options = {device: make_options(window=32, slots=8, chunk=64, dtype=torch.float32, device=device)
+               for device in ("cpu", "cuda")}
+    y_cpu, state_cpu = chunk_sparse_cache(*params, options["cpu"], valid=valid, output_final_state=True)
+    on_gpu = [t.detach().cuda().requires_grad_() for t in params]
+    y_gpu, state_gpu = chunk_sparse_cache(*on_gpu, options["cuda"], valid=valid.cuda(), output_final_state=True)
+    torch.testing.assert_close(y_gpu.cpu(), y_cpu, atol=1e-4, rtol=1e-4)
+    weights = torch.randn_like(y_cpu)
+    grads_cpu = torch.autograd.grad((y_cpu * weights).sum(), params)
+    grads_gpu = torch.autograd.grad((y_gpu * weights.cuda()).sum(), on_gpu)
+    for a, b in zip(grads_gpu, grads_cpu, strict=True):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-3, rtol=1e-3)
+    for name, t in state_cpu.items():
+        if t.is_floating_point():
+            torch.testing.assert_close(state_gpu[name].cpu(), t, atol=1e-4, rtol=1e-4, msg=name)
+        else:
+            assert torch.equal(state_gpu[name].cpu(), t), name
