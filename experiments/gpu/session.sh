@@ -24,7 +24,7 @@ case $part in
     # options may follow, with + for the spaces of one (a part's words split at spaces):
     # `tests tests/kernels -k own-blocks+or+bf16`.
     paths=("${@//+/ }")
-    [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/train/test_step.py tests/train/test_layer_selection.py
+    [ ${#paths[@]} -eq 0 ] && paths=(tests/test_gpu.py tests/kernels tests/ops tests/serve tests/train/test_step.py tests/train/test_layer_selection.py
       tests/train/test_multirank.py)
     step tests 540 python -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider ;;
   kernels)
