@@ -6,7 +6,7 @@
 # | rows NAME... (a recipe by name) | distill NAME... (the rows' training alone; a later `rows` evaluates)
 # | routing ROW [KEY=VALUE...] (experiments/scripts/still_routing.py on a trained STILL row in /tmp/runs, its options) | mass ROW (its mass part
 # alone: a Lizard row) | eval ROW TASKS LENGTHS KEY=VALUE... (a trained row under other inference options)
-# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | servehybrid [SHAPE] (a 50% hybrid batched and one at a time) | rowsstep (a batched softmax step by row count, profiled) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
+# | serve [SHAPE [PREFILL_BUDGET]] (bench serve) | servechat [SHAPE] (bench serve --scenario chat) | servehybrid [SHAPE] (a 50% hybrid batched and one at a time) | rowsstep (a batched softmax step by row count, profiled) | modelretrieval (the retrieval variants' speed beside Lizard, 8B) | trainshape SHAPE [SECONDS [LENGTHS [CHECKPOINTING]]] (bench train at an 8B shape) | promptsweep MODEL LENGTHS [SHAPES [SAMPLES]] (a teacher's prompt shapes) | teacher | after TAG (waits until the part tagged TAG has finished, e.g. `after fsdp`, then ends).
 # Logs and results come back as one $OUT/PART[-NAME...].tgz (at most 8 files come back from a call);
 # experiments/gpu/together.sh runs several parts at once, on one GPU or both.
 set -uo pipefail
@@ -125,6 +125,13 @@ case $part in
         --softmax-layers even:16 --clients 16 --prompt-lengths 4k --max-batch "$batch" --set combine=shared \
         --set rope_in_window=true --time-limit 260 --out "$res/serve-hybrid-${1:-llama3-8b}-max-batch-$batch"
     done ;;
+  modelretrieval)
+    # The retrieval target's speed row: Lizard with its delta memory (own decay) and with a 64-slot sparse
+    # cache beside plain Lizard, at the 8B shape, prefill to 32K at batch 1 and decode at batches 1 and 64.
+    step modelretrieval 570 python -m linearize.cli bench model --shape llama3-8b --set combine=shared \
+      --set rope_in_window=true --variant lizard-delta=lizard:memory=delta,memory_decay_init=0.9995 \
+      --variant lizard-sparse=lizard:sparse_slots=64 --contexts 4k,16k,32k --batches 1,64 --time-limit 540 \
+      --out "$res/model-retrieval-llama3-8b" ;;
   rowsstep)
     # Where a batched step of softmax rows goes (experiments/serve/rows_step.py): the 50% hybrid and the
     # teacher at the 8B shape, 1 to 16 rows of 4K tokens, profiled at 16.

@@ -46,6 +46,23 @@ def even_count(text: str) -> int:
     return int(count)
 
 
+def variant_spec(text: str) -> tuple[str, str, dict[str, str]]:
+    """`--variant NAME=METHOD:KEY=VALUE,...` -> (NAME, METHOD, {KEY: VALUE}); the options are checked
+    against METHOD where the variants are read (`run_model`)."""
+    name, sep, rest = text.partition("=")
+    method, _, pairs = rest.partition(":")
+    if not sep or not name or method not in METHOD_CONFIGS:
+        raise argparse.ArgumentTypeError(f"expected NAME=METHOD:KEY=VALUE,... with METHOD among "
+                                         f"{', '.join(METHOD_CONFIGS)}, got {text!r}")
+    options = {}
+    for pair in filter(None, pairs.split(",")):
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise argparse.ArgumentTypeError(f"--variant {name}: expected KEY=VALUE options, got {pair!r}")
+        options[key.strip()] = value.strip()
+    return name, method, options
+
+
 methods = names_among("methods", METHOD_CONFIGS)
 SERVE_SCENARIOS = ("points", "chat")
 # The flags of one scenario of `bench serve` alone (the others are shared).
@@ -88,6 +105,9 @@ def register(subparsers) -> None:
                    help="also write each model's top ops in a prefill and a decode step (torch.profiler) to files")
     p.add_argument("--compile-decode", metavar="BACKEND", nargs="?", const="inductor",
                    help="torch.compile a linear model's decode step before its CUDA graph (default backend inductor)")
+    p.add_argument("--variant", action="append", type=variant_spec, metavar="NAME=METHOD:KEY=VALUE,...",
+                   help="one more model beside the methods, under its own name: METHOD with these options over "
+                        "the --set ones (repeatable), e.g. lizard-delta=lizard:memory=delta")
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.set_defaults(func=run_model)
 
@@ -209,17 +229,27 @@ def check_hybrid(args) -> None:
 
 def run_model(args) -> None:
     check_hybrid(args)
-    from ..config import parse_set_options
+    from ..cli_args import CommandError
+    from ..config import ConfigError, make_method_config, parse_set_options
     from . import model
 
     methods = args.methods or list(model.DEFAULT_METHODS)
     options = parse_set_options(args.set or [], methods)
+    variants = {}
+    for name, method, extra in args.variant or []:
+        if name in variants or name in methods or name == model.SOFTMAX:
+            raise CommandError(f"--variant {name}: the name is taken; give each model its own")
+        try:
+            make_method_config(method, **{**options, **extra})
+        except ConfigError as e:
+            raise CommandError(f"--variant {name}: {e}") from None
+        variants[name] = {"method": method, "options": extra}
     wrote(model.bench(args.out, model=args.model, shape=args.shape or "smollm2", methods=methods,
                       options=options, quick=args.quick, profile=args.profile,
                       contexts=args.contexts, batches=args.batches, batch_context=args.batch_context,
                       decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, teacher_max=args.teacher_max,
                       time_limit=args.time_limit, compile_decode=args.compile_decode, layers=args.layers,
-                      softmax_layers=args.softmax_layers))
+                      softmax_layers=args.softmax_layers, variants=variants or None))
 
 
 def run_serve(args) -> None:

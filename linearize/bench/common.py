@@ -191,6 +191,9 @@ def options_note(settings: dict) -> str:
     softmax (`--softmax-layers`), or ""."""
     options = ", ".join(f"`{k}={v}`" for k, v in settings.get("options", {}).items())
     note = f" Method options: {options}." if options else ""
+    for name, variant in (settings.get("variants") or {}).items():
+        own = ", ".join(f"`{k}={v}`" for k, v in variant["options"].items()) or "no options of its own"
+        note += f" `{name}`: {variant['method']} with {own}."
     if settings.get("softmax_layers"):
         note += f" A hybrid: {settings['softmax_layers']} layers kept softmax, evenly spaced (`--softmax-layers`)."
     return note

@@ -79,8 +79,10 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
     else:
         model = random_model(settings["shape"], device=device, dtype=dtype)
     if variant != SOFTMAX:
-        convert(model, variant, softmax_layers=hybrid_softmax_layers(model, settings.get("softmax_layers")),
-                layers=settings.get("layers") or "all", **settings.get("options", {}))
+        # A named variant (`--variant`): its method, its options over the shared ones.
+        own = (settings.get("variants") or {}).get(variant, {"method": variant, "options": {}})
+        convert(model, own["method"], softmax_layers=hybrid_softmax_layers(model, settings.get("softmax_layers")),
+                layers=settings.get("layers") or "all", **{**settings.get("options", {}), **own["options"]})
         # Once for the whole sweep, prefill and decode alike: fused anew per decoder, every point's new fused
         # weights could fail the compiled step's guards and compile it again (~1 min each at the 8B shape).
         fuse_projections(model)
@@ -255,7 +257,7 @@ def bench(out: Path, *, model: str | None = None, shape: str = "smollm2", method
     label = model or f"{shape} shape, random weights"
     results = new_results("model", f"Model speed: {label}", device, settings)
     results.update(models=[], points=[])
-    variants = [SOFTMAX, *methods]
+    variants = [SOFTMAX, *methods, *(settings.get("variants") or {})]
     end = time.monotonic() + settings["time_limit"]
     for i, variant in enumerate(variants):
         deadline = time.monotonic() + (end - time.monotonic()) / (len(variants) - i)  # a fair share of the rest

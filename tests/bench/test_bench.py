@@ -511,3 +511,36 @@ def test_bench_softmax_layers_refuses_bad_input_in_one_line(tmp_path, capsys, fl
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_model_bench_runs_named_variants_beside_the_methods(teacher_dir, tmp_path):
+    """`--variant NAME=METHOD:OPTIONS`: one more converted model under its own name, its options over the
+    shared ones, in the same tables as the methods (a target's row beside its reference in one run)."""
+    model_bench.bench(tmp_path / "out", model=str(teacher_dir), methods=["lizard"], quick=True, contexts=[64],
+                      batches=[1], options={"window": 8},
+                      variants={"lizard-delta": {"method": "lizard", "options": {"memory": "delta"}}})
+    results = json.loads((tmp_path / "out" / "model.json").read_text())
+    models = {m["name"]: m for m in results["models"]}
+    assert list(models) == [model_bench.SOFTMAX, "lizard", "lizard-delta"]
+    assert models["lizard-delta"]["linearize"]["options"]["memory"] == "delta"
+    assert models["lizard-delta"]["linearize"]["options"]["window"] == 8  # the shared option too
+    assert models["lizard"]["linearize"]["options"]["memory"] == "gla"
+    assert {p["model"] for p in results["points"]} >= {"lizard", "lizard-delta"}
+    markdown = (tmp_path / "out" / "model.md").read_text()
+    assert "| lizard-delta |" in markdown or "lizard-delta |" in markdown
+    assert "`lizard-delta`: lizard with `memory=delta`" in markdown
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--variant", "x=nope:a=1"], "expected NAME=METHOD:KEY=VALUE"),
+    (["--variant", "x=lizard:memory"], "expected KEY=VALUE options"),
+    (["--variant", "lizard=lizard:memory=delta"], "the name is taken"),
+    (["--variant", "x=lizard:memory=bogus"], "--variant x:"),
+])
+def test_model_bench_refuses_a_bad_variant_in_one_line(tmp_path, capsys, flags, message):
+    from linearize.cli import main
+
+    assert main(["bench", "model", "--quick", "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
