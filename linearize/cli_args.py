@@ -241,6 +241,14 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return path
 
 
+def write_json_and_markdown(out: Path, results: dict, markdown: str) -> None:
+    """`results` into OUT (compact JSON) and `markdown` into OUT with .md, each replaced whole (its folder
+    made if missing): a result file and its table, as the experiments and reports leave them."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, compact_json(results) + "\n")
+    write_text_atomic(out.with_suffix(".md"), markdown)
+
+
 @contextmanager
 def atomic_output_dir(out: str | Path):
     """Yield a scratch directory that becomes `out` only if the block succeeds.

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from linearize.cli_args import compact_json, write_text_atomic
+from linearize.cli_args import write_json_and_markdown
 from linearize.ops.delta_rule import DeltaRuleOptions, chunk_delta_rule
 
 FORMAT = "linearize-memory-capacity/1"
@@ -145,9 +145,7 @@ def table(results: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     results = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out, compact_json(results) + "\n")
-    write_text_atomic(args.out.with_suffix(".md"), table(results))
+    write_json_and_markdown(args.out, results, table(results))
     print(table(results))
     return 0
 

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from linearize.cli_args import compact_json, write_text_atomic
+from linearize.cli_args import write_json_and_markdown
 
 FORMAT = "linearize-toy-recall/1"
 
@@ -299,9 +299,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     results = run(args, argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out, compact_json(results) + "\n")
-    write_text_atomic(args.out.with_suffix(".md"), table(results))
+    write_json_and_markdown(args.out, results, table(results))
     print(table(results))
     return 0
 

@@ -41,24 +41,27 @@ class ServeMetrics:
                                      "successive tokens.", INTER_TOKEN_BUCKETS, labels)
         self.e2e = Histogram("linearize:e2e_request_latency_seconds", "Seconds from a request's submission to "
                              "its end.", E2E_BUCKETS, labels)
+        def prefix_stat(name: str):
+            return lambda: stats().get("prefix_cache", {}).get(name, 0)
+
         # Counted in prompt tokens, as vLLM counts them: hits / queries is the share of the prompts' tokens
         # restored from the cache, and hits the tokens it saved the prefill (0 while the cache is off).
         self.prefix_queries = ReadCounter("linearize:prefix_cache_queries_total", "Prompt tokens of the requests "
                                           "looked up in the prefix cache.",
-                                          lambda: stats().get("prefix_cache", {}).get("query_tokens", 0), labels)
+                                          prefix_stat("query_tokens"), labels)
         self.prefix_hits = ReadCounter("linearize:prefix_cache_hits_total", "Prompt tokens restored from the "
                                        "prefix cache instead of prefilled.",
-                                       lambda: stats().get("prefix_cache", {}).get("hit_tokens", 0), labels)
+                                       prefix_stat("hit_tokens"), labels)
         # The host tier (`--prefix-cache-host-memory`): what it holds, and the snapshots moved into it and back.
         self.prefix_host_bytes = Gauge("linearize:prefix_cache_host_bytes", "Bytes of prefix cache snapshots "
                                        "kept in host memory.",
-                                       lambda: stats().get("prefix_cache", {}).get("host_bytes", 0), labels)
+                                       prefix_stat("host_bytes"), labels)
         self.prefix_offloads = ReadCounter("linearize:prefix_cache_offloads_total", "Prefix cache snapshots moved "
                                            "from the device to host memory.",
-                                           lambda: stats().get("prefix_cache", {}).get("offloads", 0), labels)
+                                           prefix_stat("offloads"), labels)
         self.prefix_reloads = ReadCounter("linearize:prefix_cache_reloads_total", "Prefix cache snapshots moved "
                                           "back from host memory to the device.",
-                                          lambda: stats().get("prefix_cache", {}).get("reloads", 0), labels)
+                                          prefix_stat("reloads"), labels)
         self._all = [self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.success, self.ttft,
                      self.inter_token, self.e2e, self.prefix_queries, self.prefix_hits, self.prefix_host_bytes,
                      self.prefix_offloads, self.prefix_reloads]
