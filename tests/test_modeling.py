@@ -2,7 +2,15 @@
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, METHODS, TINY_OPTIONS, covering, perturb_new_parameters, tiny_teacher
+from tiny_models import (
+    ARCHITECTURES,
+    METHODS,
+    TINY_OPTIONS,
+    assert_left_padded_generates_like_unpadded,
+    covering,
+    perturb_new_parameters,
+    tiny_teacher,
+)
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
@@ -45,15 +53,7 @@ def test_prefill_then_decode_equals_full_sequence(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_left_padded_batch_generates_like_unpadded(method):
-    model = linearized(method)
-    ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
-    padded, mask = ids.clone(), torch.ones_like(ids)
-    padded[1, :5], mask[1, :5] = 0, 0
-    with torch.no_grad():
-        # min_new_tokens: an early end-of-sequence would pad the batch's row but end the lone one.
-        batch = model.generate(padded, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        alone = model.generate(ids[1:, 5:], max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert torch.equal(batch[1, 14:], alone[0, 9:])
+    assert_left_padded_generates_like_unpadded(linearized(method), new_tokens=12)
 
 
 def test_sampling_generate_runs_and_is_seeded():

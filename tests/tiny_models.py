@@ -93,14 +93,16 @@ def covering(archs: list[str], methods: list[str]) -> list:
             for arch in archs for method in methods]
 
 
-def assert_left_padded_generates_like_unpadded(model):
+def assert_left_padded_generates_like_unpadded(model, new_tokens: int = 8):
     """Greedy generation of a left-padded row equals that of the same prompt alone, without padding."""
     ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
     padded, mask = ids.clone(), torch.ones_like(ids)
     padded[1, :5], mask[1, :5] = 0, 0
     with torch.no_grad():
-        batch = model.generate(padded, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        alone = model.generate(ids[1:, 5:], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        # min_new_tokens: an early end-of-sequence would pad the batch's row but end the lone one.
+        batch = model.generate(padded, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False)
+        alone = model.generate(ids[1:, 5:], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(batch[1, 14:], alone[0, 9:])
 
 
