@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the PyTorch forms compute and carry states in: float64 for float64 inputs (the references'
+    checks), float32 for everything else, 16-bit included."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, H_kv, L, d] -> [B, H_kv * n_rep, L, d], each KV head serving n_rep query heads."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)

@@ -11,6 +11,18 @@ from __future__ import annotations
 
 import torch
 
+NEVER = torch.iinfo(torch.long).max  # a time that never comes: a key that is never dropped
+
+
+def rank_by_score_then_position(score, position, member):
+    """Each element's rank [..., N] among the set `member` marks, ascending by (score, position): of
+    equal scores the later position ranks higher. -1 outside the set."""
+    by_pos = position.argsort(dim=-1, stable=True)
+    order = by_pos.gather(-1, score.gather(-1, by_pos).argsort(dim=-1, stable=True))
+    count = order.shape[-1]
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(count, device=order.device).expand_as(order))
+    return torch.where(member, rank, -1)
+
 
 def kth_ranked_above(rank, K):
     """For each element, the index of the K-th element (in index order) ranked above it, or N (the

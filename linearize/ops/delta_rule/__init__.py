@@ -28,7 +28,7 @@ import torch
 
 from .. import backend
 from ..backend import Form, Implementation
-from ..common import repeat_kv
+from ..common import accumulation_dtype, repeat_kv
 from .chunk import delta_rule_chunked
 from .naive import delta_rule_step_naive, init_state, l2_normalize
 from .options import DeltaRuleOptions
@@ -74,7 +74,7 @@ class _Call:
         if self.state is not None:
             return self.state
         B, Hs, dk, dv = self.q.shape[0], self.log_a.shape[1], self.k.shape[-1], self.v.shape[-1]
-        dtype = torch.float64 if self.q.dtype == torch.float64 else torch.float32
+        dtype = accumulation_dtype(self.q.dtype)
         return init_state(B, Hs, dk, dv, device=self.q.device, dtype=dtype)
 
 

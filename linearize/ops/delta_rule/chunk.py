@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..common import accumulation_dtype
 from .naive import prepare
 from .options import DeltaRuleOptions
 
@@ -35,7 +36,7 @@ __all__ = ["delta_rule_chunked"]
 def delta_rule_chunked(q, k, v, log_a, b, valid, state, options: DeltaRuleOptions):
     """(o [B, H, L, d_v] in q's dtype, state after) over L tokens continuing `state`."""
     out_dtype, L = q.dtype, q.shape[2]
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = accumulation_dtype(q.dtype)
     q, k, v, log_a, b = (t.to(work) for t in (q, k, v, log_a, b))
     q, k, v, log_a, b = prepare(q, k, v, log_a, b, valid, options)
     C = options.chunk

@@ -34,6 +34,7 @@ import torch
 
 from .. import backend
 from ..backend import Form, Implementation
+from ..common import accumulation_dtype
 from .naive import sparse_cache_naive
 from .options import SparseCacheOptions
 from .parallel import sparse_cache_parallel
@@ -82,7 +83,7 @@ class _Call:
         if self.state is not None:
             return self.state
         (B, H, _, F), H_kv, d = self.fq.shape, self.kw.shape[1], self.v.shape[-1]
-        dtype = torch.float64 if self.qw.dtype == torch.float64 else torch.float32
+        dtype = accumulation_dtype(self.qw.dtype)
         return init_state(B, H, H_kv, F, d, self.options, device=self.fq.device, dtype=dtype)
 
     def valid_mask(self) -> torch.Tensor:

@@ -34,12 +34,10 @@ import torch.nn.functional as F
 from ..common import exp_weights, repeat_kv
 from ..gla_window.chunk import _gla_chunks as gla_chunks
 from ..gla_window.naive import _combine as combine_branches
-from ..ranking import kth_ranked_above
+from ..ranking import NEVER, kth_ranked_above, rank_by_score_then_position
 from .options import SparseCacheOptions
 
 __all__ = ["departure_scores", "sparse_cache_parallel", "visible_intervals"]
-
-NEVER = torch.iinfo(torch.long).max
 
 
 @torch.no_grad()
@@ -82,15 +80,10 @@ def visible_intervals(candidates, slots):
     """lo, hi [B, H_kv, N]: key n is softmax-visible to the queries lo <= i < hi (an empty interval for
     padding and empty slots); its rank by (score, position), -1 outside the ranked set; and whether it
     stays in the cache after the call. `candidates` as `_candidates` gives them."""
-    N = candidates["score"].shape[-1]
-    # By position, then stably by score: ascending (score, position), the newer winning a tie.
-    by_pos = candidates["pos"].argsort(dim=-1, stable=True)
-    order = by_pos.gather(-1, candidates["score"].gather(-1, by_pos).argsort(dim=-1, stable=True))
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=order.device).expand_as(order))
-    rank = torch.where(candidates["ranked"], rank, -1)
+    rank = rank_by_score_then_position(candidates["score"], candidates["pos"], candidates["ranked"])
     # Keys come in departure order (the slots first, all before the call), so the K-th one ranked
     # above a key, in index order, is the departure that evicts it (or refuses it, if earlier).
-    time_end = torch.cat([candidates["time"], torch.tensor([NEVER], device=order.device)])
+    time_end = torch.cat([candidates["time"], torch.tensor([NEVER], device=rank.device)])
     evicted_at = time_end[kth_ranked_above(rank, slots)]
     lo = candidates["first"].expand_as(rank)
     hi = torch.where(candidates["ranked"], torch.maximum(candidates["time"], evicted_at), NEVER)  # the window's to the end

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import exp_weights
+from ..common import accumulation_dtype, exp_weights
 from .options import StillOptions
 
 CHUNK = 64  # queries a block
@@ -60,7 +60,7 @@ def still_chunked(q, k, v, fq, fk, gate, fold, valid, options: StillOptions, *, 
     blocks = -(-L // C)
     Lp = blocks * C
     out_dtype = q.dtype
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(q.dtype)
     q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
     fold, fold_at = prepare(fold, valid, C)
     fk_ext, v_ext = event_sides(fk, v)

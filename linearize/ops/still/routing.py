@@ -17,11 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..common import exp_weights, extend_window, keep_last, repeat_kv
-from ..ranking import kth_ranked_above
+from ..ranking import NEVER, kth_ranked_above, rank_by_score_then_position
 from .options import StillOptions
-
-NEVER = torch.iinfo(torch.long).max
-
 
 # The routing rules (`StillConfig.routing`): the score each token is ranked by, per KV head. The local
 # ones come from q_t's attention over the last C keys up to t, the self ones from q_t and k_t alone,
@@ -321,10 +318,7 @@ def _replay_with_eviction(state, scores, chosen, positions, start, L):
 
     # Rank by (score, position): by position, then stably by score. Elements outside the set rank -1,
     # below all of them (their own fold times are not read).
-    by_pos = el_pos.argsort(dim=-1, stable=True)
-    order = by_pos.gather(-1, el_score.gather(-1, by_pos).argsort(dim=-1, stable=True))
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(K + L, device=device).expand_as(order))
-    rank = torch.where(el_in, rank, -1).to(torch.int32)
+    rank = rank_by_score_then_position(el_score, el_pos, el_in).to(torch.int32)
     # K-th earliest time at which a higher-ranked element was seen (NEVER when fewer than K exist).
     # Elements come in time order, so that is the time of the K-th higher-ranked one in index order.
     el_time_end = torch.cat([el_time, torch.full_like(el_time[..., :1], NEVER)], -1)
