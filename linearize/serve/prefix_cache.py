@@ -314,14 +314,19 @@ class PrefixCache:
         if not self.host_budget_bytes or size > self.host_budget_bytes:
             self._evict(node)
             return
-        while self.host_nbytes + size > self.host_budget_bytes:
-            self._evict(next(iter(self._host.values())))
         del self._used[id(node)]
         self.nbytes -= size
+        self._keep_on_host(node, size)
         node.snapshot.to_host()
+        self.offloads += 1
+
+    def _keep_on_host(self, node: _Node, size: int) -> None:
+        """Count `node` (of `size` bytes) in the host tier as its most recently used, dropping the least
+        recently used ones for good until it fits."""
+        while self.host_nbytes + size > self.host_budget_bytes:
+            self._evict(next(iter(self._host.values())))
         self._host[id(node)] = node
         self.host_nbytes += size
-        self.offloads += 1
 
     def _reload(self, node: _Node) -> _Node | None:
         """Move a host snapshot back to its device as the most recently used there, moving others out to make
@@ -333,10 +338,7 @@ class PrefixCache:
         try:
             node.snapshot.to_device()
         except torch.OutOfMemoryError:
-            while self.host_nbytes + size > self.host_budget_bytes:
-                self._evict(next(iter(self._host.values())))
-            self._host[id(node)] = node
-            self.host_nbytes += size
+            self._keep_on_host(node, size)
             return None
         self._used[id(node)] = node
         self.nbytes += size
