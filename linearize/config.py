@@ -345,14 +345,15 @@ def check_fits_positions(cfg: MethodConfig, model_config) -> None:
                               f"pick {name} <= {limit}")
 
 
-def parse_set_options(pairs: list[str], methods: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+def parse_set_options(pairs: list[str], methods: tuple[str, ...] | list[str] = (), *,
+                      flag: str = "--set") -> dict[str, str]:
     """`["window=64", "gate=vector"]` -> {"window": "64", "gate": "vector"}, checked against each of
-    `methods` (a bad option fails before anything is loaded)."""
+    `methods` (a bad option fails before anything is loaded); `flag` names the options in errors."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--set expects key=value, got {pair!r}")
+            raise ConfigError(f"{flag} expects key=value, got {pair!r}")
         options[key.strip()] = value.strip()
     for method in methods:
         make_method_config(method, **options)

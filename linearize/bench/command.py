@@ -46,21 +46,15 @@ def even_count(text: str) -> int:
     return int(count)
 
 
-def variant_spec(text: str) -> tuple[str, str, dict[str, str]]:
-    """`--variant NAME=METHOD:KEY=VALUE,...` -> (NAME, METHOD, {KEY: VALUE}); the options are checked
-    against METHOD where the variants are read (`run_model`)."""
+def variant_spec(text: str) -> tuple[str, str, list[str]]:
+    """`--variant NAME=METHOD:KEY=VALUE,...` -> (NAME, METHOD, ["KEY=VALUE", ...]); the options are read
+    and checked against METHOD with the --set ones (`run_model`)."""
     name, sep, rest = text.partition("=")
     method, _, pairs = rest.partition(":")
     if not sep or not name or method not in METHOD_CONFIGS:
         raise argparse.ArgumentTypeError(f"expected NAME=METHOD:KEY=VALUE,... with METHOD among "
                                          f"{', '.join(METHOD_CONFIGS)}, got {text!r}")
-    options = {}
-    for pair in filter(None, pairs.split(",")):
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise argparse.ArgumentTypeError(f"--variant {name}: expected KEY=VALUE options, got {pair!r}")
-        options[key.strip()] = value.strip()
-    return name, method, options
+    return name, method, [pair for pair in pairs.split(",") if pair]
 
 
 methods = names_among("methods", METHOD_CONFIGS)
@@ -236,9 +230,10 @@ def run_model(args) -> None:
     methods = args.methods or list(model.DEFAULT_METHODS)
     options = parse_set_options(args.set or [], methods)
     variants = {}
-    for name, method, extra in args.variant or []:
+    for name, method, pairs in args.variant or []:
         if name in variants or name in methods or name == model.SOFTMAX:
             raise CommandError(f"--variant {name}: the name is taken; give each model its own")
+        extra = parse_set_options(pairs, flag=f"--variant {name}")
         try:
             make_method_config(method, **{**options, **extra})
         except ConfigError as e:

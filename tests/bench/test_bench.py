@@ -533,7 +533,7 @@ def test_model_bench_runs_named_variants_beside_the_methods(teacher_dir, tmp_pat
 
 @pytest.mark.parametrize("flags, message", [
     (["--variant", "x=nope:a=1"], "expected NAME=METHOD:KEY=VALUE"),
-    (["--variant", "x=lizard:memory"], "expected KEY=VALUE options"),
+    (["--variant", "x=lizard:memory"], "--variant x expects key=value, got 'memory'"),
     (["--variant", "lizard=lizard:memory=delta"], "the name is taken"),
     (["--variant", "x=lizard:memory=bogus"], "--variant x:"),
 ])
