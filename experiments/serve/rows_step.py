@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from linearize.bench.common import parse_sizes
-from linearize.bench.shapes import SHAPES, random_model
+from linearize.bench.model import SOFTMAX, build
+from linearize.bench.shapes import SHAPES
 from linearize.serve.kv_slots import BatchedKVCache
 
 WARMUP_STEPS = 3
@@ -44,20 +45,14 @@ def parse_args(argv):
 
 
 def model_for(shape: str, teacher: bool, softmax_layers: int | None, device, dtype, **overrides):
-    """The random model of `shape` (config `overrides` too, e.g. fewer layers): the teacher, or a Lizard
-    hybrid keeping `softmax_layers` (default half) of its layers softmax, evenly spaced, with the options
-    the serving bench uses."""
-    import linearize
-    from linearize.bench.model import hybrid_softmax_layers
-    from linearize.fused_projections import fuse_projections
-
-    model = random_model(shape, device=device, dtype=dtype, **overrides)
-    if not teacher:
-        keep = softmax_layers if softmax_layers is not None else model.config.num_hidden_layers // 2
-        linearize.convert(model, "lizard", softmax_layers=hybrid_softmax_layers(model, keep), combine="shared",
-                          rope_in_window=True)
-        fuse_projections(model)
-    return model.eval()
+    """The random model of `shape` (config `overrides` too, e.g. fewer layers), as `bench serve` builds it:
+    the teacher, or a Lizard hybrid keeping `softmax_layers` (default half) of its layers softmax, evenly
+    spaced, with the options the serving bench uses."""
+    layers = overrides.get("num_hidden_layers", SHAPES[shape].config["num_hidden_layers"])
+    settings = {"model": None, "shape": shape, "shape_overrides": overrides, "layers": None,
+                "options": {"combine": "shared", "rope_in_window": True},
+                "softmax_layers": layers // 2 if softmax_layers is None else softmax_layers}
+    return build(settings, SOFTMAX if teacher else "lizard", device, dtype)
 
 
 @torch.no_grad()

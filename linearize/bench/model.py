@@ -77,7 +77,7 @@ def build(settings: dict, variant: str, device: torch.device, dtype: torch.dtype
         model = load_model(settings["model"], dtype=dtype, device=device)
         model.set_attn_implementation("sdpa")
     else:
-        model = random_model(settings["shape"], device=device, dtype=dtype)
+        model = random_model(settings["shape"], device=device, dtype=dtype, **settings.get("shape_overrides", {}))
     if variant != SOFTMAX:
         # A named variant (`--variant`): its method, its options over the shared ones.
         own = (settings.get("variants") or {}).get(variant, {"method": variant, "options": {}})
