@@ -32,8 +32,8 @@ The preparation (`prepare`: the fold table; `salient_lists`; `block_states`: the
 each block) is shared with the Triton forward (`chunk_triton.py`), which reads the same per block.
 
 Reference: `naive.still_parallel(fresh=True, keep_state=False)`. `linearize.ops.still`'s CHUNK form
-runs it ("torch-chunked") for fresh calls where the kernels do not: on CPU it was at least as fast as
-`still_parallel` in blocks at STILL's default budget from 512 tokens on, forward and backward.
+runs it ("torch-chunked") for fresh calls where the kernels do not, ahead of `still_parallel` in blocks:
+its work grows with L (K + W + C) where the naive form's [L, K + W + L] scores grow with L^2.
 """
 
 from __future__ import annotations
